@@ -1,0 +1,208 @@
+"""The specx artifact: a directory of graphs plus a `manifest.json` that pins every file.
+
+An artifact is what `specx export` writes and what the runtime loads. The manifest
+records the specx version and artifact format, the source checkpoint (config and
+weight digests), every file with its sha256, each graph's IO signature and opset,
+the KV-cache layout and capacity, the hidden-state taps, and the tokenizer.
+
+Writes are atomic: a directory is assembled under a temporary name and renamed
+into place, and `manifest.json` is replaced with `os.replace`, so an interrupted
+export leaves either the old artifact or none, never half of one. Loading checks
+the format version and the sha256 of every file and refuses anything else.
+
+Standard library only: the runtime imports this module.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from specx import __version__
+from specx.errors import ArtifactError
+
+__all__ = [
+    "FORMAT_VERSION",
+    "MANIFEST_NAME",
+    "Manifest",
+    "atomic_output_dir",
+    "atomic_write_text",
+    "load_manifest",
+    "sha256_file",
+    "write_manifest",
+]
+
+FORMAT_NAME = "specx-artifact"
+FORMAT_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+_CHUNK = 1 << 20
+
+
+def sha256_file(path: str | os.PathLike[str]) -> str:
+    """Returns the hex sha256 of a file, read in 1 MiB chunks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
+    """Writes `text` to `path` so that readers see the old file or the new one, never half."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        os.chmod(tmp, 0o644)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+@contextlib.contextmanager
+def atomic_output_dir(path: str | os.PathLike[str], overwrite: bool = False) -> Iterator[Path]:
+    """Yields a temporary sibling directory that becomes `path` only if the block succeeds.
+
+    Raises:
+        ArtifactError: `path` exists and `overwrite` is false.
+    """
+    path = Path(path).absolute()
+    if path.exists() and not overwrite:
+        raise ArtifactError(f"{path} already exists; pass --overwrite to replace it")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{path.name}.staging-", dir=path.parent))
+    staging.chmod(0o755)
+    try:
+        yield staging
+        if path.exists():
+            retired = Path(tempfile.mkdtemp(prefix=f".{path.name}.old-", dir=path.parent))
+            os.replace(path, retired / path.name)
+            os.replace(staging, path)
+            shutil.rmtree(retired, ignore_errors=True)
+        else:
+            os.replace(staging, path)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """A loaded, verified manifest: `root` is the artifact directory, `data` the JSON body."""
+
+    root: Path
+    data: dict[str, Any]
+
+    def path(self, relative: str) -> Path:
+        """Absolute path of a file the manifest lists."""
+        return self.root / relative
+
+    def graph(self, name: str) -> dict[str, Any]:
+        """The entry of graph `name` (file, opset, inputs, outputs)."""
+        graphs = self.data["graphs"]
+        if name not in graphs:
+            raise ArtifactError(
+                f"{self.root / MANIFEST_NAME}: no graph named {name!r} (has {sorted(graphs)})"
+            )
+        return graphs[name]
+
+    @property
+    def model(self) -> dict[str, Any]:
+        """Shapes the runtime needs: layers, heads, head_dim, vocab, KV capacity, taps."""
+        return self.data["model"]
+
+    @property
+    def tokenizer_file(self) -> Path | None:
+        """The artifact's tokenizer.json, or None when it was exported without one."""
+        name = self.data.get("tokenizer")
+        return None if name is None else self.root / name
+
+
+def write_manifest(root: str | os.PathLike[str], body: dict[str, Any]) -> dict[str, Any]:
+    """Hashes every file under `root` into `body["files"]` and writes `manifest.json` atomically.
+
+    Returns:
+        The full manifest as written.
+    """
+    root = Path(root)
+    files = {
+        p.relative_to(root).as_posix(): sha256_file(p)
+        for p in sorted(root.rglob("*"))
+        if p.is_file() and p.name != MANIFEST_NAME and not p.name.startswith(".")
+    }
+    manifest = {
+        "format": FORMAT_NAME,
+        "format_version": FORMAT_VERSION,
+        "specx_version": __version__,
+        **body,
+        "files": files,
+    }
+    _check_references(root / MANIFEST_NAME, manifest)
+    atomic_write_text(root / MANIFEST_NAME, json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    return manifest
+
+
+def load_manifest(root: str | os.PathLike[str], verify_hashes: bool = True) -> Manifest:
+    """Reads and verifies an artifact's manifest.
+
+    Raises:
+        ArtifactError: the manifest is missing or malformed, from an incompatible
+            format version, a listed file is missing, or a file's sha256 differs.
+    """
+    root = Path(root).absolute()
+    manifest_path = root / MANIFEST_NAME
+    if not manifest_path.is_file():
+        raise ArtifactError(f"{root} is not a specx artifact: {MANIFEST_NAME} is missing")
+    try:
+        data = json.loads(manifest_path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ArtifactError(f"{manifest_path} is not valid JSON: {e}") from e
+    if not isinstance(data, dict) or data.get("format") != FORMAT_NAME:
+        raise ArtifactError(f"{manifest_path} is not a specx manifest (format != {FORMAT_NAME!r})")
+    version = data.get("format_version")
+    if version != FORMAT_VERSION:
+        raise ArtifactError(
+            f"{manifest_path} has artifact format {version!r}, written by specx "
+            f"{data.get('specx_version')!r}; this specx {__version__} reads format "
+            f"{FORMAT_VERSION} only: re-export the model with this version"
+        )
+    for key in ("graphs", "model", "files"):
+        if not isinstance(data.get(key), dict):
+            raise ArtifactError(f"{manifest_path} lacks the {key!r} section")
+    _check_references(manifest_path, data)
+    if verify_hashes:
+        for name, expected in data["files"].items():
+            path = root / name
+            if not path.is_file():
+                raise ArtifactError(f"{path} is listed in {manifest_path} but missing")
+            actual = sha256_file(path)
+            if actual != expected:
+                raise ArtifactError(
+                    f"{path} does not match {manifest_path}: sha256 {actual} != {expected} "
+                    "(the file was modified or truncated after export)"
+                )
+    return Manifest(root=root, data=data)
+
+
+def _check_references(manifest_path: Path, data: dict[str, Any]) -> None:
+    files = data["files"]
+    referenced = [g["file"] for g in data["graphs"].values()]
+    referenced += [d for g in data["graphs"].values() for d in g.get("data_files", [])]
+    if data.get("tokenizer"):
+        referenced.append(data["tokenizer"])
+    for name in referenced:
+        if name not in files:
+            raise ArtifactError(f"{manifest_path} references {name!r} but does not pin its sha256")

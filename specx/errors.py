@@ -1,0 +1,29 @@
+"""The errors specx raises on bad input; each message names the file, key or value at fault."""
+
+__all__ = [
+    "ArtifactError",
+    "CheckpointError",
+    "ExportError",
+    "GenerationError",
+    "SpecxError",
+]
+
+
+class SpecxError(Exception):
+    """Base class of every error specx raises for bad input or a failed step."""
+
+
+class CheckpointError(SpecxError):
+    """A source checkpoint is unsupported, incomplete, mis-shaped or unsafe to load."""
+
+
+class ExportError(SpecxError):
+    """Exporting a model to ONNX failed or was asked for something unsupported."""
+
+
+class ArtifactError(SpecxError):
+    """An artifact is missing files, tampered with, or from an incompatible specx."""
+
+
+class GenerationError(SpecxError):
+    """A generation request cannot be served (e.g. the prompt exceeds the KV capacity)."""

@@ -1,0 +1,167 @@
+"""`TargetConfig`: the architecture of a supported HF decoder, read from `config.json`.
+
+Supported families are Llama, Qwen2, Qwen3 (per-head q/k RMSNorm) and Mistral: one
+decoder shape (pre-norm, RoPE, grouped-query attention, SwiGLU MLP) that differs in
+biases, q/k norms and head size. Everything else is refused here, by name, before
+any weight is read.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from specx.errors import CheckpointError
+
+__all__ = ["SUPPORTED_FAMILIES", "TargetConfig", "load_target_config"]
+
+SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
+# Rope types whose frequencies do not depend on the sequence length, so one graph serves all.
+_STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+@dataclass(frozen=True)
+class TargetConfig:
+    """The shapes and options of one supported decoder-only target."""
+
+    family: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+    inv_freq: tuple[float, ...]  # RoPE inverse frequencies, head_dim // 2 of them
+    rope_attention_scaling: float
+    sliding_window: int | None
+    max_position_embeddings: int
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+
+    @property
+    def attention_scale(self) -> float:
+        """Softmax scale of q.k, 1/sqrt(head_dim) for every supported family."""
+        return self.head_dim**-0.5
+
+
+def load_target_config(checkpoint_dir: str | Path) -> tuple[TargetConfig, dict[str, Any]]:
+    """Reads `config.json` (and `generation_config.json` if present) of an HF checkpoint.
+
+    Returns:
+        The parsed config and the raw `config.json` dictionary.
+
+    Raises:
+        CheckpointError: the file is missing or invalid, or the architecture, activation,
+            rope type or attention variant is not supported (the message names which).
+    """
+    checkpoint_dir = Path(checkpoint_dir)
+    config_path = checkpoint_dir / "config.json"
+    if not config_path.is_file():
+        raise CheckpointError(f"{checkpoint_dir} is not an HF checkpoint: config.json is missing")
+    try:
+        raw = json.loads(config_path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{config_path} is not valid JSON: {e}") from e
+    family = raw.get("model_type")
+    if family not in SUPPORTED_FAMILIES:
+        raise CheckpointError(
+            f"{config_path}: model_type {family!r} (architectures {raw.get('architectures')}) "
+            f"is not supported; supported families: {', '.join(SUPPORTED_FAMILIES)}"
+        )
+    hf = _hf_config(config_path, family)
+    if hf.hidden_act != "silu":
+        raise CheckpointError(f"{config_path}: hidden_act {hf.hidden_act!r} is not supported")
+    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+    inv_freq, attention_scaling = _rope(config_path, hf, head_dim)
+    attention_bias = bool(getattr(hf, "attention_bias", False))
+    qkv_bias = {"qwen2": True, "mistral": False}.get(family, attention_bias)
+    o_bias = {"qwen2": False, "mistral": False}.get(family, attention_bias)
+    config = TargetConfig(
+        family=family,
+        vocab_size=hf.vocab_size,
+        hidden_size=hf.hidden_size,
+        intermediate_size=hf.intermediate_size,
+        num_layers=hf.num_hidden_layers,
+        num_heads=hf.num_attention_heads,
+        num_kv_heads=hf.num_key_value_heads or hf.num_attention_heads,
+        head_dim=head_dim,
+        rms_norm_eps=hf.rms_norm_eps,
+        tie_word_embeddings=bool(hf.tie_word_embeddings),
+        qkv_bias=qkv_bias,
+        o_bias=o_bias,
+        mlp_bias=bool(getattr(hf, "mlp_bias", False)),
+        qk_norm=family == "qwen3",
+        inv_freq=inv_freq,
+        rope_attention_scaling=attention_scaling,
+        sliding_window=_sliding_window(hf, family),
+        max_position_embeddings=hf.max_position_embeddings,
+        bos_token_id=hf.bos_token_id,
+        eos_token_ids=_eos_token_ids(checkpoint_dir, hf.eos_token_id),
+    )
+    if config.num_heads % config.num_kv_heads:
+        raise CheckpointError(
+            f"{config_path}: num_attention_heads {config.num_heads} is not a multiple of "
+            f"num_key_value_heads {config.num_kv_heads}"
+        )
+    return config, raw
+
+
+def _hf_config(config_path: Path, family: str):
+    # transformers' config classes normalise legacy fields (rope_scaling -> rope_parameters).
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(config_path.parent, trust_remote_code=False)
+    except (ValueError, TypeError, KeyError, OSError) as e:
+        raise CheckpointError(f"{config_path}: not a valid {family} config: {e}") from e
+
+
+def _rope(config_path: Path, hf, head_dim: int) -> tuple[tuple[float, ...], float]:
+    import torch
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    params = hf.rope_parameters or {}
+    rope_type = params.get("rope_type", "default")
+    if rope_type not in _STATIC_ROPE_TYPES:
+        raise CheckpointError(
+            f"{config_path}: rope type {rope_type!r} depends on the sequence length and is not "
+            f"supported; supported: {', '.join(_STATIC_ROPE_TYPES)}"
+        )
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise CheckpointError(f"{config_path}: partial_rotary_factor != 1 is not supported")
+    if rope_type == "default":
+        theta = params["rope_theta"]
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+        scaling = 1.0
+    else:
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf, "cpu")
+    return tuple(float(f) for f in inv_freq), float(scaling)
+
+
+def _sliding_window(hf, family: str) -> int | None:
+    window = getattr(hf, "sliding_window", None)
+    if family in ("qwen2", "qwen3") and not getattr(hf, "use_sliding_window", False):
+        return None
+    return int(window) if window else None
+
+
+def _eos_token_ids(checkpoint_dir: Path, config_eos: int | list[int] | None) -> tuple[int, ...]:
+    eos = config_eos
+    generation_path = checkpoint_dir / "generation_config.json"
+    if generation_path.is_file():
+        try:
+            eos = json.loads(generation_path.read_text(encoding="utf-8")).get("eos_token_id", eos)
+        except json.JSONDecodeError as e:
+            raise CheckpointError(f"{generation_path} is not valid JSON: {e}") from e
+    if eos is None:
+        return ()
+    return tuple(eos) if isinstance(eos, list) else (int(eos),)

@@ -1,0 +1,221 @@
+"""`TargetDecoder`: the exported form of a Llama-family decoder, with tree attention.
+
+Parameter names mirror Hugging Face's (`model.layers.{i}.self_attn.q_proj.weight`, ...),
+so an HF state dict loads as is. The forward takes the graph contract directly:
+
+    input_ids       [B, N] int64   new tokens (a chain or the flattened nodes of a tree)
+    position_ids    [B, N] int64   prefix length + depth in the tree
+    attention_mask  [B, 1, N, L]   bool, True where token i may see cache slot j (L <= CAP)
+    write_pos       [B] int64      cache slot of the first new token
+    kv_cache        2 * layers x [B, Hkv, CAP, D], key then value per layer
+
+and returns `logits [B, N, V]`, the hidden-state taps `[B, N, k*d]` when the decoder was
+built with taps, and the updated caches.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specx.errors import ExportError
+from specx.export.config import TargetConfig
+from specx.export.tree_attention_op import tree_attention
+
+__all__ = ["TAP_KINDS", "TargetDecoder", "tap_layers"]
+
+TAP_KINDS = ("none", "last", "eagle3")
+
+
+def tap_layers(kind: str, num_layers: int) -> tuple[int, ...]:
+    """The layers whose INPUT hidden states a tap kind captures; () for none and last.
+
+    `eagle3` = the states entering layers 2, N//2 and N-3 (HF `hidden_states[2]`,
+    `[N//2]`, `[N-3]`), pre final norm, concatenated in that order.
+    """
+    if kind not in TAP_KINDS:
+        raise ExportError(f"unknown taps {kind!r}; choose one of {', '.join(TAP_KINDS)}")
+    if kind != "eagle3":
+        return ()
+    layers = (2, num_layers // 2, num_layers - 3)
+    if num_layers < 3 or min(layers) < 0:
+        raise ExportError(f"--taps eagle3 needs at least 3 layers; the target has {num_layers}")
+    return layers
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin of each token's position; positions come from the tree, not from arange."""
+
+    def __init__(self, config: TargetConfig):
+        super().__init__()
+        self.register_buffer("inv_freq", torch.tensor(config.inv_freq), persistent=False)
+        self.scaling = config.rope_attention_scaling
+
+    def forward(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = position_ids[..., None].float() * self.inv_freq  # [B, N, D/2]
+        angles = torch.cat((freqs, freqs), dim=-1)
+        return angles.cos() * self.scaling, angles.sin() * self.scaling
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat((-second, first), dim=-1)
+
+
+def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    cos, sin = cos[:, None], sin[:, None]  # broadcast over heads
+    return x * cos + _rotate_half(x) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, config: TargetConfig):
+        super().__init__()
+        self.config = config
+        heads, kv_heads, head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        d = config.hidden_size
+        self.q_proj = nn.Linear(d, heads * head_dim, bias=config.qkv_bias)
+        self.k_proj = nn.Linear(d, kv_heads * head_dim, bias=config.qkv_bias)
+        self.v_proj = nn.Linear(d, kv_heads * head_dim, bias=config.qkv_bias)
+        self.o_proj = nn.Linear(heads * head_dim, d, bias=config.o_bias)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(head_dim, config.rms_norm_eps)
+
+    def forward(self, x, cos, sin, k_cache, v_cache, write_pos, mask):
+        c = self.config
+        batch, n, _ = x.shape
+        q = self.q_proj(x).view(batch, n, c.num_heads, c.head_dim)
+        k = self.k_proj(x).view(batch, n, c.num_kv_heads, c.head_dim)
+        v = self.v_proj(x).view(batch, n, c.num_kv_heads, c.head_dim)
+        if c.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = _apply_rope(q.transpose(1, 2), cos, sin)
+        k = _apply_rope(k.transpose(1, 2), cos, sin)
+        out, k_cache, v_cache = tree_attention(
+            q,
+            k,
+            v.transpose(1, 2),
+            k_cache,
+            v_cache,
+            write_pos,
+            mask,
+            c.num_heads,
+            c.num_kv_heads,
+            c.attention_scale,
+        )
+        out = out.transpose(1, 2).reshape(batch, n, c.num_heads * c.head_dim)
+        return self.o_proj(out), k_cache, v_cache
+
+
+class MLP(nn.Module):
+    def __init__(self, config: TargetConfig):
+        super().__init__()
+        d, hidden, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
+        self.gate_proj = nn.Linear(d, hidden, bias=bias)
+        self.up_proj = nn.Linear(d, hidden, bias=bias)
+        self.down_proj = nn.Linear(hidden, d, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: TargetConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, h, cos, sin, k_cache, v_cache, write_pos, mask):
+        attn, k_cache, v_cache = self.self_attn(
+            self.input_layernorm(h), cos, sin, k_cache, v_cache, write_pos, mask
+        )
+        h = h + attn
+        h = h + self.mlp(self.post_attention_layernorm(h))
+        return h, k_cache, v_cache
+
+
+class _Backbone(nn.Module):
+    def __init__(self, config: TargetConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class TargetDecoder(nn.Module):
+    """A supported HF decoder whose attention is one `specx::tree_attention` per layer."""
+
+    def __init__(self, config: TargetConfig, taps: str = "none"):
+        super().__init__()
+        self.config = config
+        self.taps = taps
+        self.tap_layers = tap_layers(taps, config.num_layers)
+        self.model = _Backbone(config)
+        self.rotary = RotaryEmbedding(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    @classmethod
+    def from_state_dict(
+        cls, config: TargetConfig, state_dict: Mapping[str, torch.Tensor], taps: str = "none"
+    ) -> TargetDecoder:
+        """Builds the decoder around checked HF weights without a second copy of them."""
+        with torch.device("meta"):
+            decoder = cls(config, taps)
+        decoder.load_state_dict(state_dict, strict=True, assign=True)
+        decoder.rotary = RotaryEmbedding(config)
+        return decoder.eval()
+
+    @staticmethod
+    def parameter_shapes(config: TargetConfig) -> dict[str, tuple[int, ...]]:
+        """The HF key -> shape every checkpoint of this config must provide."""
+        with torch.device("meta"):
+            decoder = TargetDecoder(config)
+        return {name: tuple(t.shape) for name, t in decoder.state_dict().items()}
+
+    @property
+    def tap_width(self) -> int:
+        """Width of the taps output: d for `last`, 3d for `eagle3`, 0 for none."""
+        d = self.config.hidden_size
+        return {"none": 0, "last": d, "eagle3": d * len(self.tap_layers)}[self.taps]
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        write_pos: torch.Tensor,
+        kv_cache: Sequence[torch.Tensor],
+    ) -> tuple[torch.Tensor, ...]:
+        cos, sin = self.rotary(position_ids)
+        h = self.model.embed_tokens(input_ids)
+        captured: dict[int, torch.Tensor] = {}
+        new_cache: list[torch.Tensor] = []
+        for i, layer in enumerate(self.model.layers):
+            if i in self.tap_layers:
+                captured[i] = h
+            h, k_cache, v_cache = layer(
+                h, cos, sin, kv_cache[2 * i], kv_cache[2 * i + 1], write_pos, attention_mask
+            )
+            new_cache += [k_cache, v_cache]
+        h = self.model.norm(h)
+        logits = self.lm_head(h)
+        if self.taps == "last":
+            return logits, h, *new_cache
+        if self.taps == "eagle3":
+            return logits, torch.cat([captured[i] for i in self.tap_layers], dim=-1), *new_cache
+        return logits, *new_cache

@@ -1,0 +1,209 @@
+"""`export_target`: HF checkpoint directory -> specx artifact with the target ONNX graph."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import onnx
+import torch
+
+from specx.artifact import atomic_output_dir, sha256_file, write_manifest
+from specx.errors import ExportError
+from specx.export.checkpoint import Checkpoint, load_checkpoint
+from specx.export.decoder import TargetDecoder
+from specx.export.tree_attention_op import ONNX_TRANSLATIONS
+from specx.graphs.tree_attention import attach_function
+
+__all__ = ["DEFAULT_MAX_CONTEXT", "export_target", "graph_signature", "io_names"]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_CONTEXT = 2048
+EXPORT_OPSET = 23  # torch emits Attention/RMSNormalization at 23; the function raises it to 24
+GRAPH_FILE = "target.onnx"
+DATA_FILE = "target.onnx.data"
+
+Progress = Callable[[str], None]
+
+
+def io_names(num_layers: int, taps: str) -> tuple[list[str], list[str]]:
+    """Input and output names of the target graph, in the decoder's argument order."""
+    inputs = ["input_ids", "position_ids", "attention_mask", "write_pos"]
+    outputs = ["logits"] + ([] if taps == "none" else ["hidden_taps"])
+    for i in range(num_layers):
+        inputs += [f"past_key_{i}", f"past_value_{i}"]
+        outputs += [f"present_key_{i}", f"present_value_{i}"]
+    return inputs, outputs
+
+
+def _example_inputs(decoder: TargetDecoder) -> tuple[Any, ...]:
+    # Distinct sizes per dynamic dim, so the tracer never equates two of them.
+    c = decoder.config
+    batch, n, capacity, kv_len = 2, 3, 11, 7
+    # One tensor per cache: the tracer would alias inputs that are the same object.
+    cache = [torch.zeros(batch, c.num_kv_heads, capacity, c.head_dim) for _ in range(2 * c.num_layers)]
+    return (
+        torch.zeros(batch, n, dtype=torch.int64),
+        torch.arange(n).repeat(batch, 1) + 4,
+        torch.ones(batch, 1, n, kv_len, dtype=torch.bool),
+        torch.tensor([4, 4]),
+        cache,
+    )
+
+
+def _dynamic_shapes(num_layers: int) -> tuple[Any, ...]:
+    dim = torch.export.Dim
+    batch, n, capacity, kv_len = dim("batch"), dim("tokens"), dim("capacity"), dim("kv_len")
+    cache = [{0: batch, 2: capacity}] * (2 * num_layers)
+    return ({0: batch, 1: n}, {0: batch, 1: n}, {0: batch, 2: n, 3: kv_len}, {0: batch}, cache)
+
+
+def _export_graph(decoder: TargetDecoder) -> onnx.ModelProto:
+    inputs, outputs = io_names(decoder.config.num_layers, decoder.taps)
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")
+        try:
+            program = torch.onnx.export(
+                decoder,
+                _example_inputs(decoder),
+                dynamo=True,
+                opset_version=EXPORT_OPSET,
+                custom_translation_table=ONNX_TRANSLATIONS,
+                dynamic_shapes=_dynamic_shapes(decoder.config.num_layers),
+                input_names=inputs,
+                output_names=outputs,
+                verbose=False,
+            )
+        except Exception as e:  # torch raises many unrelated types from deep in the tracer
+            raise ExportError(f"torch.onnx.export of the {decoder.config.family} target failed: {e}") from e
+    return attach_function(program.model_proto)
+
+
+def graph_signature(model: onnx.ModelProto) -> dict[str, list[dict[str, Any]]]:
+    """The IO signature of a graph: name, element type and shape (ints or symbolic names)."""
+
+    def describe(value: onnx.ValueInfoProto) -> dict[str, Any]:
+        tensor = value.type.tensor_type
+        shape = [d.dim_param or d.dim_value for d in tensor.shape.dim]
+        return {"name": value.name, "dtype": onnx.helper.tensor_dtype_to_np_dtype(tensor.elem_type).name, "shape": shape}
+
+    return {
+        "inputs": [describe(v) for v in model.graph.input],
+        "outputs": [describe(v) for v in model.graph.output],
+    }
+
+
+def _check_capacity(checkpoint: Checkpoint, max_context: int) -> None:
+    config = checkpoint.config
+    if max_context < 2:
+        raise ExportError(f"--max-context must be at least 2, got {max_context}")
+    if config.sliding_window is not None and max_context > config.sliding_window:
+        raise ExportError(
+            f"{checkpoint.directory}: the target uses sliding-window attention "
+            f"(window {config.sliding_window}), which specx does not implement; "
+            f"export with --max-context <= {config.sliding_window}"
+        )
+    if max_context > config.max_position_embeddings:
+        log.warning(
+            "--max-context %d exceeds max_position_embeddings %d of %s",
+            max_context,
+            config.max_position_embeddings,
+            checkpoint.directory,
+        )
+
+
+def export_target(
+    checkpoint_dir: str | Path,
+    output_dir: str | Path,
+    *,
+    max_context: int = DEFAULT_MAX_CONTEXT,
+    taps: str = "none",
+    overwrite: bool = False,
+    progress: Progress = lambda message: None,
+) -> Path:
+    """Exports an HF target checkpoint to a specx artifact directory.
+
+    Returns:
+        The artifact directory. It appears only when the export completed.
+    """
+    started = time.perf_counter()
+    checkpoint_dir, output_dir = Path(checkpoint_dir), Path(output_dir)
+    progress(f"[1/5] loading {checkpoint_dir}")
+    checkpoint = load_checkpoint(checkpoint_dir)
+    _check_capacity(checkpoint, max_context)
+    decoder = TargetDecoder.from_state_dict(checkpoint.config, checkpoint.state_dict, taps)
+    n_params = sum(p.numel() for p in decoder.parameters())
+    progress(
+        f"[2/5] tracing {checkpoint.config.family} target "
+        f"({n_params / 1e6:.1f}M parameters, {checkpoint.config.num_layers} layers)"
+    )
+    model = _export_graph(decoder)
+    with atomic_output_dir(output_dir, overwrite=overwrite) as staging:
+        progress(f"[3/5] writing {GRAPH_FILE}")
+        onnx.save_model(
+            model,
+            staging / GRAPH_FILE,
+            save_as_external_data=True,
+            all_tensors_to_one_file=True,
+            location=DATA_FILE,
+            size_threshold=1024,
+        )
+        tokenizer = checkpoint_dir / "tokenizer.json"
+        if tokenizer.is_file():
+            shutil.copyfile(tokenizer, staging / "tokenizer.json")
+        progress(f"[4/5] hashing {len(checkpoint.files)} source weight files")
+        body = _manifest_body(checkpoint, decoder, model, max_context, tokenizer.is_file())
+        progress("[5/5] writing manifest.json")
+        write_manifest(staging, body)
+    progress(f"exported {output_dir} in {time.perf_counter() - started:.1f}s")
+    return output_dir
+
+
+def _manifest_body(
+    checkpoint: Checkpoint,
+    decoder: TargetDecoder,
+    model: onnx.ModelProto,
+    max_context: int,
+    has_tokenizer: bool,
+) -> dict[str, Any]:
+    config = checkpoint.config
+    config_path = checkpoint.directory / "config.json"
+    return {
+        "source": {
+            "path": str(checkpoint.directory.absolute()),
+            "family": config.family,
+            "architectures": checkpoint.raw_config.get("architectures"),
+            "config": checkpoint.raw_config,
+            "config_sha256": sha256_file(config_path),
+            "weights": {p.name: sha256_file(p) for p in checkpoint.files},
+        },
+        "graphs": {
+            "target": {
+                "file": GRAPH_FILE,
+                "data_files": [DATA_FILE],
+                "opset": next(o.version for o in model.opset_import if o.domain == ""),
+                **graph_signature(model),
+            }
+        },
+        "model": {
+            "family": config.family,
+            "vocab_size": config.vocab_size,
+            "hidden_size": config.hidden_size,
+            "num_layers": config.num_layers,
+            "num_heads": config.num_heads,
+            "num_kv_heads": config.num_kv_heads,
+            "head_dim": config.head_dim,
+            "kv_capacity": max_context,
+            "kv_dtype": "float32",
+            "taps": {"kind": decoder.taps, "layers": list(decoder.tap_layers), "width": decoder.tap_width},
+            "bos_token_id": config.bos_token_id,
+            "eos_token_ids": list(config.eos_token_ids),
+        },
+        "tokenizer": "tokenizer.json" if has_tokenizer else None,
+    }

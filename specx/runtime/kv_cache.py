@@ -1,0 +1,46 @@
+"""`KVCache`: fixed-capacity per-layer key/value buffers shared with the graph in place."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = ["KVCache"]
+
+
+@dataclass
+class KVCache:
+    """Keys and values [B, Hkv, CAP, D] per layer plus each sequence's valid length.
+
+    The arrays are bound as both the past and the present input/output of the graph,
+    so a forward writes its new rows in place and nothing is concatenated per step.
+    `lengths[b]` counts the rows of sequence b that hold real tokens.
+    """
+
+    keys: list[np.ndarray]
+    values: list[np.ndarray]
+    lengths: np.ndarray  # [B] int64
+
+    @classmethod
+    def allocate(
+        cls, num_layers: int, batch: int, num_kv_heads: int, capacity: int, head_dim: int,
+        dtype: np.dtype = np.float32,
+    ) -> KVCache:
+        """Zeroed buffers for `batch` sequences of up to `capacity` tokens."""
+        shape = (batch, num_kv_heads, capacity, head_dim)
+        return cls(
+            keys=[np.zeros(shape, dtype) for _ in range(num_layers)],
+            values=[np.zeros(shape, dtype) for _ in range(num_layers)],
+            lengths=np.zeros(batch, dtype=np.int64),
+        )
+
+    @property
+    def batch(self) -> int:
+        """Number of sequences."""
+        return self.keys[0].shape[0]
+
+    @property
+    def capacity(self) -> int:
+        """Slots per sequence."""
+        return self.keys[0].shape[2]

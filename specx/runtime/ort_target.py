@@ -1,0 +1,125 @@
+"""`OrtTarget`: the exported target graph on ONNX Runtime (CPU), caches bound in place."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import onnxruntime as ort
+
+from specx.artifact import Manifest
+from specx.errors import ArtifactError, GenerationError
+from specx.runtime.kv_cache import KVCache
+
+__all__ = ["OrtTarget", "StepOutput", "configure_threads"]
+
+_global_threads: int | None = None
+
+
+def configure_threads(threads: int | None = None) -> int:
+    """Creates ONNX Runtime's global thread pool once per process; returns its size.
+
+    Every specx session shares this pool: draft and target sessions alternating on
+    per-session spinning pools were measured about 2x slower per round.
+    """
+    global _global_threads
+    wanted = threads or os.cpu_count() or 1
+    if _global_threads is None:
+        ort.set_global_thread_pool_sizes(wanted, 1)
+        _global_threads = wanted
+    return _global_threads
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """What one target forward returns besides the in-place cache update."""
+
+    logits: np.ndarray  # [B, N, V] float32
+    taps: np.ndarray | None  # [B, N, k*d] float32, when the artifact has taps
+
+
+class OrtTarget:
+    """Runs an artifact's `target` graph: new tokens in, logits (and taps) out.
+
+    Caches are numpy buffers wrapped as OrtValues and bound as both `past_*` and
+    `present_*`, so ONNX Runtime's TensorScatter updates them in place.
+    """
+
+    def __init__(self, manifest: Manifest, threads: int | None = None):
+        self.manifest = manifest
+        model = manifest.model
+        self.num_layers: int = model["num_layers"]
+        self.num_kv_heads: int = model["num_kv_heads"]
+        self.head_dim: int = model["head_dim"]
+        self.vocab_size: int = model["vocab_size"]
+        self.capacity: int = model["kv_capacity"]
+        self.has_taps = model["taps"]["kind"] != "none"
+        self.tap_width: int = model["taps"]["width"]
+        configure_threads(threads)
+        options = ort.SessionOptions()
+        options.use_per_session_threads = False
+        options.log_severity_level = 3  # TensorScatter warns when a buffer is copied, not an error
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        path = manifest.path(manifest.graph("target")["file"])
+        try:
+            self.session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+        except Exception as e:  # onnxruntime raises its own untyped errors here
+            raise ArtifactError(f"{path}: ONNX Runtime could not load the graph: {e}") from e
+        self._binding = self.session.io_binding()
+        self._bound_cache: KVCache | None = None
+
+    def allocate_cache(self, batch: int, capacity: int | None = None) -> KVCache:
+        """A zeroed cache for `batch` sequences; capacity defaults to the artifact's."""
+        capacity = capacity or self.capacity
+        if capacity > self.capacity:
+            raise GenerationError(
+                f"a KV cache of {capacity} slots exceeds the artifact's capacity {self.capacity}"
+            )
+        return KVCache.allocate(self.num_layers, batch, self.num_kv_heads, capacity, self.head_dim)
+
+    def _bind_cache(self, cache: KVCache) -> None:
+        for i, (keys, values) in enumerate(zip(cache.keys, cache.values, strict=True)):
+            for kind, array in (("key", keys), ("value", values)):
+                value = ort.OrtValue.ortvalue_from_numpy(array)
+                self._binding.bind_ortvalue_input(f"past_{kind}_{i}", value)
+                self._binding.bind_ortvalue_output(f"present_{kind}_{i}", value)
+        self._bound_cache = cache
+
+    def forward(
+        self,
+        cache: KVCache,
+        input_ids: np.ndarray,  # [B, N] int64
+        position_ids: np.ndarray,  # [B, N] int64
+        attention_mask: np.ndarray,  # [B, 1, N, L] bool, L <= capacity
+        write_pos: np.ndarray,  # [B] int64
+    ) -> StepOutput:
+        """One forward over N new tokens per sequence, written at `write_pos` in `cache`.
+
+        Does not change `cache.lengths`: the caller decides which new rows are kept.
+        """
+        batch, n = input_ids.shape
+        if attention_mask.shape != (batch, 1, n, attention_mask.shape[3]):
+            raise GenerationError(f"attention_mask shape {attention_mask.shape} != [B, 1, N, L]")
+        if int(write_pos.max()) + n > cache.capacity or attention_mask.shape[3] > cache.capacity:
+            raise GenerationError(
+                f"writing {n} tokens at slot {int(write_pos.max())} overflows the KV cache "
+                f"({cache.capacity} slots)"
+            )
+        if cache is not self._bound_cache:
+            self._bind_cache(cache)
+        binding = self._binding
+        binding.bind_cpu_input("input_ids", np.ascontiguousarray(input_ids, dtype=np.int64))
+        binding.bind_cpu_input("position_ids", np.ascontiguousarray(position_ids, dtype=np.int64))
+        binding.bind_cpu_input("attention_mask", np.ascontiguousarray(attention_mask, dtype=bool))
+        binding.bind_cpu_input("write_pos", np.ascontiguousarray(write_pos, dtype=np.int64))
+        logits = self._bind_new_output("logits", (batch, n, self.vocab_size))
+        taps = self._bind_new_output("hidden_taps", (batch, n, self.tap_width)) if self.has_taps else None
+        self.session.run_with_iobinding(binding)
+        return StepOutput(logits=logits, taps=taps)
+
+    def _bind_new_output(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
+        # A fresh array per run: callers keep earlier outputs while the next forward runs.
+        array = np.empty(shape, dtype=np.float32)
+        self._binding.bind_output(name, "cpu", 0, np.float32, list(shape), array.ctypes.data)
+        return array

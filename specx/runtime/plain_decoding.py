@@ -1,0 +1,140 @@
+"""Plain (non-speculative) decoding: the reference every speculative run must equal."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from specx.errors import GenerationError
+from specx.runtime.masks import causal_mask
+from specx.runtime.ort_target import OrtTarget
+from specx.runtime.sampling import SamplingParams, sample, sampling_probs
+
+__all__ = ["GenerationResult", "check_prompts", "generate_plain", "prefill"]
+
+
+@dataclass
+class GenerationResult:
+    """Generated tokens per prompt (prompt excluded; eos included when hit) and stats."""
+
+    tokens: list[list[int]]
+    stats: dict[str, Any] = field(default_factory=dict)
+
+
+def check_prompts(prompts: Sequence[Sequence[int]], max_new_tokens: int, capacity: int,
+                  vocab_size: int, extra_slots: int = 0) -> int:
+    """Validates a batch of prompts; returns the KV slots it needs.
+
+    A prompt of P tokens generating M tokens fills P + M - 1 slots (the last token is
+    emitted, never fed back), plus `extra_slots` of scratch (e.g. a speculative tree).
+
+    Raises:
+        GenerationError: empty batch or prompt, token id outside the vocabulary, or a
+            request that does not fit the KV capacity.
+    """
+    if not prompts:
+        raise GenerationError("no prompts given")
+    if max_new_tokens < 1:
+        raise GenerationError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    for i, prompt in enumerate(prompts):
+        if len(prompt) == 0:
+            raise GenerationError(f"prompt {i} is empty")
+        bad = [t for t in prompt if not 0 <= t < vocab_size]
+        if bad:
+            raise GenerationError(f"prompt {i} has token ids outside [0, {vocab_size}): {bad[:5]}")
+    longest = max(len(p) for p in prompts)
+    needed = longest + max_new_tokens - 1 + extra_slots
+    if needed > capacity:
+        raise GenerationError(
+            f"the longest prompt has {longest} tokens; with {max_new_tokens} new tokens it "
+            f"needs {needed} KV slots but the artifact's capacity is {capacity}: shorten the "
+            "prompt, lower --max-new-tokens, or re-export with a larger --max-context"
+        )
+    return needed
+
+
+def prefill(target: OrtTarget, cache, prompts: Sequence[Sequence[int]]):
+    """Runs all prompts through the target in one forward; returns last-position logits.
+
+    Shorter prompts are right-padded; their padding rows land past `lengths[b]`, are
+    hidden by every later mask, and are overwritten by the next tokens.
+
+    Returns:
+        (logits [B, V] at each prompt's last token, full StepOutput).
+    """
+    lengths = np.array([len(p) for p in prompts], dtype=np.int64)
+    n = int(lengths.max())
+    input_ids = np.zeros((len(prompts), n), dtype=np.int64)
+    for b, prompt in enumerate(prompts):
+        input_ids[b, : len(prompt)] = prompt
+    zeros = np.zeros(len(prompts), dtype=np.int64)
+    positions = np.broadcast_to(np.arange(n), input_ids.shape)
+    output = target.forward(cache, input_ids, positions, causal_mask(zeros, n, n), zeros)
+    cache.lengths[:] = lengths
+    last = output.logits[np.arange(len(prompts)), lengths - 1]
+    return last, output
+
+
+def generate_plain(
+    target: OrtTarget,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    sampling: SamplingParams = SamplingParams(),
+    eos_token_ids: Sequence[int] = (),
+) -> GenerationResult:
+    """Decodes one token per target forward for each prompt, batched.
+
+    Greedy takes the argmax; otherwise tokens are drawn from `sampling_probs`. A
+    sequence stops after emitting an eos token; the batch stops when all have.
+    """
+    needed = check_prompts(prompts, max_new_tokens, target.capacity, target.vocab_size)
+    rng = np.random.default_rng(sampling.seed)
+    cache = target.allocate_cache(len(prompts), needed)
+    eos = np.array(list(eos_token_ids), dtype=np.int64)
+    started = time.perf_counter()
+    logits, _ = prefill(target, cache, prompts)
+    prefill_s = time.perf_counter() - started
+    generated = np.zeros((len(prompts), max_new_tokens), dtype=np.int64)
+    done = np.zeros(len(prompts), dtype=bool)
+    steps = 0
+    for step in range(max_new_tokens):
+        if sampling.greedy:
+            tokens = logits.argmax(-1)
+        else:
+            tokens = sample(sampling_probs(logits, sampling), rng)
+        generated[:, step] = tokens
+        steps = step + 1
+        done |= np.isin(tokens, eos)
+        if done.all() or step == max_new_tokens - 1:
+            break
+        write_pos = cache.lengths.copy()
+        mask = causal_mask(write_pos, 1, int(write_pos.max()) + 1)
+        logits = target.forward(cache, tokens[:, None], write_pos[:, None], mask, write_pos).logits[:, 0]
+        cache.lengths += 1
+    total_s = time.perf_counter() - started
+    tokens_out = [_until_eos(row[:steps], eos) for row in generated]
+    new_tokens = sum(len(t) for t in tokens_out)
+    return GenerationResult(
+        tokens=tokens_out,
+        stats={
+            "mode": "plain",
+            "batch": len(prompts),
+            "prompt_tokens": sum(len(p) for p in prompts),
+            "new_tokens": new_tokens,
+            "target_forwards": steps,
+            "prefill_s": prefill_s,
+            "decode_s": total_s - prefill_s,
+            "total_s": total_s,
+            "tokens_per_s": new_tokens / total_s,
+            "ms_per_token": 1e3 * (total_s - prefill_s) / max(steps - 1, 1),
+        },
+    )
+
+
+def _until_eos(row: np.ndarray, eos: np.ndarray) -> list[int]:
+    hits = np.flatnonzero(np.isin(row, eos))
+    return row[: hits[0] + 1 if hits.size else len(row)].tolist()
