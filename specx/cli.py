@@ -1,0 +1,196 @@
+"""The `specx` command line: each command's docstring is its help; bodies call the library."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import click
+
+from specx import __version__
+from specx.errors import GenerationError, SpecxError
+
+__all__ = ["main"]
+
+
+def _progress(message: str) -> None:
+    click.echo(message, err=True)
+
+
+class _SpecxGroup(click.Group):
+    """Turns SpecxError into a one-line message and exit code 2 instead of a traceback."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except SpecxError as e:
+            click.echo(f"error: {e}", err=True)
+            ctx.exit(2)
+
+
+@click.group(cls=_SpecxGroup)
+@click.version_option(__version__, prog_name="specx")
+@click.option("-v", "--verbose", is_flag=True, help="Log debug details to stderr.")
+def main(verbose: bool) -> None:
+    """Compile lossless speculative decoding: HF checkpoint -> ONNX artifact -> runtime."""
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.WARNING, format="%(message)s")
+
+
+@main.command()
+@click.argument("target_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("-o", "--output", "output_dir", required=True, type=click.Path(path_type=Path),
+              help="Artifact directory to create.")
+@click.option("--max-context", default=2048, show_default=True,
+              help="KV-cache capacity in tokens (prompt + generated + tree scratch).")
+@click.option("--taps", type=click.Choice(["none", "last", "eagle3"]), default="none",
+              show_default=True,
+              help="Hidden states to output: last = final post-norm state (Medusa/EAGLE-1/MTP); "
+                   "eagle3 = states entering layers 2, N//2, N-3.")
+@click.option("--overwrite", is_flag=True, help="Replace an existing artifact directory.")
+def export(target_dir: Path, output_dir: Path, max_context: int, taps: str, overwrite: bool) -> None:
+    """Export the HF checkpoint in TARGET_DIR to a specx artifact (ONNX + manifest)."""
+    from specx.export.target_export import export_target
+
+    export_target(target_dir, output_dir, max_context=max_context, taps=taps,
+                  overwrite=overwrite, progress=_progress)
+
+
+def _read_prompts(prompt: str | None, prompt_ids: str | None, prompts_file: Path | None,
+                  tokenizer) -> list[list[int]]:
+    given = [x for x in (prompt, prompt_ids, prompts_file) if x is not None]
+    if len(given) != 1:
+        raise GenerationError("give exactly one of --prompt, --prompt-ids, --prompts-file")
+    if prompt_ids is not None:
+        try:
+            return [[int(t) for t in prompt_ids.split(",")]]
+        except ValueError as e:
+            raise GenerationError(f"--prompt-ids must be comma-separated integers: {e}") from e
+    texts_or_ids: list[str | list[int]] = [prompt] if prompt is not None else []
+    if prompts_file is not None:
+        for number, line in enumerate(prompts_file.read_text(encoding="utf-8").splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+                item = record.get("prompt_ids") or record.get("prompt") or record["turns"][0]
+            except (json.JSONDecodeError, KeyError, IndexError, AttributeError, TypeError) as e:
+                raise GenerationError(
+                    f"{prompts_file}:{number}: expected a JSON object with 'prompt', "
+                    f"'prompt_ids' or 'turns': {e}"
+                ) from e
+            texts_or_ids.append(item)
+        if not texts_or_ids:
+            raise GenerationError(f"{prompts_file} has no prompts")
+    prompts = []
+    for item in texts_or_ids:
+        if isinstance(item, list):
+            prompts.append([int(t) for t in item])
+        elif tokenizer is None:
+            raise GenerationError("text prompts need a tokenizer; the artifact has none: "
+                                  "use --prompt-ids")
+        else:
+            prompts.append(tokenizer.encode(item))
+    return prompts
+
+
+@main.command()
+@click.argument("artifact_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--prompt", help="Prompt text (needs the artifact's tokenizer).")
+@click.option("--prompt-ids", help="Prompt as comma-separated token ids, e.g. 1,2,3.")
+@click.option("--prompts-file", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="JSONL batch: one object per line with 'prompt', 'prompt_ids' or 'turns'.")
+@click.option("--max-new-tokens", default=64, show_default=True)
+@click.option("--temperature", default=0.0, show_default=True, help="0 = greedy.")
+@click.option("--top-k", default=0, show_default=True, help="0 = no top-k truncation.")
+@click.option("--top-p", default=1.0, show_default=True, help="1.0 = no nucleus truncation.")
+@click.option("--seed", type=int, default=None, help="Seed for sampling (reproducible runs).")
+@click.option("--ignore-eos", is_flag=True, help="Do not stop at the end-of-sequence token.")
+@click.option("--threads", type=int, default=None, help="ONNX Runtime threads (default: all).")
+@click.option("--json", "as_json", is_flag=True, help="Print tokens, text and stats as JSON.")
+def generate(artifact_dir: Path, prompt: str | None, prompt_ids: str | None,
+             prompts_file: Path | None, max_new_tokens: int, temperature: float, top_k: int,
+             top_p: float, seed: int | None, ignore_eos: bool, threads: int | None,
+             as_json: bool) -> None:
+    """Generate from the target in ARTIFACT_DIR (plain decoding on ONNX Runtime)."""
+    from specx.artifact import load_manifest
+    from specx.runtime.ort_target import OrtTarget
+    from specx.runtime.plain_decoding import generate_plain
+    from specx.runtime.sampling import SamplingParams
+    from specx.runtime.tokenizer import TextTokenizer
+
+    manifest = load_manifest(artifact_dir)
+    tokenizer = TextTokenizer(manifest.tokenizer_file) if manifest.tokenizer_file else None
+    prompts = _read_prompts(prompt, prompt_ids, prompts_file, tokenizer)
+    try:
+        sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    except ValueError as e:
+        raise GenerationError(str(e)) from e
+    target = OrtTarget(manifest, threads=threads)
+    eos = () if ignore_eos else manifest.model["eos_token_ids"]
+    result = generate_plain(target, prompts, max_new_tokens, sampling, eos)
+    texts = [tokenizer.decode(t) if tokenizer else None for t in result.tokens]
+    if as_json:
+        click.echo(json.dumps({"tokens": result.tokens, "text": texts, "stats": result.stats}))
+        return
+    for tokens, text in zip(result.tokens, texts, strict=True):
+        click.echo(text if text is not None else " ".join(map(str, tokens)))
+    _print_stats(result.stats)
+
+
+def _print_stats(stats: dict[str, Any]) -> None:
+    click.echo(
+        f"[{stats['mode']}] {stats['new_tokens']} tokens in {stats['total_s']:.3f}s: "
+        f"{stats['tokens_per_s']:.1f} tokens/s, {stats['ms_per_token']:.2f} ms/token "
+        f"(batch {stats['batch']})",
+        err=True,
+    )
+
+
+@main.command()
+@click.option("--target", "target_dir", type=click.Path(exists=True, file_okay=False, path_type=Path),
+              help="HF checkpoint to use instead of a random-weight demo model.")
+@click.option("--workdir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Where to write the checkpoint and artifact (default: a temp dir).")
+@click.option("--prompt", default="def fibonacci(n):\n", show_default=True)
+@click.option("--max-new-tokens", default=64, show_default=True)
+@click.option("--threads", type=int, default=None)
+def demo(target_dir: Path | None, workdir: Path | None, prompt: str, max_new_tokens: int,
+         threads: int | None) -> None:
+    """Run the whole pipeline with no downloads: checkpoint -> export -> generate -> report."""
+    from specx.artifact import load_manifest
+    from specx.export.random_checkpoint import write_random_checkpoint
+    from specx.export.target_export import export_target
+    from specx.runtime.ort_target import OrtTarget
+    from specx.runtime.plain_decoding import generate_plain
+    from specx.runtime.tokenizer import TextTokenizer
+
+    workdir = workdir or Path(tempfile.mkdtemp(prefix="specx-demo-"))
+    if target_dir is None:
+        target_dir = workdir / "checkpoint"
+        _progress(f"writing a random-weight Llama checkpoint to {target_dir}")
+        write_random_checkpoint(target_dir, "llama", "small", seed=0)
+    artifact = export_target(target_dir, workdir / "artifact", max_context=1024, taps="none",
+                             overwrite=True, progress=_progress)
+    manifest = load_manifest(artifact)
+    tokenizer = TextTokenizer(manifest.tokenizer_file) if manifest.tokenizer_file else None
+    prompt_ids = tokenizer.encode(prompt) if tokenizer else [1, 2, 3, 4]
+    target = OrtTarget(manifest, threads=threads)
+    result = generate_plain(target, [prompt_ids], max_new_tokens)
+    report = {
+        "artifact": str(artifact),
+        "prompt": prompt,
+        "text": tokenizer.decode(result.tokens[0]) if tokenizer else None,
+        "tokens": result.tokens[0],
+        "stats": result.stats,
+    }
+    json.dump(report, sys.stdout, indent=2)
+    click.echo()
+    _print_stats(result.stats)
+
+
+if __name__ == "__main__":
+    main()
