@@ -42,25 +42,48 @@ def main(verbose: bool) -> None:
 
 @main.command()
 @click.argument("target_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
-@click.option("-o", "--output", "output_dir", required=True, type=click.Path(path_type=Path),
-              help="Artifact directory to create.")
-@click.option("--max-context", default=2048, show_default=True,
-              help="KV-cache capacity in tokens (prompt + generated + tree scratch).")
-@click.option("--taps", type=click.Choice(["none", "last", "eagle3"]), default="none",
-              show_default=True,
-              help="Hidden states to output: last = final post-norm state (Medusa/EAGLE-1/MTP); "
-                   "eagle3 = states entering layers 2, N//2, N-3.")
+@click.option(
+    "-o",
+    "--output",
+    "output_dir",
+    required=True,
+    type=click.Path(path_type=Path),
+    help="Artifact directory to create.",
+)
+@click.option(
+    "--max-context",
+    default=2048,
+    show_default=True,
+    help="KV-cache capacity in tokens (prompt + generated + tree scratch).",
+)
+@click.option(
+    "--taps",
+    type=click.Choice(["none", "last", "eagle3"]),
+    default="none",
+    show_default=True,
+    help="Hidden states to output: last = final post-norm state (Medusa/EAGLE-1/MTP); "
+    "eagle3 = states entering layers 2, N//2, N-3.",
+)
 @click.option("--overwrite", is_flag=True, help="Replace an existing artifact directory.")
-def export(target_dir: Path, output_dir: Path, max_context: int, taps: str, overwrite: bool) -> None:
+def export(
+    target_dir: Path, output_dir: Path, max_context: int, taps: str, overwrite: bool
+) -> None:
     """Export the HF checkpoint in TARGET_DIR to a specx artifact (ONNX + manifest)."""
     from specx.export.target_export import export_target
 
-    export_target(target_dir, output_dir, max_context=max_context, taps=taps,
-                  overwrite=overwrite, progress=_progress)
+    export_target(
+        target_dir,
+        output_dir,
+        max_context=max_context,
+        taps=taps,
+        overwrite=overwrite,
+        progress=_progress,
+    )
 
 
-def _read_prompts(prompt: str | None, prompt_ids: str | None, prompts_file: Path | None,
-                  tokenizer) -> list[list[int]]:
+def _read_prompts(
+    prompt: str | None, prompt_ids: str | None, prompts_file: Path | None, tokenizer
+) -> list[list[int]]:
     given = [x for x in (prompt, prompt_ids, prompts_file) if x is not None]
     if len(given) != 1:
         raise GenerationError("give exactly one of --prompt, --prompt-ids, --prompts-file")
@@ -90,8 +113,9 @@ def _read_prompts(prompt: str | None, prompt_ids: str | None, prompts_file: Path
         if isinstance(item, list):
             prompts.append([int(t) for t in item])
         elif tokenizer is None:
-            raise GenerationError("text prompts need a tokenizer; the artifact has none: "
-                                  "use --prompt-ids")
+            raise GenerationError(
+                "text prompts need a tokenizer; the artifact has none: use --prompt-ids"
+            )
         else:
             prompts.append(tokenizer.encode(item))
     return prompts
@@ -101,8 +125,11 @@ def _read_prompts(prompt: str | None, prompt_ids: str | None, prompts_file: Path
 @click.argument("artifact_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.option("--prompt", help="Prompt text (needs the artifact's tokenizer).")
 @click.option("--prompt-ids", help="Prompt as comma-separated token ids, e.g. 1,2,3.")
-@click.option("--prompts-file", type=click.Path(exists=True, dir_okay=False, path_type=Path),
-              help="JSONL batch: one object per line with 'prompt', 'prompt_ids' or 'turns'.")
+@click.option(
+    "--prompts-file",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="JSONL batch: one object per line with 'prompt', 'prompt_ids' or 'turns'.",
+)
 @click.option("--max-new-tokens", default=64, show_default=True)
 @click.option("--temperature", default=0.0, show_default=True, help="0 = greedy.")
 @click.option("--top-k", default=0, show_default=True, help="0 = no top-k truncation.")
@@ -111,10 +138,20 @@ def _read_prompts(prompt: str | None, prompt_ids: str | None, prompts_file: Path
 @click.option("--ignore-eos", is_flag=True, help="Do not stop at the end-of-sequence token.")
 @click.option("--threads", type=int, default=None, help="ONNX Runtime threads (default: all).")
 @click.option("--json", "as_json", is_flag=True, help="Print tokens, text and stats as JSON.")
-def generate(artifact_dir: Path, prompt: str | None, prompt_ids: str | None,
-             prompts_file: Path | None, max_new_tokens: int, temperature: float, top_k: int,
-             top_p: float, seed: int | None, ignore_eos: bool, threads: int | None,
-             as_json: bool) -> None:
+def generate(
+    artifact_dir: Path,
+    prompt: str | None,
+    prompt_ids: str | None,
+    prompts_file: Path | None,
+    max_new_tokens: int,
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    seed: int | None,
+    ignore_eos: bool,
+    threads: int | None,
+    as_json: bool,
+) -> None:
     """Generate from the target in ARTIFACT_DIR (plain decoding on ONNX Runtime)."""
     from specx.artifact import load_manifest
     from specx.runtime.ort_target import OrtTarget
@@ -151,15 +188,28 @@ def _print_stats(stats: dict[str, Any]) -> None:
 
 
 @main.command()
-@click.option("--target", "target_dir", type=click.Path(exists=True, file_okay=False, path_type=Path),
-              help="HF checkpoint to use instead of a random-weight demo model.")
-@click.option("--workdir", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help="Where to write the checkpoint and artifact (default: a temp dir).")
+@click.option(
+    "--target",
+    "target_dir",
+    type=click.Path(exists=True, file_okay=False, path_type=Path),
+    help="HF checkpoint to use instead of a random-weight demo model.",
+)
+@click.option(
+    "--workdir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Where to write the checkpoint and artifact (default: a temp dir).",
+)
 @click.option("--prompt", default="def fibonacci(n):\n", show_default=True)
 @click.option("--max-new-tokens", default=64, show_default=True)
 @click.option("--threads", type=int, default=None)
-def demo(target_dir: Path | None, workdir: Path | None, prompt: str, max_new_tokens: int,
-         threads: int | None) -> None:
+def demo(
+    target_dir: Path | None,
+    workdir: Path | None,
+    prompt: str,
+    max_new_tokens: int,
+    threads: int | None,
+) -> None:
     """Run the whole pipeline with no downloads: checkpoint -> export -> generate -> report."""
     from specx.artifact import load_manifest
     from specx.export.random_checkpoint import write_random_checkpoint
@@ -173,8 +223,14 @@ def demo(target_dir: Path | None, workdir: Path | None, prompt: str, max_new_tok
         target_dir = workdir / "checkpoint"
         _progress(f"writing a random-weight Llama checkpoint to {target_dir}")
         write_random_checkpoint(target_dir, "llama", "small", seed=0)
-    artifact = export_target(target_dir, workdir / "artifact", max_context=1024, taps="none",
-                             overwrite=True, progress=_progress)
+    artifact = export_target(
+        target_dir,
+        workdir / "artifact",
+        max_context=1024,
+        taps="none",
+        overwrite=True,
+        progress=_progress,
+    )
     manifest = load_manifest(artifact)
     tokenizer = TextTokenizer(manifest.tokenizer_file) if manifest.tokenizer_file else None
     prompt_ids = tokenizer.encode(prompt) if tokenizer else [1, 2, 3, 4]

@@ -96,7 +96,9 @@ def test_interrupted_export_leaves_nothing(checkpoints, tmp_path, monkeypatch):
 
 def test_interrupted_overwrite_keeps_old_artifact(checkpoints, artifact_copy, monkeypatch):
     before = (artifact_copy / "manifest.json").read_text()
-    monkeypatch.setattr(onnx, "save_model", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt))
+    monkeypatch.setattr(
+        onnx, "save_model", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt)
+    )
     with pytest.raises(KeyboardInterrupt):
         export_target(checkpoints["llama"], artifact_copy, max_context=32, overwrite=True)
     assert (artifact_copy / "manifest.json").read_text() == before

@@ -54,7 +54,9 @@ def test_missing_tensor_is_named(checkpoints, tmp_path):
     tensors = load_file(path / "model.safetensors")
     del tensors["model.layers.1.mlp.up_proj.weight"]
     save_file(tensors, path / "model.safetensors")
-    with pytest.raises(CheckpointError, match=r"missing tensors model\.layers\.1\.mlp\.up_proj\.weight"):
+    with pytest.raises(
+        CheckpointError, match=r"missing tensors model\.layers\.1\.mlp\.up_proj\.weight"
+    ):
         load_checkpoint(path)
 
 
@@ -63,14 +65,18 @@ def test_misshaped_tensor_names_file_key_and_shapes(checkpoints, tmp_path):
     tensors = load_file(path / "model.safetensors")
     tensors["model.layers.0.self_attn.k_norm.weight"] = torch.ones(7)
     save_file(tensors, path / "model.safetensors")
-    with pytest.raises(CheckpointError, match=r"model\.safetensors: tensor model\.layers\.0\.self_attn"
-                       r"\.k_norm\.weight has shape \(7,\), expected \(16,\)"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"model\.safetensors: tensor model\.layers\.0\.self_attn"
+        r"\.k_norm\.weight has shape \(7,\), expected \(16,\)",
+    ):
         load_checkpoint(path)
 
 
 def test_sharded_checkpoint_loads_like_single_file(tmp_path):
-    from specx.export.random_checkpoint import write_random_checkpoint
     from transformers import AutoModelForCausalLM
+
+    from specx.export.random_checkpoint import write_random_checkpoint
 
     single = write_random_checkpoint(tmp_path / "single", "llama", "tiny", tokenizer=False)
     model = AutoModelForCausalLM.from_pretrained(single)
@@ -106,7 +112,9 @@ def test_pickle_that_runs_code_is_refused(checkpoints, tmp_path):
     marker = tmp_path / "pwned"
     with open(path / "pytorch_model.bin", "wb") as f:
         pickle.dump({**tensors, "payload": _RunsCode(str(marker))}, f)
-    with pytest.raises(CheckpointError, match=r"refused to load .*pytorch_model\.bin.*could run code"):
+    with pytest.raises(
+        CheckpointError, match=r"refused to load .*pytorch_model\.bin.*could run code"
+    ):
         load_checkpoint(path)
     assert not marker.exists()
 

@@ -27,7 +27,9 @@ def run_decoder(decoder, ids):
 def test_decoder_matches_transformers(family, taps, checkpoints, hf_models):
     checkpoint = load_checkpoint(checkpoints[family])
     decoder = TargetDecoder.from_state_dict(checkpoint.config, checkpoint.state_dict, taps)
-    ids = torch.randint(0, checkpoint.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(
+        0, checkpoint.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0)
+    )
     logits, tapped = run_decoder(decoder, ids)[:2]
     with torch.no_grad():
         hf = hf_models[family](ids, output_hidden_states=True)
@@ -42,15 +44,20 @@ def test_decoder_matches_transformers(family, taps, checkpoints, hf_models):
 
 
 def test_half_precision_checkpoints_load_as_fp32(tmp_path):
-    from specx.export.random_checkpoint import write_random_checkpoint
     from transformers import AutoModelForCausalLM
 
+    from specx.export.random_checkpoint import write_random_checkpoint
+
     for dtype in ("float16", "bfloat16"):
-        path = write_random_checkpoint(tmp_path / dtype, "llama", "tiny", dtype=dtype, tokenizer=False)
+        path = write_random_checkpoint(
+            tmp_path / dtype, "llama", "tiny", dtype=dtype, tokenizer=False
+        )
         checkpoint = load_checkpoint(path)
         assert all(t.dtype == torch.float32 for t in checkpoint.state_dict.values())
         decoder = TargetDecoder.from_state_dict(checkpoint.config, checkpoint.state_dict)
         hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
         ids = torch.tensor([[1, 2, 3, 4, 5]])
         with torch.no_grad():
-            torch.testing.assert_close(run_decoder(decoder, ids)[0], hf(ids).logits, atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(
+                run_decoder(decoder, ids)[0], hf(ids).logits, atol=1e-4, rtol=1e-4
+            )

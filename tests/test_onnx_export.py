@@ -47,22 +47,30 @@ def test_onnx_matches_torch(family, checkpoints, artifacts, rng):
                 )
                 with torch.no_grad():
                     expected = decoder(
-                        torch.from_numpy(ids), torch.from_numpy(pos), torch.from_numpy(mask),
-                        torch.from_numpy(write_pos), [torch.from_numpy(c) for c in cache],
+                        torch.from_numpy(ids),
+                        torch.from_numpy(pos),
+                        torch.from_numpy(mask),
+                        torch.from_numpy(write_pos),
+                        [torch.from_numpy(c) for c in cache],
                     )
                 ort_cache = target.allocate_cache(batch, CAPACITY)
-                for dst, src in zip(ort_cache.keys + ort_cache.values,
-                                    cache[0::2] + cache[1::2], strict=True):
+                for dst, src in zip(
+                    ort_cache.keys + ort_cache.values, cache[0::2] + cache[1::2], strict=True
+                ):
                     dst[...] = src
                 got = target.forward(ort_cache, ids, pos, mask, write_pos)
                 where = f"{family} B={batch} N={n} prefix={prefix}"
-                np.testing.assert_allclose(got.logits, expected[0].numpy(), atol=1e-4, err_msg=where)
+                np.testing.assert_allclose(
+                    got.logits, expected[0].numpy(), atol=1e-4, err_msg=where
+                )
                 np.testing.assert_allclose(got.taps, expected[1].numpy(), atol=1e-4, err_msg=where)
                 for i in range(checkpoint.config.num_layers):
-                    np.testing.assert_allclose(ort_cache.keys[i], expected[2 + 2 * i].numpy(),
-                                               atol=1e-4, err_msg=where)
-                    np.testing.assert_allclose(ort_cache.values[i], expected[3 + 2 * i].numpy(),
-                                               atol=1e-4, err_msg=where)
+                    np.testing.assert_allclose(
+                        ort_cache.keys[i], expected[2 + 2 * i].numpy(), atol=1e-4, err_msg=where
+                    )
+                    np.testing.assert_allclose(
+                        ort_cache.values[i], expected[3 + 2 * i].numpy(), atol=1e-4, err_msg=where
+                    )
 
 
 def test_each_attention_is_one_plugin_ready_node(artifacts):

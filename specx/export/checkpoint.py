@@ -123,7 +123,9 @@ def load_checkpoint(checkpoint_dir: str | Path) -> Checkpoint:
     expected = TargetDecoder.parameter_shapes(config)
     missing = [key for key in expected if key not in tensors]
     if missing:
-        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        shown = ", ".join(missing[:5]) + (
+            f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        )
         raise CheckpointError(
             f"{checkpoint_dir}: missing tensors {shown} (read {', '.join(p.name for p in files)})"
         )
@@ -140,5 +142,7 @@ def load_checkpoint(checkpoint_dir: str | Path) -> Checkpoint:
         state_dict[key] = tensor.to(torch.float32)
     unused = [k for k in tensors if k not in expected and not k.endswith(_IGNORED_SUFFIXES)]
     if unused:
-        log.warning("%s: ignoring %d unused tensors, e.g. %s", checkpoint_dir, len(unused), unused[0])
+        log.warning(
+            "%s: ignoring %d unused tensors, e.g. %s", checkpoint_dir, len(unused), unused[0]
+        )
     return Checkpoint(checkpoint_dir, config, raw_config, state_dict, tuple(files))

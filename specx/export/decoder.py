@@ -201,6 +201,7 @@ class TargetDecoder(nn.Module):
         write_pos: torch.Tensor,
         kv_cache: Sequence[torch.Tensor],
     ) -> tuple[torch.Tensor, ...]:
+        """Returns (logits, [taps,] key_0, value_0, key_1, ...) per the module docstring."""
         cos, sin = self.rotary(position_ids)
         h = self.model.embed_tokens(input_ids)
         captured: dict[int, torch.Tensor] = {}

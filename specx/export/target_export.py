@@ -47,7 +47,9 @@ def _example_inputs(decoder: TargetDecoder) -> tuple[Any, ...]:
     c = decoder.config
     batch, n, capacity, kv_len = 2, 3, 11, 7
     # One tensor per cache: the tracer would alias inputs that are the same object.
-    cache = [torch.zeros(batch, c.num_kv_heads, capacity, c.head_dim) for _ in range(2 * c.num_layers)]
+    cache = [
+        torch.zeros(batch, c.num_kv_heads, capacity, c.head_dim) for _ in range(2 * c.num_layers)
+    ]
     return (
         torch.zeros(batch, n, dtype=torch.int64),
         torch.arange(n).repeat(batch, 1) + 4,
@@ -81,7 +83,9 @@ def _export_graph(decoder: TargetDecoder) -> onnx.ModelProto:
                 verbose=False,
             )
         except Exception as e:  # torch raises many unrelated types from deep in the tracer
-            raise ExportError(f"torch.onnx.export of the {decoder.config.family} target failed: {e}") from e
+            raise ExportError(
+                f"torch.onnx.export of the {decoder.config.family} target failed: {e}"
+            ) from e
     return attach_function(program.model_proto)
 
 
@@ -91,7 +95,11 @@ def graph_signature(model: onnx.ModelProto) -> dict[str, list[dict[str, Any]]]:
     def describe(value: onnx.ValueInfoProto) -> dict[str, Any]:
         tensor = value.type.tensor_type
         shape = [d.dim_param or d.dim_value for d in tensor.shape.dim]
-        return {"name": value.name, "dtype": onnx.helper.tensor_dtype_to_np_dtype(tensor.elem_type).name, "shape": shape}
+        return {
+            "name": value.name,
+            "dtype": onnx.helper.tensor_dtype_to_np_dtype(tensor.elem_type).name,
+            "shape": shape,
+        }
 
     return {
         "inputs": [describe(v) for v in model.graph.input],
@@ -201,7 +209,11 @@ def _manifest_body(
             "head_dim": config.head_dim,
             "kv_capacity": max_context,
             "kv_dtype": "float32",
-            "taps": {"kind": decoder.taps, "layers": list(decoder.tap_layers), "width": decoder.tap_width},
+            "taps": {
+                "kind": decoder.taps,
+                "layers": list(decoder.tap_layers),
+                "width": decoder.tap_width,
+            },
             "bos_token_id": config.bos_token_id,
             "eos_token_ids": list(config.eos_token_ids),
         },

@@ -79,9 +79,7 @@ def function_proto() -> onnx.FunctionProto:
             "TensorScatter", ["v_cache", "v", "write_pos"], ["v_cache_out"], axis=2, name="write_v"
         ),
         helper.make_node("Shape", ["mask"], ["kv_len"], start=3, end=4, name="kv_len"),
-        helper.make_node(
-            "Constant", [], ["zero"], value=helper.make_tensor("zero", i64, [1], [0])
-        ),
+        helper.make_node("Constant", [], ["zero"], value=helper.make_tensor("zero", i64, [1], [0])),
         helper.make_node(
             "Constant", [], ["seq_axis"], value=helper.make_tensor("seq_axis", i64, [1], [2])
         ),
@@ -101,7 +99,7 @@ def function_proto() -> onnx.FunctionProto:
         nodes,
         [helper.make_opsetid("", FUNCTION_OPSET)],
         attributes=list(ATTRIBUTES),
-        doc_string="Tree attention over a fixed-capacity KV cache (see specx.graphs.tree_attention).",
+        doc_string="Tree attention over a fixed-capacity KV cache (specx.graphs.tree_attention)",
     )
 
 

@@ -24,7 +24,12 @@ class KVCache:
 
     @classmethod
     def allocate(
-        cls, num_layers: int, batch: int, num_kv_heads: int, capacity: int, head_dim: int,
+        cls,
+        num_layers: int,
+        batch: int,
+        num_kv_heads: int,
+        capacity: int,
+        head_dim: int,
         dtype: np.dtype = np.float32,
     ) -> KVCache:
         """Zeroed buffers for `batch` sequences of up to `capacity` tokens."""

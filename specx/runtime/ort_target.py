@@ -63,7 +63,9 @@ class OrtTarget:
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         path = manifest.path(manifest.graph("target")["file"])
         try:
-            self.session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+            self.session = ort.InferenceSession(
+                str(path), options, providers=["CPUExecutionProvider"]
+            )
         except Exception as e:  # onnxruntime raises its own untyped errors here
             raise ArtifactError(f"{path}: ONNX Runtime could not load the graph: {e}") from e
         self._binding = self.session.io_binding()
@@ -114,7 +116,11 @@ class OrtTarget:
         binding.bind_cpu_input("attention_mask", np.ascontiguousarray(attention_mask, dtype=bool))
         binding.bind_cpu_input("write_pos", np.ascontiguousarray(write_pos, dtype=np.int64))
         logits = self._bind_new_output("logits", (batch, n, self.vocab_size))
-        taps = self._bind_new_output("hidden_taps", (batch, n, self.tap_width)) if self.has_taps else None
+        taps = (
+            self._bind_new_output("hidden_taps", (batch, n, self.tap_width))
+            if self.has_taps
+            else None
+        )
         self.session.run_with_iobinding(binding)
         return StepOutput(logits=logits, taps=taps)
 

@@ -25,8 +25,13 @@ class GenerationResult:
     stats: dict[str, Any] = field(default_factory=dict)
 
 
-def check_prompts(prompts: Sequence[Sequence[int]], max_new_tokens: int, capacity: int,
-                  vocab_size: int, extra_slots: int = 0) -> int:
+def check_prompts(
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    capacity: int,
+    vocab_size: int,
+    extra_slots: int = 0,
+) -> int:
     """Validates a batch of prompts; returns the KV slots it needs.
 
     A prompt of P tokens generating M tokens fills P + M - 1 slots (the last token is
@@ -83,7 +88,7 @@ def generate_plain(
     target: OrtTarget,
     prompts: Sequence[Sequence[int]],
     max_new_tokens: int,
-    sampling: SamplingParams = SamplingParams(),
+    sampling: SamplingParams | None = None,
     eos_token_ids: Sequence[int] = (),
 ) -> GenerationResult:
     """Decodes one token per target forward for each prompt, batched.
@@ -91,6 +96,7 @@ def generate_plain(
     Greedy takes the argmax; otherwise tokens are drawn from `sampling_probs`. A
     sequence stops after emitting an eos token; the batch stops when all have.
     """
+    sampling = sampling or SamplingParams()
     needed = check_prompts(prompts, max_new_tokens, target.capacity, target.vocab_size)
     rng = np.random.default_rng(sampling.seed)
     cache = target.allocate_cache(len(prompts), needed)
@@ -113,7 +119,9 @@ def generate_plain(
             break
         write_pos = cache.lengths.copy()
         mask = causal_mask(write_pos, 1, int(write_pos.max()) + 1)
-        logits = target.forward(cache, tokens[:, None], write_pos[:, None], mask, write_pos).logits[:, 0]
+        logits = target.forward(cache, tokens[:, None], write_pos[:, None], mask, write_pos).logits[
+            :, 0
+        ]
         cache.lengths += 1
     total_s = time.perf_counter() - started
     tokens_out = [_until_eos(row[:steps], eos) for row in generated]
