@@ -49,3 +49,19 @@ class KVCache:
     def capacity(self) -> int:
         """Slots per sequence."""
         return self.keys[0].shape[2]
+
+    def keep_path(self, row: int, start: int, nodes: np.ndarray) -> None:
+        """Moves rows `start + nodes[i]` to `start + i` for sequence `row`, in every layer.
+
+        After verification the accepted root-to-leaf path is compacted right after the
+        prefix; rejected branches are left behind as stale rows past `lengths[row]`.
+        Nodes are increasing and `nodes[i] >= i`, so no move overwrites a later source.
+        Only the path's rows are copied, never the whole cache.
+        """
+        nodes = np.asarray(nodes, dtype=np.int64)
+        moved = np.flatnonzero(nodes != np.arange(len(nodes)))
+        if moved.size == 0:
+            return
+        src, dst = start + nodes[moved], start + moved
+        for buffer in (*self.keys, *self.values):
+            buffer[row, :, dst] = buffer[row, :, src]

@@ -138,7 +138,10 @@ def generate_plain(
             "decode_s": total_s - prefill_s,
             "total_s": total_s,
             "tokens_per_s": new_tokens / total_s,
-            "ms_per_token": 1e3 * (total_s - prefill_s) / max(steps - 1, 1),
+            "ms_per_token": 1e3
+            * (total_s - prefill_s)
+            * len(prompts)
+            / max(new_tokens - len(prompts), 1),
         },
     )
 

@@ -1,0 +1,42 @@
+"""The protocol every drafter implements."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import numpy as np
+
+from specx.runtime.sampling import SamplingParams
+from specx.runtime.trees import DraftTree
+
+__all__ = ["Drafter"]
+
+
+class Drafter(Protocol):
+    """Proposes a draft tree per sequence each round and follows what was accepted.
+
+    `histories[b]` is sequence b's prompt plus every emitted token; its last token is
+    the root the draft hangs off.
+    """
+
+    name: str
+    max_nodes: int  # the most draft nodes proposed for one sequence in one round
+
+    def start(self, prompts: Sequence[Sequence[int]], capacity: int) -> None:
+        """Resets per-sequence state for a new batch needing up to `capacity` slots."""
+        ...
+
+    def propose(
+        self,
+        histories: Sequence[Sequence[int]],
+        active: np.ndarray,  # [B] bool; inactive sequences get an empty draft
+        sampling: SamplingParams,
+        rng: np.random.Generator,
+    ) -> list[DraftTree]:
+        """One draft tree per sequence."""
+        ...
+
+    def accept(self, row: int, draft: DraftTree, accepted: list[int]) -> None:
+        """Tells the drafter which nodes of `draft` the target accepted for `row`."""
+        ...

@@ -1,0 +1,153 @@
+"""The speculative loop: propose, verify the whole tree in one target forward, compact, emit.
+
+For every sequence of the batch, each round:
+1. the drafter proposes a tree hanging off the root (the last emitted token);
+2. the target runs [root, draft nodes] in one forward with a tree mask, writing their
+   KV rows right after the sequence's prefix;
+3. verification (`specx.runtime.verification`) accepts a root-to-leaf path and draws
+   one more token, so the output distribution is exactly the target's;
+4. the accepted path's KV rows are moved next to the prefix (rejected rows become
+   stale slots past the sequence length) and the drafter is told what was accepted.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from specx.runtime.drafters.base import Drafter
+from specx.runtime.metrics import AcceptanceStats
+from specx.runtime.ort_target import OrtTarget
+from specx.runtime.plain_decoding import GenerationResult, check_prompts, generate_plain, prefill
+from specx.runtime.sampling import SamplingParams, sample, sampling_probs
+from specx.runtime.trees import DraftTree, ancestor_mask, depths, verify_parents
+from specx.runtime.verification import Coin, RandomCoin, Verdict, verify
+
+__all__ = ["Verifier", "generate_speculative", "verify_inputs"]
+
+Verifier = Callable[[np.ndarray, DraftTree, Coin, bool], Verdict]
+
+
+def verify_inputs(
+    roots: np.ndarray, drafts: Sequence[DraftTree], lengths: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Target inputs for one verify forward over [root, draft...] per sequence.
+
+    Sequences with smaller drafts are padded with tokens that only see themselves;
+    their outputs are ignored and their KV rows land past the sequence length.
+
+    Returns:
+        input_ids [B, N], position_ids [B, N] (prefix length + depth), mask [B, 1, N, L].
+    """
+    batch = len(drafts)
+    n = 1 + max(len(d) for d in drafts)
+    kv_len = int(lengths.max()) + n
+    input_ids = np.zeros((batch, n), dtype=np.int64)
+    positions = np.repeat(lengths[:, None], n, axis=1)
+    mask = np.zeros((batch, 1, n, kv_len), dtype=bool)
+    for b, draft in enumerate(drafts):
+        size, start = 1 + len(draft), int(lengths[b])
+        parents = verify_parents(draft.parents)
+        input_ids[b, 0], input_ids[b, 1:size] = roots[b], draft.tokens
+        positions[b, :size] += depths(parents)
+        mask[b, 0, :, :start] = True
+        mask[b, 0, :size, start : start + size] = ancestor_mask(parents)
+        pad = np.arange(size, n)
+        mask[b, 0, pad, start + pad] = True
+    return input_ids, positions, mask
+
+
+def generate_speculative(
+    target: OrtTarget,
+    drafter: Drafter,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    sampling: SamplingParams | None = None,
+    eos_token_ids: Sequence[int] = (),
+    max_batch_spec: int | None = None,
+    verifier: Verifier = verify,
+) -> GenerationResult:
+    """Decodes speculatively; output equals `generate_plain`'s (greedy: token for token).
+
+    Batches larger than `max_batch_spec` fall back to plain decoding, where verifying
+    trees no longer pays off.
+    """
+    sampling = sampling or SamplingParams()
+    if max_batch_spec is not None and len(prompts) > max_batch_spec:
+        result = generate_plain(target, prompts, max_new_tokens, sampling, eos_token_ids)
+        result.stats["speculation"] = (
+            f"off: batch {len(prompts)} > --max-batch-spec {max_batch_spec}"
+        )
+        return result
+    # Emitted tokens can overshoot max_new_tokens by a round before truncation.
+    scratch = 2 * (drafter.max_nodes + 1)
+    needed = check_prompts(prompts, max_new_tokens, target.capacity, target.vocab_size, scratch)
+    rng = np.random.default_rng(sampling.seed)
+    coin = RandomCoin(rng)
+    eos = set(eos_token_ids)
+    batch = len(prompts)
+    cache = target.allocate_cache(batch, needed)
+    drafter.start(prompts, needed)
+    stats = [AcceptanceStats() for _ in range(batch)]
+
+    started = time.perf_counter()
+    logits, _ = prefill(target, cache, prompts)
+    first = logits.argmax(-1) if sampling.greedy else sample(sampling_probs(logits, sampling), rng)
+    prefill_s = time.perf_counter() - started
+    emitted = [[int(t)] for t in first]
+    histories = [list(p) + e for p, e in zip(prompts, emitted, strict=True)]
+    active = np.array([not (e[-1] in eos or max_new_tokens <= 1) for e in emitted])
+    draft_s = verify_s = 0.0
+    while active.any():
+        tick = time.perf_counter()
+        drafts = drafter.propose(histories, active, sampling, rng)
+        tock = time.perf_counter()
+        roots = np.array([h[-1] for h in histories], dtype=np.int64)
+        lengths = cache.lengths.copy()
+        input_ids, positions, mask = verify_inputs(roots, drafts, lengths)
+        target_logits = target.forward(cache, input_ids, positions, mask, lengths).logits
+        target_probs = target_logits if sampling.greedy else sampling_probs(target_logits, sampling)
+        for b in np.flatnonzero(active):
+            draft = drafts[b]
+            verdict = verifier(target_probs[b, : 1 + len(draft)], draft, coin, sampling.greedy)
+            path = np.array([0] + [i + 1 for i in verdict.accepted])
+            cache.keep_path(b, int(lengths[b]), path)
+            cache.lengths[b] = lengths[b] + len(path)
+            drafter.accept(b, draft, verdict.accepted)
+            tokens = verdict.emitted(draft)
+            stats[b].record(_depth(draft), len(verdict.accepted))
+            for token in tokens:
+                emitted[b].append(token)
+                histories[b].append(token)
+                if token in eos or len(emitted[b]) >= max_new_tokens:
+                    active[b] = False
+                    break
+        draft_s += tock - tick
+        verify_s += time.perf_counter() - tock
+    total_s = time.perf_counter() - started
+    tokens_out = [e[:max_new_tokens] for e in emitted]
+    new_tokens = sum(len(t) for t in tokens_out)
+    return GenerationResult(
+        tokens=tokens_out,
+        stats={
+            "mode": "speculative",
+            "drafter": drafter.name,
+            "batch": batch,
+            "prompt_tokens": sum(len(p) for p in prompts),
+            "new_tokens": new_tokens,
+            "prefill_s": prefill_s,
+            "draft_s": draft_s,
+            "verify_s": verify_s,
+            "total_s": total_s,
+            "tokens_per_s": new_tokens / total_s,
+            "ms_per_token": 1e3 * (total_s - prefill_s) * batch / max(new_tokens - batch, 1),
+            **AcceptanceStats.merge(stats).summary(),
+            "per_request": [s.summary() for s in stats],
+        },
+    )
+
+
+def _depth(draft: DraftTree) -> int:
+    return int(depths(draft.parents).max()) + 1 if len(draft) else 0
