@@ -1,4 +1,4 @@
-"""`NGramDrafter`: prompt lookup. Drafts are continuations of earlier matches of the context tail."""
+"""`NGramDrafter`: prompt lookup; drafts continue earlier matches of the context tail."""
 
 from __future__ import annotations
 
