@@ -64,9 +64,20 @@ def main(verbose: bool) -> None:
     help="Hidden states to output: last = final post-norm state (Medusa/EAGLE-1/MTP); "
     "eagle3 = states entering layers 2, N//2, N-3.",
 )
+@click.option(
+    "--max-tree-tokens",
+    type=int,
+    default=None,
+    help="Most tokens one verify forward takes (root + draft tree nodes) [default: 64].",
+)
 @click.option("--overwrite", is_flag=True, help="Replace an existing artifact directory.")
 def export(
-    target_dir: Path, output_dir: Path, max_context: int, taps: str, overwrite: bool
+    target_dir: Path,
+    output_dir: Path,
+    max_context: int,
+    taps: str,
+    max_tree_tokens: int,
+    overwrite: bool,
 ) -> None:
     """Export the HF checkpoint in TARGET_DIR to a specx artifact (ONNX + manifest)."""
     from specx.export.target_export import export_target
@@ -76,6 +87,7 @@ def export(
         output_dir,
         max_context=max_context,
         taps=taps,
+        max_tree_tokens=max_tree_tokens,
         overwrite=overwrite,
         progress=_progress,
     )
@@ -121,6 +133,19 @@ def _read_prompts(
     return prompts
 
 
+def _read_choices(tree: str | None) -> list[list[int]] | None:
+    if tree is None:
+        return None
+    text = Path(tree).read_text(encoding="utf-8") if Path(tree).is_file() else tree
+    try:
+        choices = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise GenerationError(f"--tree must be a JSON list of paths or a file with one: {e}") from e
+    if not isinstance(choices, list) or not all(isinstance(c, list) for c in choices):
+        raise GenerationError("--tree must be a JSON list of rank paths, e.g. [[0],[1],[0,0]]")
+    return choices
+
+
 @main.command()
 @click.argument("artifact_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.option("--prompt", help="Prompt text (needs the artifact's tokenizer).")
@@ -136,6 +161,36 @@ def _read_prompts(
 @click.option("--top-p", default=1.0, show_default=True, help="1.0 = no nucleus truncation.")
 @click.option("--seed", type=int, default=None, help="Seed for sampling (reproducible runs).")
 @click.option("--ignore-eos", is_flag=True, help="Do not stop at the end-of-sequence token.")
+@click.option("--drafter", help="Decode speculatively: ngram | draft-model:ARTIFACT.")
+@click.option(
+    "--num-draft-tokens",
+    default=4,
+    show_default=True,
+    help="Draft tokens per round (chain length; node budget for ngram trees).",
+)
+@click.option(
+    "--tree",
+    help="Static draft tree for draft-model: JSON choice list or a file, e.g. [[0],[1],[0,0]].",
+)
+@click.option("--ngram-min", default=1, show_default=True, help="Shortest n-gram to match.")
+@click.option("--ngram-max", default=3, show_default=True, help="Longest n-gram to match.")
+@click.option(
+    "--ngram-matches",
+    default=1,
+    show_default=True,
+    help="Matches merged into the ngram draft tree (1 = chain).",
+)
+@click.option(
+    "--max-batch-spec",
+    type=int,
+    default=None,
+    help="Decode plainly when the batch is larger than this.",
+)
+@click.option(
+    "--compare",
+    is_flag=True,
+    help="Also run plain decoding in the same process and report the speedup.",
+)
 @click.option("--threads", type=int, default=None, help="ONNX Runtime threads (default: all).")
 @click.option("--json", "as_json", is_flag=True, help="Print tokens, text and stats as JSON.")
 def generate(
@@ -149,14 +204,24 @@ def generate(
     top_p: float,
     seed: int | None,
     ignore_eos: bool,
+    drafter: str | None,
+    num_draft_tokens: int,
+    tree: str | None,
+    ngram_min: int,
+    ngram_max: int,
+    ngram_matches: int,
+    max_batch_spec: int | None,
+    compare: bool,
     threads: int | None,
     as_json: bool,
 ) -> None:
-    """Generate from the target in ARTIFACT_DIR (plain decoding on ONNX Runtime)."""
+    """Generate from the target in ARTIFACT_DIR on ONNX Runtime, plainly or speculatively."""
     from specx.artifact import load_manifest
+    from specx.runtime.drafters import DrafterOptions, make_drafter
     from specx.runtime.ort_target import OrtTarget
     from specx.runtime.plain_decoding import generate_plain
     from specx.runtime.sampling import SamplingParams
+    from specx.runtime.speculative_decoding import generate_speculative
     from specx.runtime.tokenizer import TextTokenizer
 
     manifest = load_manifest(artifact_dir)
@@ -168,7 +233,30 @@ def generate(
         raise GenerationError(str(e)) from e
     target = OrtTarget(manifest, threads=threads)
     eos = () if ignore_eos else manifest.model["eos_token_ids"]
-    result = generate_plain(target, prompts, max_new_tokens, sampling, eos)
+    if drafter is None:
+        if compare:
+            raise GenerationError("--compare needs --drafter")
+        result = generate_plain(target, prompts, max_new_tokens, sampling, eos)
+    else:
+        options = DrafterOptions(
+            num_draft_tokens, _read_choices(tree), ngram_min, ngram_max, ngram_matches, threads
+        )
+        result = generate_speculative(
+            target,
+            make_drafter(drafter, target, options),
+            prompts,
+            max_new_tokens,
+            sampling,
+            eos,
+            max_batch_spec,
+        )
+        if compare:
+            plain = generate_plain(target, prompts, max_new_tokens, sampling, eos)
+            result.stats["compare"] = {
+                "plain": plain.stats,
+                "speedup": plain.stats["ms_per_token"] / result.stats["ms_per_token"],
+                "identical_tokens": plain.tokens == result.tokens,
+            }
     texts = [tokenizer.decode(t) if tokenizer else None for t in result.tokens]
     if as_json:
         click.echo(json.dumps({"tokens": result.tokens, "text": texts, "stats": result.stats}))
@@ -179,12 +267,22 @@ def generate(
 
 
 def _print_stats(stats: dict[str, Any]) -> None:
-    click.echo(
+    line = (
         f"[{stats['mode']}] {stats['new_tokens']} tokens in {stats['total_s']:.3f}s: "
         f"{stats['tokens_per_s']:.1f} tokens/s, {stats['ms_per_token']:.2f} ms/token "
-        f"(batch {stats['batch']})",
-        err=True,
+        f"(batch {stats['batch']})"
     )
+    if "acceptance_length" in stats:
+        line += (
+            f", acceptance length {stats['acceptance_length']:.2f} over {stats['rounds']} rounds"
+        )
+    if "compare" in stats:
+        compare = stats["compare"]
+        line += (
+            f"; plain {compare['plain']['ms_per_token']:.2f} ms/token, speedup "
+            f"{compare['speedup']:.2f}x, identical tokens: {compare['identical_tokens']}"
+        )
+    click.echo(line, err=True)
 
 
 @main.command()

@@ -50,3 +50,47 @@ def hf_models(checkpoints):
 @pytest.fixture
 def rng() -> np.random.Generator:
     return np.random.default_rng(1234)
+
+
+def perturbed_copy(source: Path, destination: Path, noise: float, seed: int = 0) -> Path:
+    """A copy of a checkpoint with Gaussian noise on every weight: a draft that agrees often."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(source, destination)
+    generator = torch.Generator().manual_seed(seed)
+    tensors = load_file(destination / "model.safetensors")
+    for name, tensor in tensors.items():
+        scale = noise * tensor.float().std().clamp(min=1e-3)
+        tensors[name] = tensor + scale * torch.randn(tensor.shape, generator=generator)
+    save_file(tensors, destination / "model.safetensors", metadata={"format": "pt"})
+    return destination
+
+
+@pytest.fixture(scope="session")
+def draft_artifacts(checkpoints, tmp_path_factory) -> dict[str, Path]:
+    """A noisy copy of the llama and qwen3 targets, exported as draft models."""
+    from specx.export.target_export import export_target
+
+    root = tmp_path_factory.mktemp("drafts")
+    return {
+        family: export_target(
+            perturbed_copy(checkpoints[family], root / f"{family}-ckpt", noise=0.3),
+            root / family,
+            max_context=MAX_CONTEXT,
+        )
+        for family in ("llama", "qwen3")
+    }
+
+
+@pytest.fixture(scope="session")
+def pyref_artifact(tmp_path_factory) -> Path:
+    """The trained reference target, exported once; skipped where shared/ lacks it."""
+    from specx.export.target_export import export_target
+
+    source = SHARED / "models" / "pyref-7m"
+    if not (source / "model.safetensors").is_file():
+        pytest.skip(f"{source} is absent")
+    return export_target(source, tmp_path_factory.mktemp("pyref") / "artifact", max_context=512)

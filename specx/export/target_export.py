@@ -25,6 +25,8 @@ __all__ = ["DEFAULT_MAX_CONTEXT", "export_target", "graph_signature", "io_names"
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_CONTEXT = 2048
+# Verify forwards take at most this many tokens (root + draft nodes); TensorRT profiles use it.
+DEFAULT_MAX_TREE_TOKENS = 64
 EXPORT_OPSET = 23  # torch emits Attention/RMSNormalization at 23; the function raises it to 24
 GRAPH_FILE = "target.onnx"
 DATA_FILE = "target.onnx.data"
@@ -132,6 +134,7 @@ def export_target(
     *,
     max_context: int = DEFAULT_MAX_CONTEXT,
     taps: str = "none",
+    max_tree_tokens: int | None = None,
     overwrite: bool = False,
     progress: Progress = lambda message: None,
 ) -> Path:
@@ -145,6 +148,12 @@ def export_target(
     progress(f"[1/5] loading {checkpoint_dir}")
     checkpoint = load_checkpoint(checkpoint_dir)
     _check_capacity(checkpoint, max_context)
+    if max_tree_tokens is None:
+        max_tree_tokens = min(DEFAULT_MAX_TREE_TOKENS, max_context)
+    if not 1 <= max_tree_tokens <= max_context:
+        raise ExportError(
+            f"--max-tree-tokens must be in [1, --max-context={max_context}], got {max_tree_tokens}"
+        )
     decoder = TargetDecoder.from_state_dict(checkpoint.config, checkpoint.state_dict, taps)
     n_params = sum(p.numel() for p in decoder.parameters())
     progress(
@@ -167,6 +176,7 @@ def export_target(
             shutil.copyfile(tokenizer, staging / "tokenizer.json")
         progress(f"[4/5] hashing {len(checkpoint.files)} source weight files")
         body = _manifest_body(checkpoint, decoder, model, max_context, tokenizer.is_file())
+        body["model"]["max_tree_tokens"] = max_tree_tokens
         progress("[5/5] writing manifest.json")
         write_manifest(staging, body)
     progress(f"exported {output_dir} in {time.perf_counter() - started:.1f}s")

@@ -54,6 +54,7 @@ class OrtTarget:
         self.head_dim: int = model["head_dim"]
         self.vocab_size: int = model["vocab_size"]
         self.capacity: int = model["kv_capacity"]
+        self.max_tree_tokens: int = model["max_tree_tokens"]
         self.has_taps = model["taps"]["kind"] != "none"
         self.tap_width: int = model["taps"]["width"]
         configure_threads(threads)

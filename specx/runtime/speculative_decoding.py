@@ -22,7 +22,7 @@ from specx.runtime.metrics import AcceptanceStats
 from specx.runtime.ort_target import OrtTarget
 from specx.runtime.plain_decoding import GenerationResult, check_prompts, generate_plain, prefill
 from specx.runtime.sampling import SamplingParams, sample, sampling_probs
-from specx.runtime.trees import DraftTree, ancestor_mask, depths, verify_parents
+from specx.runtime.trees import DraftTree, TreeError, ancestor_mask, depths, verify_parents
 from specx.runtime.verification import Coin, RandomCoin, Verdict, verify
 
 __all__ = ["Verifier", "generate_speculative", "verify_inputs"]
@@ -81,6 +81,12 @@ def generate_speculative(
             f"off: batch {len(prompts)} > --max-batch-spec {max_batch_spec}"
         )
         return result
+    if drafter.max_nodes + 1 > target.max_tree_tokens:
+        raise TreeError(
+            f"the {drafter.name} drafter proposes up to {drafter.max_nodes} nodes; with the root "
+            f"that exceeds the {target.max_tree_tokens} verify tokens the artifact was exported "
+            "for (--max-tree-tokens)"
+        )
     # Emitted tokens can overshoot max_new_tokens by a round before truncation.
     scratch = 2 * (drafter.max_nodes + 1)
     needed = check_prompts(prompts, max_new_tokens, target.capacity, target.vocab_size, scratch)

@@ -1,0 +1,64 @@
+"""Drafters behind one protocol, and the registry that builds them from a CLI spec."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from specx.errors import SpecxError
+from specx.runtime.drafters.base import Drafter
+from specx.runtime.drafters.draft_model import DraftModelDrafter, check_same_vocabulary
+from specx.runtime.drafters.ngram import NGramDrafter
+from specx.runtime.ort_target import OrtTarget
+
+__all__ = ["DRAFTERS", "Drafter", "DrafterOptions", "make_drafter"]
+
+
+@dataclass(frozen=True)
+class DrafterOptions:
+    """Knobs shared by the drafters; each uses the ones that apply to it."""
+
+    num_draft_tokens: int = 4
+    tree_choices: Sequence[Sequence[int]] | None = None
+    ngram_min: int = 1
+    ngram_max: int = 3
+    ngram_matches: int = 1
+    threads: int | None = None
+
+
+def _ngram(target: OrtTarget, argument: str | None, options: DrafterOptions) -> Drafter:
+    if argument:
+        raise SpecxError(f"the ngram drafter takes no argument, got 'ngram:{argument}'")
+    if options.tree_choices is not None:
+        raise SpecxError("--tree does not apply to ngram: its tree comes from --ngram-matches")
+    try:
+        return NGramDrafter(
+            options.num_draft_tokens, options.ngram_min, options.ngram_max, options.ngram_matches
+        )
+    except ValueError as e:
+        raise SpecxError(str(e)) from e
+
+
+def _draft_model(target: OrtTarget, argument: str | None, options: DrafterOptions) -> Drafter:
+    from specx.artifact import load_manifest
+
+    if not argument:
+        raise SpecxError("draft-model needs an artifact: --drafter draft-model:PATH")
+    draft = OrtTarget(load_manifest(Path(argument)), threads=options.threads)
+    check_same_vocabulary(target, draft)
+    return DraftModelDrafter(draft, options.num_draft_tokens, options.tree_choices)
+
+
+DRAFTERS: dict[str, Callable[[OrtTarget, str | None, DrafterOptions], Drafter]] = {
+    "ngram": _ngram,
+    "draft-model": _draft_model,
+}
+
+
+def make_drafter(spec: str, target: OrtTarget, options: DrafterOptions) -> Drafter:
+    """Builds a drafter from `NAME` or `NAME:ARGUMENT` (e.g. `draft-model:artifacts/small`)."""
+    name, _, argument = spec.partition(":")
+    if name not in DRAFTERS:
+        raise SpecxError(f"unknown drafter {name!r}; choose one of {', '.join(DRAFTERS)}")
+    return DRAFTERS[name](target, argument or None, options)
