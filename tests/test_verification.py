@@ -142,7 +142,7 @@ def test_deterministic_rule_is_lossless(parents):
     target = Target(rng)
     for draft in deterministic_drafts(rng, parents):
         probs = target.probs_for(draft)
-        outcomes = exact_outcomes(lambda coin: verify_deterministic(probs, draft, coin))
+        outcomes = exact_outcomes(lambda coin, p=probs, d=draft: verify_deterministic(p, d, coin))
         assert_lossless(emitted_distribution([(1.0, draft, outcomes)]), target)
 
 
@@ -166,7 +166,9 @@ def run_sampled(verifier, parents, seed):
     runs = []
     for weight, draft in sampled_drafts(parents, draft_model.p):
         probs = target.probs_for(draft)
-        runs.append((weight, draft, exact_outcomes(lambda coin: verifier(probs, draft, coin))))
+        runs.append(
+            (weight, draft, exact_outcomes(lambda coin, p=probs, d=draft: verifier(p, d, coin)))
+        )
     return emitted_distribution(runs), target
 
 
