@@ -15,6 +15,7 @@ from collections import defaultdict
 import numpy as np
 import pytest
 
+from broken_verifiers import accept_without_zeroing, resample_from_p
 from specx.runtime.trees import DraftTree
 from specx.runtime.verification import (
     Verdict,
@@ -200,40 +201,6 @@ def test_one_hot_target_makes_every_rule_greedy():
     expected = verify_greedy(logits.argmax(-1), draft)
     outcomes = exact_outcomes(lambda coin: verify(one_hot, draft, coin, greedy=False))
     assert outcomes == [(1.0, expected)]
-
-
-# Broken verifiers: each must fail the exact check.
-
-
-def resample_from_p(target_probs, draft, coin):
-    """Bug: after a rejection, sample from p instead of the residual max(0, p - q)."""
-    node = -1
-    accepted = []
-    while True:
-        p = target_probs[node + 1]
-        children = draft.children(node)
-        for child in children:
-            token = int(draft.tokens[child])
-            if coin.bernoulli(min(1.0, p[token] / draft.probs[child][token])):
-                accepted.append(child)
-                node = child
-                break
-        else:
-            return Verdict(accepted, coin.categorical(p))
-
-
-def accept_without_zeroing(target_probs, draft, coin):
-    """Bug: deterministic rule that does not remove a rejected child from p."""
-    node, accepted = -1, []
-    while True:
-        p = target_probs[node + 1]
-        for child in draft.children(node):
-            if coin.bernoulli(p[int(draft.tokens[child])]):
-                accepted.append(child)
-                node = child
-                break
-        else:
-            return Verdict(accepted, coin.categorical(p))
 
 
 def test_broken_sampled_verifier_is_caught():
