@@ -308,12 +308,19 @@ def demo(
     max_new_tokens: int,
     threads: int | None,
 ) -> None:
-    """Run the whole pipeline with no downloads: checkpoint -> export -> generate -> report."""
+    """Run the whole pipeline with no downloads: export, then plain and speculative decoding.
+
+    Prints a JSON report: the texts, plain and n-gram speculative stats (acceptance
+    length, per-position acceptance, ms/token), the speedup, and whether the greedy
+    outputs are identical (they must be).
+    """
     from specx.artifact import load_manifest
     from specx.export.random_checkpoint import write_random_checkpoint
     from specx.export.target_export import export_target
+    from specx.runtime.drafters.ngram import NGramDrafter
     from specx.runtime.ort_target import OrtTarget
     from specx.runtime.plain_decoding import generate_plain
+    from specx.runtime.speculative_decoding import generate_speculative
     from specx.runtime.tokenizer import TextTokenizer
 
     workdir = workdir or Path(tempfile.mkdtemp(prefix="specx-demo-"))
@@ -322,28 +329,31 @@ def demo(
         _progress(f"writing a random-weight Llama checkpoint to {target_dir}")
         write_random_checkpoint(target_dir, "llama", "small", seed=0)
     artifact = export_target(
-        target_dir,
-        workdir / "artifact",
-        max_context=1024,
-        taps="none",
-        overwrite=True,
-        progress=_progress,
+        target_dir, workdir / "artifact", max_context=1024, overwrite=True, progress=_progress
     )
     manifest = load_manifest(artifact)
     tokenizer = TextTokenizer(manifest.tokenizer_file) if manifest.tokenizer_file else None
     prompt_ids = tokenizer.encode(prompt) if tokenizer else [1, 2, 3, 4]
     target = OrtTarget(manifest, threads=threads)
-    result = generate_plain(target, [prompt_ids], max_new_tokens)
+    _progress("decoding: plain, then speculative with the n-gram drafter")
+    plain = generate_plain(target, [prompt_ids], max_new_tokens)
+    spec = generate_speculative(target, NGramDrafter(6), [prompt_ids], max_new_tokens)
     report = {
         "artifact": str(artifact),
         "prompt": prompt,
-        "text": tokenizer.decode(result.tokens[0]) if tokenizer else None,
-        "tokens": result.tokens[0],
-        "stats": result.stats,
+        "text": tokenizer.decode(spec.tokens[0]) if tokenizer else None,
+        "tokens": spec.tokens[0],
+        "identical_to_plain": spec.tokens == plain.tokens,
+        "speedup": plain.stats["ms_per_token"] / spec.stats["ms_per_token"],
+        "plain": plain.stats,
+        "speculative": {k: v for k, v in spec.stats.items() if k != "per_request"},
     }
     json.dump(report, sys.stdout, indent=2)
     click.echo()
-    _print_stats(result.stats)
+    _print_stats(plain.stats)
+    _print_stats(spec.stats)
+    if not report["identical_to_plain"]:
+        raise GenerationError("speculative output differs from plain decoding: please report")
 
 
 if __name__ == "__main__":

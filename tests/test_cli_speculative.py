@@ -1,0 +1,104 @@
+"""`specx generate --drafter ...` and `specx demo` from the command line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from specx.cli import main
+
+
+def invoke(*args):
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
+def test_ngram_compare_reports_speedup_and_identity(artifacts):
+    prompt = ",".join(["5", "6", "7", "8"] * 4)
+    result = invoke(
+        "generate",
+        artifacts["llama"],
+        "--prompt-ids",
+        prompt,
+        "--drafter",
+        "ngram",
+        "--num-draft-tokens",
+        5,
+        "--ngram-matches",
+        2,
+        "--compare",
+        "--json",
+        "--max-new-tokens",
+        24,
+        "--threads",
+        2,
+    )
+    assert result.exit_code == 0, result.output
+    stats = json.loads(result.stdout)["stats"]
+    assert stats["mode"] == "speculative" and stats["drafter"] == "ngram"
+    assert stats["compare"]["identical_tokens"] is True
+    assert stats["compare"]["speedup"] > 0
+    assert stats["acceptance_length"] >= 1.0
+
+
+def test_draft_model_with_static_tree(artifacts, draft_artifacts, tmp_path):
+    tree = tmp_path / "tree.json"
+    tree.write_text("[[0], [1], [0, 0]]")
+    result = invoke(
+        "generate",
+        artifacts["llama"],
+        "--prompt-ids",
+        "3,4,5",
+        "--drafter",
+        f"draft-model:{draft_artifacts['llama']}",
+        "--tree",
+        tree,
+        "--compare",
+        "--json",
+        "--max-new-tokens",
+        16,
+    )
+    assert result.exit_code == 0, result.output
+    stats = json.loads(result.stdout)["stats"]
+    assert stats["drafter"] == "draft-model" and stats["compare"]["identical_tokens"] is True
+    assert len(stats["acceptance_by_position"]) == 2
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--drafter", "medusa"], "unknown drafter 'medusa'"),
+        (["--drafter", "ngram", "--tree", "[[0]]"], "--tree does not apply to ngram"),
+        (["--drafter", "draft-model"], "draft-model needs an artifact"),
+        (["--drafter", "ngram", "--num-draft-tokens", "0"], "num_draft_tokens >= 1"),
+        (["--compare"], "--compare needs --drafter"),
+    ],
+)
+def test_bad_speculative_options(artifacts, args, message):
+    result = invoke("generate", artifacts["llama"], "--prompt-ids", "1,2", *args)
+    assert result.exit_code == 2, result.output
+    assert message in result.output
+
+
+def test_malformed_tree_is_a_clear_error(artifacts, draft_artifacts):
+    result = invoke(
+        "generate",
+        artifacts["llama"],
+        "--prompt-ids",
+        "1,2",
+        "--drafter",
+        f"draft-model:{draft_artifacts['llama']}",
+        "--tree",
+        "[[0],[1,0]]",
+    )
+    assert result.exit_code == 2 and "has no parent [1]" in result.output
+
+
+def test_demo_runs_end_to_end(tmp_path):
+    result = invoke("demo", "--workdir", tmp_path, "--max-new-tokens", 24, "--threads", 2)
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["identical_to_plain"] is True
+    assert report["speculative"]["mode"] == "speculative" and len(report["tokens"]) == 24
+    assert (tmp_path / "artifact" / "manifest.json").is_file()
