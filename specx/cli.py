@@ -133,19 +133,6 @@ def _read_prompts(
     return prompts
 
 
-def _read_choices(tree: str | None) -> list[list[int]] | None:
-    if tree is None:
-        return None
-    text = Path(tree).read_text(encoding="utf-8") if Path(tree).is_file() else tree
-    try:
-        choices = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise GenerationError(f"--tree must be a JSON list of paths or a file with one: {e}") from e
-    if not isinstance(choices, list) or not all(isinstance(c, list) for c in choices):
-        raise GenerationError("--tree must be a JSON list of rank paths, e.g. [[0],[1],[0,0]]")
-    return choices
-
-
 @main.command()
 @click.argument("artifact_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.option("--prompt", help="Prompt text (needs the artifact's tokenizer).")
@@ -170,7 +157,8 @@ def _read_choices(tree: str | None) -> list[list[int]] | None:
 )
 @click.option(
     "--tree",
-    help="Static draft tree for draft-model: JSON choice list or a file, e.g. [[0],[1],[0,0]].",
+    help="Draft tree for model drafters: chain:K, dynamic:TOTAL,DEPTH,TOPK (EAGLE-2), "
+    "static:FILE or a JSON choice list such as [[0],[1],[0,0]].",
 )
 @click.option("--ngram-min", default=1, show_default=True, help="Shortest n-gram to match.")
 @click.option("--ngram-max", default=3, show_default=True, help="Longest n-gram to match.")
@@ -218,6 +206,7 @@ def generate(
     """Generate from the target in ARTIFACT_DIR on ONNX Runtime, plainly or speculatively."""
     from specx.artifact import load_manifest
     from specx.runtime.drafters import DrafterOptions, make_drafter
+    from specx.runtime.drafters.tree_search import parse_tree_spec
     from specx.runtime.ort_target import OrtTarget
     from specx.runtime.plain_decoding import generate_plain
     from specx.runtime.sampling import SamplingParams
@@ -239,7 +228,12 @@ def generate(
         result = generate_plain(target, prompts, max_new_tokens, sampling, eos)
     else:
         options = DrafterOptions(
-            num_draft_tokens, _read_choices(tree), ngram_min, ngram_max, ngram_matches, threads
+            num_draft_tokens,
+            parse_tree_spec(tree) if tree else None,
+            ngram_min,
+            ngram_max,
+            ngram_matches,
+            threads,
         )
         result = generate_speculative(
             target,

@@ -16,6 +16,7 @@ from conftest import perturbed_copy
 from specx.artifact import load_manifest
 from specx.runtime.drafters.draft_model import DraftModelDrafter
 from specx.runtime.drafters.ngram import NGramDrafter
+from specx.runtime.drafters.tree_search import DynamicTree, StaticTree
 from specx.runtime.ort_target import OrtTarget
 from specx.runtime.plain_decoding import generate_plain
 from specx.runtime.sampling import SamplingParams
@@ -66,11 +67,14 @@ def p_values(plain, spec):
 
 
 DRAFTERS = {
-    "draft-chain": lambda draft: DraftModelDrafter(draft, 3),
-    "draft-tree-topk": lambda draft: DraftModelDrafter(draft, choices=[[0], [1], [0, 0], [1, 0]]),
-    "draft-tree-iid": lambda draft: DraftModelDrafter(
-        draft, choices=[[0], [1], [0, 0]], iid_siblings=True
+    "draft-chain": lambda draft: DraftModelDrafter(draft, StaticTree.chain(3)),
+    "draft-tree-topk": lambda draft: DraftModelDrafter(
+        draft, StaticTree.from_choices([[0], [1], [0, 0], [1, 0]])
     ),
+    "draft-tree-iid": lambda draft: DraftModelDrafter(
+        draft, StaticTree.from_choices([[0], [1], [0, 0]]), iid_siblings=True
+    ),
+    "draft-dynamic": lambda draft: DraftModelDrafter(draft, DynamicTree(6, 3, 2)),
     "ngram": lambda draft: NGramDrafter(3, max_matches=2),
 }
 SAMPLING = [

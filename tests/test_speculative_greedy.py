@@ -14,6 +14,7 @@ from specx.runtime.drafters.draft_model import (
     check_same_vocabulary,
 )
 from specx.runtime.drafters.ngram import NGramDrafter
+from specx.runtime.drafters.tree_search import DynamicTree, StaticTree
 from specx.runtime.ort_target import OrtTarget
 from specx.runtime.plain_decoding import generate_plain
 from specx.runtime.speculative_decoding import generate_speculative
@@ -58,9 +59,13 @@ def test_draft_model_chain_and_tree(family, batch, artifacts, draft_artifacts, r
     target = OrtTarget(load_manifest(artifacts[family]), threads=2)
     draft = OrtTarget(load_manifest(draft_artifacts[family]), threads=2)
     prompts = [rng.integers(1, target.vocab_size, n).tolist() for n in (4, 9, 13, 6, 21, 2)]
-    accepted = assert_equals_plain(target, DraftModelDrafter(draft, 4), prompts, batch=batch)
-    tree = DraftModelDrafter(draft, choices=TREE)
+    accepted = assert_equals_plain(
+        target, DraftModelDrafter(draft, StaticTree.chain(4)), prompts, batch=batch
+    )
+    tree = DraftModelDrafter(draft, StaticTree.from_choices(TREE))
     accepted += assert_equals_plain(target, tree, prompts, batch=batch)
+    dynamic = DraftModelDrafter(draft, DynamicTree(12, 4, 3))
+    accepted += assert_equals_plain(target, dynamic, prompts, batch=batch)
     assert accepted > 0
 
 
@@ -78,7 +83,9 @@ def test_trained_target_pyref(pyref_artifact):
         )
     ]
     accepted = assert_equals_plain(target, NGramDrafter(6, max_matches=2), prompts, 64)
-    self_draft = DraftModelDrafter(OrtTarget(load_manifest(pyref_artifact), threads=2), 3)
+    self_draft = DraftModelDrafter(
+        OrtTarget(load_manifest(pyref_artifact), threads=2), StaticTree.chain(3)
+    )
     accepted += assert_equals_plain(target, self_draft, prompts, 64)
     assert accepted > 0
 

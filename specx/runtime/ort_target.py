@@ -55,7 +55,8 @@ class OrtTarget:
         self.vocab_size: int = model["vocab_size"]
         self.capacity: int = model["kv_capacity"]
         self.max_tree_tokens: int = model["max_tree_tokens"]
-        self.has_taps = model["taps"]["kind"] != "none"
+        self.taps: str = model["taps"]["kind"]
+        self.has_taps = self.taps != "none"
         self.tap_width: int = model["taps"]["width"]
         configure_threads(threads)
         options = ort.SessionOptions()

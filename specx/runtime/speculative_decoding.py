@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from specx.errors import GenerationError
 from specx.runtime.drafters.base import Drafter
 from specx.runtime.metrics import AcceptanceStats
 from specx.runtime.ort_target import OrtTarget
@@ -95,11 +96,19 @@ def generate_speculative(
     eos = set(eos_token_ids)
     batch = len(prompts)
     cache = target.allocate_cache(batch, needed)
-    drafter.start(prompts, needed)
+    if drafter.taps != "none" and target.taps != drafter.taps:
+        raise GenerationError(
+            f"the {drafter.name} drafter reads the target's {drafter.taps!r} hidden states, but "
+            f"{target.manifest.root} was exported with --taps {target.taps}"
+        )
     stats = [AcceptanceStats() for _ in range(batch)]
 
     started = time.perf_counter()
-    logits, _ = prefill(target, cache, prompts)
+    logits, output = prefill(target, cache, prompts)
+    prompt_taps = None
+    if drafter.taps != "none":
+        prompt_taps = [output.taps[b, : len(p)] for b, p in enumerate(prompts)]
+    drafter.start(prompts, needed, prompt_taps)
     first = logits.argmax(-1) if sampling.greedy else sample(sampling_probs(logits, sampling), rng)
     prefill_s = time.perf_counter() - started
     emitted = [[int(t)] for t in first]
@@ -113,7 +122,8 @@ def generate_speculative(
         roots = np.array([h[-1] for h in histories], dtype=np.int64)
         lengths = cache.lengths.copy()
         input_ids, positions, mask = verify_inputs(roots, drafts, lengths)
-        target_logits = target.forward(cache, input_ids, positions, mask, lengths).logits
+        output = target.forward(cache, input_ids, positions, mask, lengths)
+        target_logits = output.logits
         target_probs = target_logits if sampling.greedy else sampling_probs(target_logits, sampling)
         for b in np.flatnonzero(active):
             draft = drafts[b]
@@ -121,7 +131,8 @@ def generate_speculative(
             path = np.array([0] + [i + 1 for i in verdict.accepted])
             cache.keep_path(b, int(lengths[b]), path)
             cache.lengths[b] = lengths[b] + len(path)
-            drafter.accept(b, draft, verdict.accepted)
+            path_taps = None if output.taps is None else output.taps[b, path]
+            drafter.accept(b, draft, verdict.accepted, path_taps)
             tokens = verdict.emitted(draft)
             stats[b].record(_depth(draft), len(verdict.accepted))
             for token in tokens:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -10,6 +10,7 @@ from specx.errors import SpecxError
 from specx.runtime.drafters.base import Drafter
 from specx.runtime.drafters.draft_model import DraftModelDrafter, check_same_vocabulary
 from specx.runtime.drafters.ngram import NGramDrafter
+from specx.runtime.drafters.tree_search import StaticTree, TreeShape
 from specx.runtime.ort_target import OrtTarget
 
 __all__ = ["DRAFTERS", "Drafter", "DrafterOptions", "make_drafter"]
@@ -20,7 +21,7 @@ class DrafterOptions:
     """Knobs shared by the drafters; each uses the ones that apply to it."""
 
     num_draft_tokens: int = 4
-    tree_choices: Sequence[Sequence[int]] | None = None
+    tree: TreeShape | None = None  # None = a chain of num_draft_tokens
     ngram_min: int = 1
     ngram_max: int = 3
     ngram_matches: int = 1
@@ -30,7 +31,7 @@ class DrafterOptions:
 def _ngram(target: OrtTarget, argument: str | None, options: DrafterOptions) -> Drafter:
     if argument:
         raise SpecxError(f"the ngram drafter takes no argument, got 'ngram:{argument}'")
-    if options.tree_choices is not None:
+    if options.tree is not None:
         raise SpecxError("--tree does not apply to ngram: its tree comes from --ngram-matches")
     try:
         return NGramDrafter(
@@ -47,7 +48,7 @@ def _draft_model(target: OrtTarget, argument: str | None, options: DrafterOption
         raise SpecxError("draft-model needs an artifact: --drafter draft-model:PATH")
     draft = OrtTarget(load_manifest(Path(argument)), threads=options.threads)
     check_same_vocabulary(target, draft)
-    return DraftModelDrafter(draft, options.num_draft_tokens, options.tree_choices)
+    return DraftModelDrafter(draft, options.tree or StaticTree.chain(options.num_draft_tokens))
 
 
 DRAFTERS: dict[str, Callable[[OrtTarget, str | None, DrafterOptions], Drafter]] = {

@@ -22,9 +22,16 @@ class Drafter(Protocol):
 
     name: str
     max_nodes: int  # the most draft nodes proposed for one sequence in one round
+    taps: str  # the target taps it reads: "none", "last" or "eagle3"
 
-    def start(self, prompts: Sequence[Sequence[int]], capacity: int) -> None:
-        """Resets per-sequence state for a new batch needing up to `capacity` slots."""
+    def start(
+        self, prompts: Sequence[Sequence[int]], capacity: int, taps: list[np.ndarray] | None
+    ) -> None:
+        """Resets state for a new batch needing up to `capacity` slots.
+
+        `taps[b]` [P_b, W] are the target's hidden-state taps of prompt b (None when the
+        target exports none).
+        """
         ...
 
     def propose(
@@ -37,6 +44,12 @@ class Drafter(Protocol):
         """One draft tree per sequence."""
         ...
 
-    def accept(self, row: int, draft: DraftTree, accepted: list[int]) -> None:
-        """Tells the drafter which nodes of `draft` the target accepted for `row`."""
+    def accept(
+        self, row: int, draft: DraftTree, accepted: list[int], taps: np.ndarray | None
+    ) -> None:
+        """Tells the drafter which nodes of `draft` the target accepted for `row`.
+
+        `taps` [1 + len(accepted), W] are the target's taps of the root and the accepted
+        nodes, i.e. of the tokens whose KV the target just kept.
+        """
         ...

@@ -64,6 +64,7 @@ class NGramDrafter:
     """Prompt-lookup drafting; several matches form a tree (`max_matches` > 1)."""
 
     name = "ngram"
+    taps = "none"
 
     def __init__(
         self, num_draft_tokens: int = 5, min_n: int = 1, max_n: int = 3, max_matches: int = 1
@@ -76,7 +77,7 @@ class NGramDrafter:
         self.max_nodes = num_draft_tokens
         self.min_n, self.max_n, self.max_matches = min_n, max_n, max_matches
 
-    def start(self, prompts: Sequence[Sequence[int]], capacity: int) -> None:  # noqa: D102
+    def start(self, prompts: Sequence[Sequence[int]], capacity: int, taps=None) -> None:  # noqa: D102
         pass
 
     def propose(self, histories, active, sampling: SamplingParams, rng) -> list[DraftTree]:  # noqa: D102
@@ -95,5 +96,5 @@ class NGramDrafter:
             drafts.append(_trie(found, self.max_nodes))
         return drafts
 
-    def accept(self, row: int, draft: DraftTree, accepted: list[int]) -> None:  # noqa: D102
+    def accept(self, row: int, draft: DraftTree, accepted: list[int], taps=None) -> None:  # noqa: D102
         pass

@@ -1,0 +1,203 @@
+"""Growing draft trees with a model that scores the children of the nodes it is fed.
+
+Two strategies over one `NodeForward` callback (the drafter's model):
+- static shapes (chains, Medusa-style choice lists): depth by depth, node of rank r takes
+  the parent's r-th most likely token, or a sample from q for sampled chains;
+- EAGLE-2 dynamic trees: expand the `top_k` best frontier nodes by their `top_k` children,
+  score = cumulative log-probability, keep the best `top_k` as the next frontier; after
+  `depth` levels keep the best `total_tokens` nodes, parents before children.
+
+Nodes live in a per-batch *pool* in creation order (parents before children). The
+callback forwards a set of pool nodes (the same count per row) and returns their logits;
+the drafter behind it keeps whatever per-node state its model needs (KV slots, hiddens).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from specx.runtime.sampling import SamplingParams, sample, sampling_probs
+from specx.runtime.trees import DraftTree, TreeError, choices_parents, depths
+
+__all__ = ["DynamicTree", "NodeForward", "StaticTree", "TreeShape", "grow", "parse_tree_spec"]
+
+# forward(nodes [B, n] pool ids, tokens [B, n], parents [B, n] pool ids or -1) -> logits [B, n, V]
+NodeForward = Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray]
+
+
+@dataclass(frozen=True)
+class StaticTree:
+    """A fixed tree: `parents[i]` (-1 = root) and the top-k `ranks[i]` of each node."""
+
+    parents: np.ndarray
+    ranks: np.ndarray
+    is_chain: bool = False
+
+    @classmethod
+    def chain(cls, length: int) -> StaticTree:
+        """A chain of `length` nodes, each the parent's most likely (or sampled) token."""
+        if length < 1:
+            raise TreeError(f"a chain needs at least 1 token, got {length}")
+        return cls(np.arange(length) - 1, np.zeros(length, dtype=np.int64), is_chain=True)
+
+    @classmethod
+    def from_choices(cls, choices) -> StaticTree:
+        """A Medusa-style choice list, e.g. [[0], [1], [0, 0]]."""
+        parents, ranks = choices_parents(choices)
+        return cls(parents, ranks)
+
+    @property
+    def max_nodes(self) -> int:  # noqa: D102
+        return len(self.parents)
+
+
+@dataclass(frozen=True)
+class DynamicTree:
+    """EAGLE-2 parameters; defaults are EAGLE-2's (60 tokens, depth 7, top-k 10)."""
+
+    total_tokens: int = 60
+    depth: int = 7
+    top_k: int = 10
+
+    def __post_init__(self) -> None:
+        if min(self.total_tokens, self.depth, self.top_k) < 1:
+            raise TreeError(f"dynamic tree parameters must be >= 1, got {self}")
+
+    @property
+    def max_nodes(self) -> int:  # noqa: D102
+        return self.total_tokens
+
+
+TreeShape = StaticTree | DynamicTree
+
+
+def parse_tree_spec(spec: str) -> TreeShape:
+    """`chain:K`, `dynamic:TOTAL,DEPTH,TOPK`, `static:FILE` or a JSON choice list."""
+    import json
+    from pathlib import Path
+
+    kind, _, argument = spec.partition(":")
+    try:
+        if Path(spec).is_file():
+            return StaticTree.from_choices(json.loads(Path(spec).read_text(encoding="utf-8")))
+        if kind == "chain":
+            return StaticTree.chain(int(argument))
+        if kind == "dynamic":
+            values = [int(v) for v in argument.split(",")] if argument else []
+            return DynamicTree(*values)
+        if kind == "static":
+            return StaticTree.from_choices(json.loads(Path(argument).read_text(encoding="utf-8")))
+        return StaticTree.from_choices(json.loads(spec))
+    except (ValueError, TypeError, OSError) as e:
+        raise TreeError(
+            f"bad tree {spec!r}: use chain:K, dynamic:TOTAL,DEPTH,TOPK, static:FILE or a JSON "
+            f"choice list ({e})"
+        ) from e
+
+
+def grow(
+    shape: TreeShape,
+    root_logits: np.ndarray,  # [B, V] the drafter's logits for the root's children
+    forward: NodeForward,
+    sampling: SamplingParams,
+    rng: np.random.Generator,
+    sample_chain: bool,
+) -> tuple[list[DraftTree], list[np.ndarray]]:
+    """Grows one draft tree per sequence.
+
+    Returns:
+        The trees, and per tree the pool id of each of its nodes (for the drafter's state).
+    """
+    if isinstance(shape, DynamicTree):
+        return _grow_dynamic(shape, root_logits, forward)
+    return _grow_static(shape, root_logits, forward, sampling, rng, sample_chain)
+
+
+def _grow_static(shape, root_logits, forward, sampling, rng, sample_chain):
+    batch, n = len(root_logits), shape.max_nodes
+    level_of = depths(shape.parents)
+    has_children = np.isin(np.arange(n), shape.parents)
+    sampled = sample_chain and not sampling.greedy
+    tokens = np.zeros((batch, n), dtype=np.int64)
+    probs = None
+    logits_of = {-1: root_logits}
+    for level in range(int(level_of.max()) + 1):
+        nodes = np.flatnonzero(level_of == level)
+        for node in nodes:
+            parent_logits = logits_of[int(shape.parents[node])]
+            if sampled:
+                q = sampling_probs(parent_logits, sampling)
+                tokens[:, node] = sample(q, rng)
+                probs = np.zeros((batch, n, q.shape[-1])) if probs is None else probs
+                probs[:, node] = q
+            else:
+                order = np.argsort(-parent_logits, axis=-1, kind="stable")
+                tokens[:, node] = order[:, shape.ranks[node]]
+        expand = nodes[has_children[nodes]]
+        if expand.size:
+            ids = np.broadcast_to(expand, (batch, len(expand)))
+            parents = np.broadcast_to(shape.parents[expand], (batch, len(expand)))
+            logits = forward(ids, tokens[:, expand], parents)
+            logits_of.update({int(node): logits[:, k] for k, node in enumerate(expand)})
+    trees = [
+        DraftTree(tokens[b], shape.parents, None if probs is None else probs[b])
+        for b in range(batch)
+    ]
+    return trees, [np.arange(n)] * batch
+
+
+def _log_softmax(logits: np.ndarray) -> np.ndarray:
+    shifted = logits - logits.max(-1, keepdims=True)
+    return shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+
+
+def _grow_dynamic(shape: DynamicTree, root_logits, forward):
+    batch, k = len(root_logits), min(shape.top_k, root_logits.shape[-1])
+    pool_tokens, pool_parents, pool_scores, pool_depth = [], [], [], []
+
+    def add(tokens, parents, scores, depth):
+        start = sum(t.shape[1] for t in pool_tokens)
+        pool_tokens.append(tokens)
+        pool_parents.append(parents)
+        pool_scores.append(scores)
+        pool_depth.append(np.full(tokens.shape, depth))
+        return start + np.arange(tokens.shape[1])
+
+    logp = _log_softmax(root_logits)
+    top = np.argsort(-logp, axis=-1, kind="stable")[:, :k]
+    frontier_scores = np.take_along_axis(logp, top, -1)
+    frontier = np.broadcast_to(add(top, np.full(top.shape, -1), frontier_scores, 0), top.shape)
+    frontier_tokens = top
+    for level in range(1, shape.depth):
+        logits = forward(frontier, frontier_tokens, _gather(pool_parents, frontier))
+        logp = _log_softmax(logits)  # [B, k, V]
+        children = np.argsort(-logp, axis=-1, kind="stable")[:, :, :k]  # [B, k, k]
+        scores = frontier_scores[:, :, None] + np.take_along_axis(logp, children, -1)
+        parents = np.repeat(frontier, k, axis=1)
+        ids = add(children.reshape(batch, -1), parents, scores.reshape(batch, -1), level)
+        best = np.argsort(-scores.reshape(batch, -1), axis=-1, kind="stable")[:, :k]
+        frontier = ids[best]
+        frontier_tokens = np.take_along_axis(children.reshape(batch, -1), best, -1)
+        frontier_scores = np.take_along_axis(scores.reshape(batch, -1), best, -1)
+    tokens = np.concatenate(pool_tokens, 1)
+    parents = np.concatenate(pool_parents, 1)
+    scores = np.concatenate(pool_scores, 1)
+    level_of = np.concatenate(pool_depth, 1)
+    trees, pool_ids = [], []
+    for b in range(batch):
+        # Best scores first; ties go to shallower nodes, so a parent is never dropped
+        # for its child (a child's score is at most its parent's).
+        order = np.lexsort((np.arange(scores.shape[1]), level_of[b], -scores[b]))
+        keep = np.sort(order[: shape.total_tokens])
+        index = {int(p): i for i, p in enumerate(keep)}
+        tree_parents = np.array([index[int(p)] if p >= 0 else -1 for p in parents[b, keep]])
+        trees.append(DraftTree(tokens[b, keep], tree_parents))
+        pool_ids.append(keep)
+    return trees, pool_ids
+
+
+def _gather(pool_parents: list[np.ndarray], ids: np.ndarray) -> np.ndarray:
+    return np.take_along_axis(np.concatenate(pool_parents, 1), ids, -1)
