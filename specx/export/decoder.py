@@ -25,7 +25,16 @@ from specx.errors import ExportError
 from specx.export.config import TargetConfig
 from specx.export.tree_attention_op import tree_attention
 
-__all__ = ["TAP_KINDS", "TargetDecoder", "tap_layers"]
+__all__ = [
+    "MLP",
+    "TAP_KINDS",
+    "Attention",
+    "DecoderLayer",
+    "RMSNorm",
+    "RotaryEmbedding",
+    "TargetDecoder",
+    "tap_layers",
+]
 
 TAP_KINDS = ("none", "last", "eagle3")
 
@@ -47,12 +56,14 @@ def tap_layers(kind: str, num_layers: int) -> tuple[int, ...]:
 
 
 class RMSNorm(nn.Module):
+    """RMS norm with a learned scale (exported as RMSNormalization)."""
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
@@ -64,7 +75,7 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("inv_freq", torch.tensor(config.inv_freq), persistent=False)
         self.scaling = config.rope_attention_scaling
 
-    def forward(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # noqa: D102
         freqs = position_ids[..., None].float() * self.inv_freq  # [B, N, D/2]
         angles = torch.cat((freqs, freqs), dim=-1)
         return angles.cos() * self.scaling, angles.sin() * self.scaling
@@ -81,20 +92,22 @@ def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
 
 
 class Attention(nn.Module):
-    def __init__(self, config: TargetConfig):
+    """Self-attention through one TreeAttention op; `input_size` defaults to hidden_size."""
+
+    def __init__(self, config: TargetConfig, input_size: int | None = None):
         super().__init__()
         self.config = config
         heads, kv_heads, head_dim = config.num_heads, config.num_kv_heads, config.head_dim
-        d = config.hidden_size
-        self.q_proj = nn.Linear(d, heads * head_dim, bias=config.qkv_bias)
-        self.k_proj = nn.Linear(d, kv_heads * head_dim, bias=config.qkv_bias)
-        self.v_proj = nn.Linear(d, kv_heads * head_dim, bias=config.qkv_bias)
+        d, d_in = config.hidden_size, input_size or config.hidden_size
+        self.q_proj = nn.Linear(d_in, heads * head_dim, bias=config.qkv_bias)
+        self.k_proj = nn.Linear(d_in, kv_heads * head_dim, bias=config.qkv_bias)
+        self.v_proj = nn.Linear(d_in, kv_heads * head_dim, bias=config.qkv_bias)
         self.o_proj = nn.Linear(heads * head_dim, d, bias=config.o_bias)
         if config.qk_norm:
             self.q_norm = RMSNorm(head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(head_dim, config.rms_norm_eps)
 
-    def forward(self, x, cos, sin, k_cache, v_cache, write_pos, mask):
+    def forward(self, x, cos, sin, k_cache, v_cache, write_pos, mask):  # noqa: D102
         c = self.config
         batch, n, _ = x.shape
         q = self.q_proj(x).view(batch, n, c.num_heads, c.head_dim)
@@ -121,6 +134,8 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    """SwiGLU MLP: down(silu(gate(x)) * up(x))."""
+
     def __init__(self, config: TargetConfig):
         super().__init__()
         d, hidden, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
@@ -128,19 +143,23 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(d, hidden, bias=bias)
         self.down_proj = nn.Linear(hidden, d, bias=bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: TargetConfig):
+    """Pre-norm decoder layer; EAGLE-1's first layer has no input norm (`input_norm=False`)."""
+
+    def __init__(self, config: TargetConfig, input_norm: bool = True):
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm = (
+            RMSNorm(config.hidden_size, config.rms_norm_eps) if input_norm else nn.Identity()
+        )
         self.self_attn = Attention(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, h, cos, sin, k_cache, v_cache, write_pos, mask):
+    def forward(self, h, cos, sin, k_cache, v_cache, write_pos, mask):  # noqa: D102
         attn, k_cache, v_cache = self.self_attn(
             self.input_layernorm(h), cos, sin, k_cache, v_cache, write_pos, mask
         )

@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import shutil
 import time
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -17,19 +16,15 @@ from specx.artifact import atomic_output_dir, sha256_file, write_manifest
 from specx.errors import ExportError
 from specx.export.checkpoint import Checkpoint, load_checkpoint
 from specx.export.decoder import TargetDecoder
-from specx.export.tree_attention_op import ONNX_TRANSLATIONS
-from specx.graphs.tree_attention import attach_function
+from specx.export.onnx_graph import export_module, graph_entry, save_graph
 
-__all__ = ["DEFAULT_MAX_CONTEXT", "export_target", "graph_signature", "io_names"]
+__all__ = ["DEFAULT_MAX_CONTEXT", "export_target", "io_names"]
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_CONTEXT = 2048
 # Verify forwards take at most this many tokens (root + draft nodes); TensorRT profiles use it.
 DEFAULT_MAX_TREE_TOKENS = 64
-EXPORT_OPSET = 23  # torch emits Attention/RMSNormalization at 23; the function raises it to 24
-GRAPH_FILE = "target.onnx"
-DATA_FILE = "target.onnx.data"
 
 Progress = Callable[[str], None]
 
@@ -70,43 +65,14 @@ def _dynamic_shapes(num_layers: int) -> tuple[Any, ...]:
 
 def _export_graph(decoder: TargetDecoder) -> onnx.ModelProto:
     inputs, outputs = io_names(decoder.config.num_layers, decoder.taps)
-    with warnings.catch_warnings(), torch.no_grad():
-        warnings.simplefilter("ignore")
-        try:
-            program = torch.onnx.export(
-                decoder,
-                _example_inputs(decoder),
-                dynamo=True,
-                opset_version=EXPORT_OPSET,
-                custom_translation_table=ONNX_TRANSLATIONS,
-                dynamic_shapes=_dynamic_shapes(decoder.config.num_layers),
-                input_names=inputs,
-                output_names=outputs,
-                verbose=False,
-            )
-        except Exception as e:  # torch raises many unrelated types from deep in the tracer
-            raise ExportError(
-                f"torch.onnx.export of the {decoder.config.family} target failed: {e}"
-            ) from e
-    return attach_function(program.model_proto)
-
-
-def graph_signature(model: onnx.ModelProto) -> dict[str, list[dict[str, Any]]]:
-    """The IO signature of a graph: name, element type and shape (ints or symbolic names)."""
-
-    def describe(value: onnx.ValueInfoProto) -> dict[str, Any]:
-        tensor = value.type.tensor_type
-        shape = [d.dim_param or d.dim_value for d in tensor.shape.dim]
-        return {
-            "name": value.name,
-            "dtype": onnx.helper.tensor_dtype_to_np_dtype(tensor.elem_type).name,
-            "shape": shape,
-        }
-
-    return {
-        "inputs": [describe(v) for v in model.graph.input],
-        "outputs": [describe(v) for v in model.graph.output],
-    }
+    return export_module(
+        decoder,
+        _example_inputs(decoder),
+        _dynamic_shapes(decoder.config.num_layers),
+        inputs,
+        outputs,
+        f"the {decoder.config.family} target",
+    )
 
 
 def _check_capacity(checkpoint: Checkpoint, max_context: int) -> None:
@@ -133,16 +99,22 @@ def export_target(
     output_dir: str | Path,
     *,
     max_context: int = DEFAULT_MAX_CONTEXT,
-    taps: str = "none",
+    taps: str | None = None,
     max_tree_tokens: int | None = None,
+    drafter: str | None = None,
     overwrite: bool = False,
     progress: Progress = lambda message: None,
 ) -> Path:
-    """Exports an HF target checkpoint to a specx artifact directory.
+    """Exports an HF target checkpoint (and optionally a draft head) to an artifact directory.
+
+    `drafter` is `eagle3:DIR`, `eagle:DIR`, `medusa:DIR`, `mtp` or `mtp:DIR`; the target
+    then exports the taps that head reads (`taps` None picks them).
 
     Returns:
         The artifact directory. It appears only when the export completed.
     """
+    from specx.export.heads import HEAD_TAPS, load_head
+
     started = time.perf_counter()
     checkpoint_dir, output_dir = Path(checkpoint_dir), Path(output_dir)
     progress(f"[1/5] loading {checkpoint_dir}")
@@ -154,6 +126,14 @@ def export_target(
         raise ExportError(
             f"--max-tree-tokens must be in [1, --max-context={max_context}], got {max_tree_tokens}"
         )
+    head = None
+    if drafter is not None:
+        head = load_head(drafter, checkpoint)
+        needed = HEAD_TAPS[head.kind]
+        if taps not in (None, needed):
+            raise ExportError(f"the {head.kind} head reads --taps {needed}, not {taps}")
+        taps = needed
+    taps = taps or "none"
     decoder = TargetDecoder.from_state_dict(checkpoint.config, checkpoint.state_dict, taps)
     n_params = sum(p.numel() for p in decoder.parameters())
     progress(
@@ -162,21 +142,22 @@ def export_target(
     )
     model = _export_graph(decoder)
     with atomic_output_dir(output_dir, overwrite=overwrite) as staging:
-        progress(f"[3/5] writing {GRAPH_FILE}")
-        onnx.save_model(
-            model,
-            staging / GRAPH_FILE,
-            save_as_external_data=True,
-            all_tensors_to_one_file=True,
-            location=DATA_FILE,
-            size_threshold=1024,
-        )
+        progress("[3/5] writing target.onnx")
+        body = _manifest_body(checkpoint, decoder, model, max_context)
+        body["graphs"]["target"] = graph_entry(model, *save_graph(model, staging, "target"))
+        body["model"]["max_tree_tokens"] = max_tree_tokens
+        if head is not None:
+            from specx.export.head_export import export_head
+
+            progress(f"[3/5] tracing and writing the {head.kind} head")
+            body["drafter"], graphs = export_head(head, drafter, staging)
+            body["graphs"].update(graphs)
         tokenizer = checkpoint_dir / "tokenizer.json"
         if tokenizer.is_file():
             shutil.copyfile(tokenizer, staging / "tokenizer.json")
+        body["tokenizer"] = "tokenizer.json" if tokenizer.is_file() else None
         progress(f"[4/5] hashing {len(checkpoint.files)} source weight files")
-        body = _manifest_body(checkpoint, decoder, model, max_context, tokenizer.is_file())
-        body["model"]["max_tree_tokens"] = max_tree_tokens
+        body["source"]["weights"] = {p.name: sha256_file(p) for p in checkpoint.files}
         progress("[5/5] writing manifest.json")
         write_manifest(staging, body)
     progress(f"exported {output_dir} in {time.perf_counter() - started:.1f}s")
@@ -184,31 +165,18 @@ def export_target(
 
 
 def _manifest_body(
-    checkpoint: Checkpoint,
-    decoder: TargetDecoder,
-    model: onnx.ModelProto,
-    max_context: int,
-    has_tokenizer: bool,
+    checkpoint: Checkpoint, decoder: TargetDecoder, model: onnx.ModelProto, max_context: int
 ) -> dict[str, Any]:
     config = checkpoint.config
-    config_path = checkpoint.directory / "config.json"
     return {
         "source": {
             "path": str(checkpoint.directory.absolute()),
             "family": config.family,
             "architectures": checkpoint.raw_config.get("architectures"),
             "config": checkpoint.raw_config,
-            "config_sha256": sha256_file(config_path),
-            "weights": {p.name: sha256_file(p) for p in checkpoint.files},
+            "config_sha256": sha256_file(checkpoint.directory / "config.json"),
         },
-        "graphs": {
-            "target": {
-                "file": GRAPH_FILE,
-                "data_files": [DATA_FILE],
-                "opset": next(o.version for o in model.opset_import if o.domain == ""),
-                **graph_signature(model),
-            }
-        },
+        "graphs": {},
         "model": {
             "family": config.family,
             "vocab_size": config.vocab_size,
@@ -227,5 +195,4 @@ def _manifest_body(
             "bos_token_id": config.bos_token_id,
             "eos_token_ids": list(config.eos_token_ids),
         },
-        "tokenizer": "tokenizer.json" if has_tokenizer else None,
     }

@@ -12,7 +12,7 @@ from specx.artifact import Manifest
 from specx.errors import ArtifactError, GenerationError
 from specx.runtime.kv_cache import KVCache
 
-__all__ = ["OrtTarget", "StepOutput", "configure_threads"]
+__all__ = ["OrtGraph", "OrtTarget", "StepOutput", "configure_threads", "open_session"]
 
 _global_threads: int | None = None
 
@@ -33,43 +33,68 @@ def configure_threads(threads: int | None = None) -> int:
 
 @dataclass(frozen=True)
 class StepOutput:
-    """What one target forward returns besides the in-place cache update."""
+    """What one decoder forward returns besides the in-place cache update."""
 
     logits: np.ndarray  # [B, N, V] float32
-    taps: np.ndarray | None  # [B, N, k*d] float32, when the artifact has taps
+    taps: np.ndarray | None  # [B, N, W]: the target's taps, or a draft head's hidden output
+
+
+class OrtGraph:
+    """A stateless graph of the artifact (Medusa heads, a feature projection): one input."""
+
+    def __init__(self, manifest: Manifest, graph: str, threads: int | None = None):
+        self.session = open_session(manifest, graph, threads)
+        self.input_name = self.session.get_inputs()[0].name
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        """The graph's first output for input `x`."""
+        return self.session.run(None, {self.input_name: np.ascontiguousarray(x, np.float32)})[0]
+
+
+def open_session(manifest: Manifest, graph: str, threads: int | None) -> ort.InferenceSession:
+    """An ONNX Runtime CPU session for one of the artifact's graphs, on the global pool."""
+    configure_threads(threads)
+    options = ort.SessionOptions()
+    options.use_per_session_threads = False
+    options.log_severity_level = 3  # TensorScatter warns when a buffer is copied, not an error
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    path = manifest.path(manifest.graph(graph)["file"])
+    try:
+        return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    except Exception as e:  # onnxruntime raises its own untyped errors here
+        raise ArtifactError(f"{path}: ONNX Runtime could not load the graph: {e}") from e
 
 
 class OrtTarget:
-    """Runs an artifact's `target` graph: new tokens in, logits (and taps) out.
+    """Runs a decoder graph of an artifact: new tokens in, logits (and hidden states) out.
 
+    `graph="target"` is the target; `"draft_head"` an autoregressive draft head (EAGLE,
+    MTP), which also takes `features` and returns its `hidden` output as `taps`.
     Caches are numpy buffers wrapped as OrtValues and bound as both `past_*` and
     `present_*`, so ONNX Runtime's TensorScatter updates them in place.
     """
 
-    def __init__(self, manifest: Manifest, threads: int | None = None):
+    def __init__(self, manifest: Manifest, threads: int | None = None, graph: str = "target"):
         self.manifest = manifest
         model = manifest.model
-        self.num_layers: int = model["num_layers"]
-        self.num_kv_heads: int = model["num_kv_heads"]
-        self.head_dim: int = model["head_dim"]
-        self.vocab_size: int = model["vocab_size"]
         self.capacity: int = model["kv_capacity"]
         self.max_tree_tokens: int = model["max_tree_tokens"]
-        self.taps: str = model["taps"]["kind"]
+        if graph == "target":
+            self.num_layers: int = model["num_layers"]
+            self.num_kv_heads: int = model["num_kv_heads"]
+            self.head_dim: int = model["head_dim"]
+            self.vocab_size: int = model["vocab_size"]
+            self.taps: str = model["taps"]["kind"]
+            self.tap_width: int = model["taps"]["width"]
+            self._hidden_output, self._feature_input = "hidden_taps", None
+        else:
+            decoder = manifest.graph(graph)["decoder"]
+            self.num_layers, self.num_kv_heads = decoder["num_layers"], decoder["num_kv_heads"]
+            self.head_dim, self.vocab_size = decoder["head_dim"], decoder["vocab_size"]
+            self.taps, self.tap_width = "hidden", decoder["hidden_size"]
+            self._hidden_output, self._feature_input = "hidden", "features"
         self.has_taps = self.taps != "none"
-        self.tap_width: int = model["taps"]["width"]
-        configure_threads(threads)
-        options = ort.SessionOptions()
-        options.use_per_session_threads = False
-        options.log_severity_level = 3  # TensorScatter warns when a buffer is copied, not an error
-        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        path = manifest.path(manifest.graph("target")["file"])
-        try:
-            self.session = ort.InferenceSession(
-                str(path), options, providers=["CPUExecutionProvider"]
-            )
-        except Exception as e:  # onnxruntime raises its own untyped errors here
-            raise ArtifactError(f"{path}: ONNX Runtime could not load the graph: {e}") from e
+        self.session = open_session(manifest, graph, threads)
         self._binding = self.session.io_binding()
         self._bound_cache: KVCache | None = None
 
@@ -97,6 +122,7 @@ class OrtTarget:
         position_ids: np.ndarray,  # [B, N] int64
         attention_mask: np.ndarray,  # [B, 1, N, L] bool, L <= capacity
         write_pos: np.ndarray,  # [B] int64
+        features: np.ndarray | None = None,  # [B, N, d] for draft heads
     ) -> StepOutput:
         """One forward over N new tokens per sequence, written at `write_pos` in `cache`.
 
@@ -117,9 +143,13 @@ class OrtTarget:
         binding.bind_cpu_input("position_ids", np.ascontiguousarray(position_ids, dtype=np.int64))
         binding.bind_cpu_input("attention_mask", np.ascontiguousarray(attention_mask, dtype=bool))
         binding.bind_cpu_input("write_pos", np.ascontiguousarray(write_pos, dtype=np.int64))
+        if self._feature_input is not None:
+            binding.bind_cpu_input(
+                self._feature_input, np.ascontiguousarray(features, dtype=np.float32)
+            )
         logits = self._bind_new_output("logits", (batch, n, self.vocab_size))
         taps = (
-            self._bind_new_output("hidden_taps", (batch, n, self.tap_width))
+            self._bind_new_output(self._hidden_output, (batch, n, self.tap_width))
             if self.has_taps
             else None
         )

@@ -89,7 +89,7 @@ def generate_speculative(
             "for (--max-tree-tokens)"
         )
     # Emitted tokens can overshoot max_new_tokens by a round before truncation.
-    scratch = 2 * (drafter.max_nodes + 1)
+    scratch = max(2 * (drafter.max_nodes + 1), drafter.max_nodes + 1 + drafter.scratch_slots)
     needed = check_prompts(prompts, max_new_tokens, target.capacity, target.vocab_size, scratch)
     rng = np.random.default_rng(sampling.seed)
     coin = RandomCoin(rng)

@@ -9,6 +9,8 @@ from pathlib import Path
 from specx.errors import SpecxError
 from specx.runtime.drafters.base import Drafter
 from specx.runtime.drafters.draft_model import DraftModelDrafter, check_same_vocabulary
+from specx.runtime.drafters.feature_head import FeatureHeadDrafter
+from specx.runtime.drafters.medusa import MedusaDrafter
 from specx.runtime.drafters.ngram import NGramDrafter
 from specx.runtime.drafters.tree_search import StaticTree, TreeShape
 from specx.runtime.ort_target import OrtTarget
@@ -51,9 +53,28 @@ def _draft_model(target: OrtTarget, argument: str | None, options: DrafterOption
     return DraftModelDrafter(draft, options.tree or StaticTree.chain(options.num_draft_tokens))
 
 
+def _head(kind: str):
+    def build(target: OrtTarget, argument: str | None, options: DrafterOptions) -> Drafter:
+        if argument:
+            raise SpecxError(f"{kind} drafts with the artifact's own head; it takes no argument")
+        exported = (target.manifest.data.get("drafter") or {}).get("kind")
+        if exported != kind:
+            raise SpecxError(
+                f"{target.manifest.root} was exported with drafter {exported!r}, not {kind!r}: "
+                f"export with --drafter {kind}:DIR"
+            )
+        if kind == "medusa":
+            return MedusaDrafter(target.manifest, options.tree, options.threads)
+        shape = options.tree or StaticTree.chain(options.num_draft_tokens)
+        return FeatureHeadDrafter(target.manifest, shape, options.threads)
+
+    return build
+
+
 DRAFTERS: dict[str, Callable[[OrtTarget, str | None, DrafterOptions], Drafter]] = {
     "ngram": _ngram,
     "draft-model": _draft_model,
+    **{kind: _head(kind) for kind in ("eagle3", "eagle", "mtp", "medusa")},
 }
 
 

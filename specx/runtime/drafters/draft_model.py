@@ -61,6 +61,7 @@ class DraftModelDrafter:
         self.shape = shape
         self.iid_siblings = iid_siblings
         self.max_nodes = shape.max_nodes
+        self.scratch_slots = shape.forwarded_nodes
         self.cache: KVCache | None = None
         self.slots = NodeSlots(np.zeros(0))
         self.pool_ids: list[np.ndarray] = []

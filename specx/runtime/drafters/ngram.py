@@ -65,6 +65,7 @@ class NGramDrafter:
 
     name = "ngram"
     taps = "none"
+    scratch_slots = 0
 
     def __init__(
         self, num_draft_tokens: int = 5, min_n: int = 1, max_n: int = 3, max_matches: int = 1

@@ -53,6 +53,11 @@ class StaticTree:
     def max_nodes(self) -> int:  # noqa: D102
         return len(self.parents)
 
+    @property
+    def forwarded_nodes(self) -> int:
+        """Most nodes a drafter feeds its model while growing this tree."""
+        return len(self.parents)
+
 
 @dataclass(frozen=True)
 class DynamicTree:
@@ -69,6 +74,11 @@ class DynamicTree:
     @property
     def max_nodes(self) -> int:  # noqa: D102
         return self.total_tokens
+
+    @property
+    def forwarded_nodes(self) -> int:
+        """Most nodes a drafter feeds its model while growing this tree (the frontiers)."""
+        return self.top_k * self.depth
 
 
 TreeShape = StaticTree | DynamicTree

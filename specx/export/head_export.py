@@ -1,0 +1,154 @@
+"""Export of a draft head next to its target: ONNX graphs plus the manifest's `drafter` entry."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from specx.artifact import sha256_file
+from specx.export.heads.medusa import MedusaHeads
+from specx.export.onnx_graph import export_module, graph_entry, save_graph
+
+__all__ = ["AR_INPUTS", "AR_OUTPUTS", "export_head"]
+
+AR_INPUTS = [
+    "input_ids",
+    "features",
+    "position_ids",
+    "attention_mask",
+    "write_pos",
+    "past_key_0",
+    "past_value_0",
+]
+AR_OUTPUTS = ["logits", "hidden", "present_key_0", "present_value_0"]
+
+
+class _Projection(nn.Module):
+    def __init__(self, head: nn.Module):
+        super().__init__()
+        self.head = head
+
+    def forward(self, taps: torch.Tensor) -> torch.Tensor:
+        return self.head.project(taps)
+
+
+def _autoregressive(head: nn.Module) -> nn.Module:
+    class Flat(nn.Module):
+        # torch.onnx wants flat tensors; the heads take the cache as a list.
+        def __init__(self):
+            super().__init__()
+            self.head = head
+
+        def forward(self, input_ids, features, position_ids, attention_mask, write_pos, key, value):
+            return self.head(
+                input_ids, features, position_ids, attention_mask, write_pos, [key, value]
+            )
+
+    return Flat()
+
+
+def _ar_example(head: nn.Module) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+    c = head.config
+    batch, n, capacity, kv_len = 2, 3, 11, 7
+    cache = [torch.zeros(batch, c.num_kv_heads, capacity, c.head_dim) for _ in range(2)]
+    inputs = (
+        torch.zeros(batch, n, dtype=torch.int64),
+        torch.zeros(batch, n, c.hidden_size),
+        torch.arange(n).repeat(batch, 1) + 4,
+        torch.ones(batch, 1, n, kv_len, dtype=torch.bool),
+        torch.tensor([4, 4]),
+        *cache,
+    )
+    dim = torch.export.Dim
+    b, t, cap, kv = dim("batch"), dim("tokens"), dim("capacity"), dim("kv_len")
+    shapes = (
+        {0: b, 1: t},
+        {0: b, 1: t},
+        {0: b, 1: t},
+        {0: b, 2: t, 3: kv},
+        {0: b},
+        {0: b, 2: cap},
+        {0: b, 2: cap},
+    )
+    return inputs, shapes
+
+
+def _source(spec: str) -> dict[str, Any]:
+    _, _, directory = spec.partition(":")
+    if not directory:
+        return {"spec": spec, "weights": "in the target checkpoint"}
+    files = sorted(
+        p for p in Path(directory).iterdir() if p.suffix in (".safetensors", ".bin", ".pt")
+    )
+    return {
+        "spec": spec,
+        "path": str(Path(directory).absolute()),
+        "weights": {p.name: sha256_file(p) for p in files},
+    }
+
+
+def export_head(head: nn.Module, spec: str, staging: Path) -> tuple[dict, dict]:
+    """Writes the head's graphs into `staging`.
+
+    Returns:
+        The manifest's `drafter` entry and the graph entries to add to `graphs`.
+    """
+    dim = torch.export.Dim
+    graphs: dict[str, Any] = {}
+    drafter: dict[str, Any] = {
+        "kind": head.kind,
+        "taps": head.taps,
+        "source": _source(spec),
+        "graph": "draft_head",
+    }
+    if isinstance(head, MedusaHeads):
+        width = head.heads[0][-1].in_features
+        b, t = dim("batch"), dim("tokens")
+        model = export_module(
+            head,
+            (torch.zeros(2, 3, width),),
+            ({0: b, 1: t},),
+            ["features"],
+            ["logits"],
+            "the medusa heads",
+        )
+        graphs["draft_head"] = graph_entry(model, *save_graph(model, staging, "draft_head"))
+        drafter["medusa_heads"] = len(head.heads)
+        return drafter, graphs
+    inputs, shapes = _ar_example(head)
+    model = export_module(
+        _autoregressive(head), inputs, shapes, AR_INPUTS, AR_OUTPUTS, f"the {head.kind} head"
+    )
+    entry = graph_entry(model, *save_graph(model, staging, "draft_head"))
+    c = head.config
+    entry["decoder"] = {
+        "num_layers": 1,
+        "num_kv_heads": c.num_kv_heads,
+        "head_dim": c.head_dim,
+        "hidden_size": c.hidden_size,
+        "vocab_size": entry["outputs"][0]["shape"][-1],
+    }
+    graphs["draft_head"] = entry
+    if hasattr(head, "project"):
+        width = head.fc.in_features
+        b, t = dim("batch"), dim("tokens")
+        projection = export_module(
+            _Projection(head),
+            (torch.zeros(2, 3, width),),
+            ({0: b, 1: t},),
+            ["hidden_taps"],
+            ["features"],
+            f"the {head.kind} feature projection",
+        )
+        graphs["draft_projection"] = graph_entry(
+            projection, *save_graph(projection, staging, "draft_projection")
+        )
+        drafter["projection"] = "draft_projection"
+    if getattr(head, "d2t", None) is not None:
+        np.save(staging / "draft_d2t.npy", head.d2t.numpy())
+        drafter["d2t"] = "draft_d2t.npy"
+    return drafter, graphs

@@ -1,0 +1,163 @@
+"""EAGLE-3 head: one decoder layer over [embedding, hidden] with a reduced draft vocabulary.
+
+Formats (SafeAILab/EAGLE `cnets.py`; vLLM/SGLang `llama_eagle3.py`): `midlayer.*` keys with
+`d2t`/`t2d` (official), or `layers.0.*` with an `eagle_config` block and no `t2d`
+(NVIDIA ModelOpt). Target id of draft id i is `i + d2t[i]`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from specx.errors import CheckpointError
+from specx.export.config import TargetConfig
+from specx.export.decoder import MLP, Attention, RMSNorm, RotaryEmbedding, tap_layers
+from specx.export.heads.weights import check_state_dict, head_attention_config, read_head
+
+__all__ = ["Eagle3Head", "load_eagle3"]
+
+WEIGHT_NAMES = ("model.safetensors", "pytorch_model.bin", "model.pt")
+
+
+class Eagle3Layer(nn.Module):
+    def __init__(self, config: TargetConfig):
+        super().__init__()
+        d = config.hidden_size
+        self.input_layernorm = RMSNorm(d, config.rms_norm_eps)
+        self.hidden_norm = RMSNorm(d, config.rms_norm_eps)
+        self.self_attn = Attention(config, input_size=2 * d)
+        self.post_attention_layernorm = RMSNorm(d, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+
+class Eagle3Head(nn.Module):
+    """EAGLE-3 draft head.
+
+    h = fc(taps) on the first step (the draft's own pre-norm output later);
+    a = [input_layernorm(embed(tok)), hidden_norm(h)]; h += attn(a); h += mlp(norm(h));
+    logits = lm_head(norm(h)) over the draft vocabulary.
+    """
+
+    kind = "eagle3"
+    taps = "eagle3"
+
+    def __init__(self, config: TargetConfig, target_hidden: int, vocab_size: int, draft_vocab: int):
+        super().__init__()
+        d = config.hidden_size
+        self.config = config
+        self.embed_tokens = nn.Embedding(vocab_size, d)
+        self.fc = nn.Linear(3 * target_hidden, d, bias=False)
+        self.midlayer = Eagle3Layer(config)
+        self.norm = RMSNorm(d, config.rms_norm_eps)
+        self.lm_head = nn.Linear(d, draft_vocab, bias=False)
+        self.register_buffer("d2t", torch.zeros(draft_vocab, dtype=torch.int64))
+        self.rotary = RotaryEmbedding(config)
+
+    def project(self, taps: torch.Tensor) -> torch.Tensor:
+        """Target taps [B, N, 3d] -> first-step features [B, N, d]."""
+        return self.fc(taps)
+
+    def forward(self, input_ids, features, position_ids, attention_mask, write_pos, kv_cache):
+        """(logits [B, N, draft_vocab], hidden [B, N, d], key, value)."""
+        layer = self.midlayer
+        cos, sin = self.rotary(position_ids)
+        embedded = layer.input_layernorm(self.embed_tokens(input_ids))
+        combined = torch.cat([embedded, layer.hidden_norm(features)], dim=-1)
+        attn, k_cache, v_cache = layer.self_attn(
+            combined, cos, sin, kv_cache[0], kv_cache[1], write_pos, attention_mask
+        )
+        h = features + attn
+        h = h + layer.mlp(layer.post_attention_layernorm(h))
+        return self.lm_head(self.norm(h)), h, k_cache, v_cache
+
+
+def load_eagle3(directory: str | Path, target: TargetConfig, target_weights) -> Eagle3Head:
+    """Loads an EAGLE-3 head in the official or ModelOpt layout, checked against the target.
+
+    Raises:
+        CheckpointError: missing or mis-shaped keys, hidden size or vocabulary mismatch,
+            `d2t` out of range or inconsistent with `t2d`, tap layers other than EAGLE-3's.
+    """
+    ckpt = read_head(directory, WEIGHT_NAMES)
+    where = ckpt.directory / "config.json"
+    raw = dict(ckpt.config)
+    eagle_config = raw.pop("eagle_config", None) or {}
+    tensors, origin = dict(ckpt.tensors), dict(ckpt.origin)
+    if any(k.startswith("layers.0.") for k in tensors):  # ModelOpt layout
+        for key in [k for k in tensors if k.startswith("layers.0.")]:
+            new = "midlayer." + key[len("layers.0.") :]
+            tensors[new], origin[new] = tensors.pop(key), origin.pop(key)
+    layers = eagle_config.get("eagle_aux_hidden_state_layer_ids")
+    expected_layers = [i - 1 for i in tap_layers("eagle3", target.num_layers)]
+    if layers is not None and list(layers) != expected_layers:
+        raise CheckpointError(
+            f"{where}: eagle_aux_hidden_state_layer_ids {layers} are not EAGLE-3's taps "
+            f"(outputs of layers {expected_layers} of a {target.num_layers}-layer target)"
+        )
+    config = head_attention_config(raw, target, where)
+    vocab = raw.get("vocab_size", target.vocab_size)
+    if vocab != target.vocab_size:
+        raise CheckpointError(
+            f"{where}: vocab_size {vocab} differs from the target's {target.vocab_size}"
+        )
+    draft_vocab = raw.get("draft_vocab_size", vocab)
+    target_hidden = raw.get("target_hidden_size") or target.hidden_size
+    if target_hidden != target.hidden_size:
+        raise CheckpointError(
+            f"{where}: target_hidden_size {target_hidden} != the target's {target.hidden_size}"
+        )
+    if "embed_tokens.weight" not in tensors:
+        if config.hidden_size != target.hidden_size:
+            raise CheckpointError(
+                f"{where}: head hidden_size {config.hidden_size} differs from the target's "
+                f"{target.hidden_size} and the head has no embed_tokens of its own"
+            )
+        tensors["embed_tokens.weight"] = target_weights["model.embed_tokens.weight"]
+        origin["embed_tokens.weight"] = Path("<target>")
+    d2t = _d2t(tensors, origin, draft_vocab, vocab)
+    with torch.device("meta"):
+        head = Eagle3Head(config, target_hidden, vocab, draft_vocab)
+    expected = {k: tuple(v.shape) for k, v in head.state_dict().items() if k != "d2t"}
+    state = check_state_dict("eagle3", expected, tensors, origin)
+    state["d2t"] = d2t
+    head.load_state_dict(state, strict=True, assign=True)
+    head.rotary = RotaryEmbedding(config)
+    return head.eval()
+
+
+def _d2t(tensors, origin, draft_vocab: int, vocab: int) -> torch.Tensor:
+    if "d2t" not in tensors:
+        if draft_vocab != vocab:
+            raise CheckpointError(
+                f"the eagle3 head has a draft vocabulary of {draft_vocab} < {vocab} but no d2t"
+            )
+        return torch.zeros(draft_vocab, dtype=torch.int64)
+    d2t = tensors["d2t"]
+    if tuple(d2t.shape) != (draft_vocab,) or d2t.is_floating_point():
+        raise CheckpointError(
+            f"{origin['d2t']}: d2t must be integer [{draft_vocab}], got {d2t.dtype} "
+            f"{tuple(d2t.shape)}"
+        )
+    d2t = d2t.to(torch.int64)
+    target_ids = torch.arange(draft_vocab) + d2t
+    if target_ids.min() < 0 or target_ids.max() >= vocab:
+        bad = int(torch.nonzero((target_ids < 0) | (target_ids >= vocab))[0])
+        raise CheckpointError(
+            f"{origin['d2t']}: d2t maps draft id {bad} to target id {int(target_ids[bad])}, "
+            f"outside [0, {vocab})"
+        )
+    if "t2d" in tensors:
+        t2d = tensors["t2d"].to(torch.bool)
+        if (
+            tuple(t2d.shape) != (vocab,)
+            or int(t2d.sum()) != draft_vocab
+            or not bool(t2d[target_ids].all())
+        ):
+            raise CheckpointError(
+                f"{origin['t2d']}: t2d is inconsistent with d2t (it must be a bool [{vocab}] "
+                f"marking exactly the {draft_vocab} target ids i + d2t[i])"
+            )
+    return d2t

@@ -1,0 +1,89 @@
+"""Shared ONNX export steps: trace a torch module, attach TreeAttention, save, describe."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any
+
+import onnx
+import torch
+
+from specx.errors import ExportError
+from specx.export.tree_attention_op import ONNX_TRANSLATIONS
+from specx.graphs.tree_attention import attach_function
+
+__all__ = ["EXPORT_OPSET", "export_module", "graph_entry", "graph_signature", "save_graph"]
+
+EXPORT_OPSET = 23  # torch emits Attention/RMSNormalization at 23; the function raises it to 24
+
+
+def export_module(
+    module: torch.nn.Module,
+    example_inputs: tuple[Any, ...],
+    dynamic_shapes: tuple[Any, ...],
+    input_names: list[str],
+    output_names: list[str],
+    what: str,
+) -> onnx.ModelProto:
+    """`torch.onnx.export(dynamo=True)` with the TreeAttention translation attached.
+
+    Raises:
+        ExportError: the tracer failed (its message is kept).
+    """
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")
+        try:
+            program = torch.onnx.export(
+                module,
+                example_inputs,
+                dynamo=True,
+                opset_version=EXPORT_OPSET,
+                custom_translation_table=ONNX_TRANSLATIONS,
+                dynamic_shapes=dynamic_shapes,
+                input_names=input_names,
+                output_names=output_names,
+                verbose=False,
+            )
+        except Exception as e:  # torch raises many unrelated types from deep in the tracer
+            raise ExportError(f"torch.onnx.export of {what} failed: {e}") from e
+    return attach_function(program.model_proto)
+
+
+def save_graph(model: onnx.ModelProto, directory: Path, name: str) -> tuple[str, str]:
+    """Saves `name.onnx` with its weights in `name.onnx.data`; returns both file names."""
+    graph_file, data_file = f"{name}.onnx", f"{name}.onnx.data"
+    onnx.save_model(
+        model,
+        directory / graph_file,
+        save_as_external_data=True,
+        all_tensors_to_one_file=True,
+        location=data_file,
+        size_threshold=1024,
+    )
+    return graph_file, data_file
+
+
+def graph_signature(model: onnx.ModelProto) -> dict[str, list[dict[str, Any]]]:
+    """The IO signature of a graph: name, element type and shape (ints or symbolic names)."""
+
+    def describe(value: onnx.ValueInfoProto) -> dict[str, Any]:
+        tensor = value.type.tensor_type
+        shape = [d.dim_param or d.dim_value for d in tensor.shape.dim]
+        dtype = onnx.helper.tensor_dtype_to_np_dtype(tensor.elem_type).name
+        return {"name": value.name, "dtype": dtype, "shape": shape}
+
+    return {
+        "inputs": [describe(v) for v in model.graph.input],
+        "outputs": [describe(v) for v in model.graph.output],
+    }
+
+
+def graph_entry(model: onnx.ModelProto, graph_file: str, data_file: str) -> dict[str, Any]:
+    """The manifest entry of a saved graph."""
+    return {
+        "file": graph_file,
+        "data_files": [data_file],
+        "opset": next(o.version for o in model.opset_import if o.domain == ""),
+        **graph_signature(model),
+    }

@@ -1,0 +1,133 @@
+"""`FeatureHeadDrafter`: EAGLE-3, EAGLE-1/2 and MTP heads drafting from the target's features.
+
+At position t the head reads the token x_{t+1} and a feature of x_t: the target's (taps,
+projected for EAGLE-3) where the target has computed it, else the head's own output for
+the parent node. So each round the head first catches up on the positions whose target
+features arrived since (the root and the accepted tokens), then grows the tree from its
+own outputs. Rows written while drafting are overwritten at the next catch-up, which is
+why nothing of the head cache needs compacting.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from specx.artifact import Manifest
+from specx.errors import ArtifactError
+from specx.runtime.drafters.node_slots import NodeSlots
+from specx.runtime.drafters.tree_search import DynamicTree, TreeShape, grow
+from specx.runtime.masks import causal_mask
+from specx.runtime.ort_target import OrtGraph, OrtTarget
+from specx.runtime.sampling import SamplingParams
+from specx.runtime.trees import DraftTree
+
+__all__ = ["FeatureHeadDrafter"]
+
+
+class FeatureHeadDrafter:
+    """Drafts with the artifact's autoregressive head (`drafter.kind` eagle3, eagle or mtp)."""
+
+    def __init__(self, manifest: Manifest, shape: TreeShape, threads: int | None = None):
+        spec = manifest.data.get("drafter")
+        if not spec or spec["kind"] not in ("eagle3", "eagle", "mtp"):
+            raise ArtifactError(f"{manifest.root} has no EAGLE or MTP head")
+        self.name, self.taps = spec["kind"], spec["taps"]
+        self.head = OrtTarget(manifest, threads, graph="draft_head")
+        self.projection = (
+            OrtGraph(manifest, spec["projection"], threads) if spec.get("projection") else None
+        )
+        self.to_target = None
+        if spec.get("d2t"):
+            d2t = np.load(manifest.path(spec["d2t"]))
+            self.to_target = np.arange(len(d2t)) + d2t
+        self.target_vocab: int = manifest.model["vocab_size"]
+        self.shape = shape
+        self.max_nodes = shape.max_nodes
+        self.scratch_slots = shape.forwarded_nodes
+        if isinstance(shape, DynamicTree):
+            self.pool_size = shape.top_k + (shape.depth - 1) * shape.top_k**2
+        else:
+            self.pool_size = shape.max_nodes
+
+    def _project(self, taps: np.ndarray) -> np.ndarray:
+        return taps if self.projection is None else self.projection(taps[None])[0]
+
+    def _to_target_logits(self, logits: np.ndarray) -> np.ndarray:
+        """Draft-vocabulary logits -> target vocabulary (ids outside the draft vocab: -inf)."""
+        if self.to_target is None:
+            return logits
+        full = np.full((*logits.shape[:-1], self.target_vocab), -np.inf, dtype=logits.dtype)
+        full[..., self.to_target] = logits
+        return full
+
+    def start(self, prompts: Sequence[Sequence[int]], capacity: int, taps) -> None:  # noqa: D102
+        batch = len(prompts)
+        self.cache = self.head.allocate_cache(batch, capacity)
+        self.features = np.zeros((batch, capacity, self.head.tap_width), dtype=np.float32)
+        self.known = np.zeros(batch, dtype=np.int64)
+        for b in range(batch):
+            self._add_features(b, taps[b])
+
+    def _add_features(self, row: int, taps: np.ndarray) -> None:
+        start = int(self.known[row])
+        self.features[row, start : start + len(taps)] = self._project(taps)
+        self.known[row] += len(taps)
+
+    def _catch_up(self, histories) -> tuple[np.ndarray, np.ndarray]:
+        """Feeds the positions whose target features the head has not seen.
+
+        Returns:
+            The last position's logits [B, V] and hidden output [B, d].
+        """
+        cache, batch = self.cache, len(histories)
+        starts = cache.lengths.copy()
+        counts = np.array([len(h) - 1 for h in histories]) - starts
+        width = max(1, int(counts.max()))
+        ids = np.zeros((batch, width), dtype=np.int64)
+        features = np.zeros((batch, width, self.head.tap_width), dtype=np.float32)
+        for b, history in enumerate(histories):
+            n, start = int(counts[b]), int(starts[b])
+            ids[b, :n] = history[start + 1 : start + 1 + n]
+            features[b, :n] = self.features[b, start : start + n]
+        positions = starts[:, None] + np.arange(width)
+        mask = causal_mask(starts, width, int(starts.max()) + width)
+        out = self.head.forward(cache, ids, positions, mask, starts, features)
+        last = np.maximum(counts - 1, 0)
+        cache.lengths[:] = starts + np.maximum(counts, 0)
+        rows = np.arange(batch)
+        return out.logits[rows, last], out.taps[rows, last]
+
+    def _forward_nodes(self, nodes: np.ndarray, tokens: np.ndarray, parents: np.ndarray):
+        write_pos, depth, mask = self.slots.place(nodes, parents)
+        rows = np.arange(len(nodes))[:, None]
+        features = np.where(
+            (parents >= 0)[..., None],
+            self.node_hidden[rows, np.maximum(parents, 0)],
+            self.root_hidden[:, None],
+        )
+        out = self.head.forward(
+            self.cache, tokens, self.slots.base[:, None] + depth, mask, write_pos, features
+        )
+        self.node_hidden[rows, nodes] = out.taps
+        return self._to_target_logits(out.logits)
+
+    def propose(self, histories, active, sampling: SamplingParams, rng) -> list[DraftTree]:  # noqa: D102
+        root_logits, self.root_hidden = self._catch_up(histories)
+        self.slots = NodeSlots(self.cache.lengths)
+        self.node_hidden = np.zeros(
+            (len(histories), self.pool_size, self.head.tap_width), dtype=np.float32
+        )
+        trees, _ = grow(
+            self.shape,
+            self._to_target_logits(root_logits),
+            self._forward_nodes,
+            sampling,
+            rng,
+            sample_chain=getattr(self.shape, "is_chain", False),
+        )
+        return [t if a else DraftTree.empty() for t, a in zip(trees, active, strict=True)]
+
+    def accept(self, row: int, draft: DraftTree, accepted: list[int], taps) -> None:  # noqa: D102
+        self._add_features(row, taps)
