@@ -94,3 +94,84 @@ def pyref_artifact(tmp_path_factory) -> Path:
     if not (source / "model.safetensors").is_file():
         pytest.skip(f"{source} is absent")
     return export_target(source, tmp_path_factory.mktemp("pyref") / "artifact", max_context=512)
+
+
+HEAD_VOCAB = 32
+
+
+@pytest.fixture(scope="session")
+def head_target(tmp_path_factory) -> Path:
+    """A small-vocabulary, peaked Llama target (4 layers, so EAGLE-3 taps exist) whose
+    checkpoint also carries a DeepSeek-layout MTP module."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from head_checkpoints import mtp_tensors
+    from specx.export.random_checkpoint import CheckpointPreset, write_random_checkpoint
+
+    root = tmp_path_factory.mktemp("head-target")
+    path = write_random_checkpoint(
+        root / "target",
+        "llama",
+        CheckpointPreset(32, 64, 4, 4, 2, HEAD_VOCAB),
+        seed=3,
+        tokenizer=False,
+    )
+    weights = load_file(path / "model.safetensors")
+    weights["lm_head.weight"] *= 40.0
+    config = json.loads((path / "config.json").read_text())
+    weights.update(mtp_tensors("deepseek", config))
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    return path
+
+
+@pytest.fixture(scope="session")
+def head_dirs(head_target, tmp_path_factory) -> dict[str, Path]:
+    """Random heads in each public layout, for `head_target`."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from head_checkpoints import mtp_tensors, write_eagle, write_eagle3, write_medusa
+
+    root = tmp_path_factory.mktemp("heads")
+    config = json.loads((head_target / "config.json").read_text())
+    dirs = {
+        "eagle3": write_eagle3(root / "eagle3", config, draft_vocab=20),
+        "eagle3-modelopt": write_eagle3(root / "eagle3-modelopt", config, 20, "modelopt", seed=1),
+        "eagle": write_eagle(root / "eagle", config),
+        "medusa": write_medusa(root / "medusa", config, num_heads=4),
+    }
+    for layout in ("qwen3_next", "mimo"):
+        (root / layout).mkdir()
+        save_file(mtp_tensors(layout, config), root / layout / "model.safetensors")
+        dirs[f"mtp-{layout}"] = root / layout
+    return dirs
+
+
+HEAD_SPECS = {
+    "eagle3": "eagle3:{eagle3}",
+    "eagle3-modelopt": "eagle3:{eagle3-modelopt}",
+    "eagle": "eagle:{eagle}",
+    "medusa": "medusa:{medusa}",
+    "mtp-deepseek": "mtp",
+    "mtp-qwen3_next": "mtp:{mtp-qwen3_next}",
+    "mtp-mimo": "mtp:{mtp-mimo}",
+}
+
+
+@pytest.fixture(scope="session")
+def head_artifacts(head_target, head_dirs, tmp_path_factory) -> dict[str, Path]:
+    """`head_target` exported with each head."""
+    from specx.export.target_export import export_target
+
+    root = tmp_path_factory.mktemp("head-artifacts")
+    specs = {
+        name: spec.format(**{k: str(v) for k, v in head_dirs.items()})
+        for name, spec in HEAD_SPECS.items()
+    }
+    return {
+        name: export_target(head_target, root / name, max_context=96, drafter=spec)
+        for name, spec in specs.items()
+    }

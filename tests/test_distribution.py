@@ -52,14 +52,16 @@ def pair(tmp_path_factory):
     return target, OrtTarget(load_manifest(draft_art), threads=2), greedy + greedy[:6]
 
 
-def histograms(tokens):
+def histograms(tokens, vocab):
     rows = np.array(tokens)
-    return [np.bincount(rows[:, k], minlength=VOCAB) for k in range(POSITIONS)]
+    return [np.bincount(rows[:, k], minlength=vocab) for k in range(rows.shape[1])]
 
 
-def p_values(plain, spec):
+def p_values(plain, spec, vocab=VOCAB):
+    """Chi-square p-value per output position: plain vs speculative token histograms."""
     values = []
-    for a, b in zip(histograms(plain.tokens), histograms(spec.tokens), strict=True):
+    pairs = zip(histograms(plain.tokens, vocab), histograms(spec.tokens, vocab), strict=True)
+    for a, b in pairs:
         table = np.stack([a, b])
         table = table[:, table.sum(0) > 0]
         values.append(chi2_contingency(table)[1] if table.shape[1] > 1 else 1.0)

@@ -88,8 +88,8 @@ def generate_speculative(
             f"that exceeds the {target.max_tree_tokens} verify tokens the artifact was exported "
             "for (--max-tree-tokens)"
         )
-    # Emitted tokens can overshoot max_new_tokens by a round before truncation.
-    scratch = max(2 * (drafter.max_nodes + 1), drafter.max_nodes + 1 + drafter.scratch_slots)
+    # Past the history: the verify forward's root + nodes, or the drafter's own tree rows.
+    scratch = max(drafter.max_nodes + 1, drafter.scratch_slots)
     needed = check_prompts(prompts, max_new_tokens, target.capacity, target.vocab_size, scratch)
     rng = np.random.default_rng(sampling.seed)
     coin = RandomCoin(rng)
@@ -120,7 +120,8 @@ def generate_speculative(
         drafts = drafter.propose(histories, active, sampling, rng)
         tock = time.perf_counter()
         roots = np.array([h[-1] for h in histories], dtype=np.int64)
-        lengths = cache.lengths.copy()
+        # Finished sequences still ride along in the batch; their rows go to slot 0 on.
+        lengths = np.where(active, cache.lengths, 0)
         input_ids, positions, mask = verify_inputs(roots, drafts, lengths)
         output = target.forward(cache, input_ids, positions, mask, lengths)
         target_logits = output.logits

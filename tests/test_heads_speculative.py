@@ -1,0 +1,163 @@
+"""Trained-head drafters are lossless: greedy equality for every head and tree kind,
+sampling distributions equal to plain sampling, and EAGLE-3's d2t mapping."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from broken_verifiers import broken_verify
+from conftest import HEAD_VOCAB
+from specx.artifact import load_manifest
+from specx.export.checkpoint import load_checkpoint
+from specx.export.heads import load_head
+from specx.runtime.drafters import DrafterOptions, make_drafter
+from specx.runtime.drafters.medusa import MEDUSA_DEFAULT_TREE
+from specx.runtime.drafters.tree_search import StaticTree, parse_tree_spec
+from specx.runtime.ort_target import OrtTarget
+from specx.runtime.plain_decoding import generate_plain
+from specx.runtime.sampling import SamplingParams
+from specx.runtime.speculative_decoding import generate_speculative
+from specx.runtime.verification import verify
+from test_distribution import p_values
+
+TREES = ["chain:3", "[[0],[1],[2],[0,0],[0,1],[1,0],[0,0,0]]", "dynamic:8,3,3"]
+HEADS = {
+    "eagle3": TREES,
+    "eagle3-modelopt": ["dynamic:10,4,2"],
+    "eagle": TREES,
+    "mtp-deepseek": TREES,
+    "mtp-qwen3_next": ["chain:2", "dynamic:6,2,3"],
+    "mtp-mimo": ["chain:2", "dynamic:6,2,3"],
+    "medusa": ["chain:4", "[[0],[1],[0,0],[0,1],[1,0],[0,0,0],[0,0,0,0]]"],
+}
+
+
+def drafter_for(target, name, tree):
+    kind = name.split("-")[0]
+    return make_drafter(kind, target, DrafterOptions(tree=parse_tree_spec(tree)))
+
+
+@pytest.mark.parametrize("name", list(HEADS))
+def test_greedy_equals_plain(name, head_artifacts, rng):
+    target = OrtTarget(load_manifest(head_artifacts[name]), threads=2)
+    prompts = [rng.integers(1, HEAD_VOCAB, n).tolist() for n in (3, 8, 5, 12, 2, 7)]
+    accepted = 0
+    for tree in HEADS[name]:
+        drafter = drafter_for(target, name, tree)
+        for batch in (1, 3):
+            for start in range(0, len(prompts), batch):
+                chunk = prompts[start : start + batch]
+                plain = generate_plain(target, chunk, 30)
+                spec = generate_speculative(target, drafter, chunk, 30)
+                assert spec.tokens == plain.tokens, f"{name} {tree} {chunk}"
+                accepted += spec.stats["accepted_tokens"]
+    assert accepted > 0
+
+
+def test_medusa_default_tree(head_artifacts):
+    target = OrtTarget(load_manifest(head_artifacts["medusa"]), threads=2)
+    drafter = make_drafter("medusa", target, DrafterOptions())
+    assert drafter.max_nodes == len(MEDUSA_DEFAULT_TREE) == 63
+    prompts = [[1, 2, 3], [4, 5, 6, 7]]
+    spec = generate_speculative(target, drafter, prompts, 24)
+    assert spec.tokens == generate_plain(target, prompts, 24).tokens
+    assert spec.stats["accepted_tokens"] > 0
+
+
+DISTRIBUTION_CASES = [
+    ("eagle3", "dynamic:6,3,2"),
+    ("eagle", "chain:3"),
+    ("mtp-deepseek", "dynamic:6,3,2"),
+    ("medusa", "[[0],[1],[0,0],[1,0]]"),
+    ("medusa", "chain:3"),
+]
+
+
+def sample_both(target, drafter, verifier):
+    prompts = [[1, 2, 3, 4]] * 3000
+    plain = generate_plain(target, prompts, 3, SamplingParams(temperature=0.7, seed=5))
+    spec = generate_speculative(
+        target, drafter, prompts, 3, SamplingParams(temperature=0.7, seed=6), verifier=verifier
+    )
+    return plain, spec
+
+
+@pytest.mark.parametrize(("name", "tree"), DISTRIBUTION_CASES)
+def test_sampling_matches_plain(name, tree, head_artifacts):
+    target = OrtTarget(load_manifest(head_artifacts[name]), threads=2)
+    plain, spec = sample_both(target, drafter_for(target, name, tree), verify)
+    assert spec.stats["accepted_tokens"] > 0
+    assert min(p_values(plain, spec, HEAD_VOCAB)) > 1e-3
+
+
+# Random heads agree with the target rarely; these cases accept often enough that a
+# wrong residual (sampled chain) or a missing p(c) <- 0 (top-k tree) shows.
+@pytest.mark.parametrize(
+    ("name", "tree"), [("eagle3", "chain:3"), ("eagle3", "dynamic:6,3,2"), ("medusa", "chain:3")]
+)
+def test_broken_verifier_is_detected(name, tree, head_artifacts):
+    target = OrtTarget(load_manifest(head_artifacts[name]), threads=2)
+    plain, spec = sample_both(target, drafter_for(target, name, tree), broken_verify)
+    assert min(p_values(plain, spec, HEAD_VOCAB)) < 1e-6
+
+
+def test_eagle3_d2t_maps_draft_ids_to_target_ids(head_target, head_dirs, head_artifacts):
+    from safetensors.torch import load_file
+
+    tensors = load_file(head_dirs["eagle3"] / "model.safetensors")
+    in_draft_vocab = set((torch.arange(20) + tensors["d2t"]).tolist())
+    assert len(in_draft_vocab) == 20 and in_draft_vocab != set(range(20))
+    target = OrtTarget(load_manifest(head_artifacts["eagle3"]), threads=2)
+    drafter = make_drafter("eagle3", target, DrafterOptions(tree=StaticTree.chain(1)))
+    prompts = [[1, 2, 3, 4, 5], [9, 8, 7]]
+    output = generate_plain(target, prompts, 1)
+    histories = [p + t for p, t in zip(prompts, output.tokens, strict=True)]
+    from specx.runtime.plain_decoding import prefill
+
+    cache = target.allocate_cache(2, 32)
+    _, step = prefill(target, cache, prompts)
+    drafter.start(prompts, 64, [step.taps[b, : len(p)] for b, p in enumerate(prompts)])
+    drafts = drafter.propose(histories, np.array([True, True]), SamplingParams(), None)
+    # The head, run in torch on the same inputs, picks draft id i; the proposal is i + d2t[i].
+    head = load_head(f"eagle3:{head_dirs['eagle3']}", load_checkpoint(head_target))
+    for b, history in enumerate(histories):
+        n = len(history) - 1
+        taps = torch.from_numpy(step.taps[b, :n][None])
+        ids = torch.tensor([history[1:]])
+        cache_t = [
+            torch.zeros(1, head.config.num_kv_heads, n, head.config.head_dim) for _ in range(2)
+        ]
+        mask = torch.ones(n, n, dtype=torch.bool).tril()[None, None]
+        with torch.no_grad():
+            logits = head(
+                ids,
+                head.project(taps),
+                torch.arange(n)[None],
+                mask,
+                torch.zeros(1, dtype=torch.int64),
+                cache_t,
+            )[0]
+        draft_id = int(logits[0, -1].argmax())
+        proposed = int(drafts[b].tokens[0])
+        assert proposed == draft_id + int(tensors["d2t"][draft_id])
+        assert proposed in in_draft_vocab
+    # Across many greedy and sampled rounds, no proposal leaves the draft vocabulary.
+    for sampling in (SamplingParams(), SamplingParams(temperature=1.0, seed=0)):
+        tree_drafter = make_drafter(
+            "eagle3", target, DrafterOptions(tree=parse_tree_spec("dynamic:8,3,3"))
+        )
+        chain_drafter = make_drafter("eagle3", target, DrafterOptions(tree=StaticTree.chain(3)))
+        for drafter in (tree_drafter, chain_drafter):
+            seen = []
+            original = drafter.propose
+
+            def spy(*args, original=original, seen=seen):
+                trees = original(*args)
+                seen.extend(int(t) for tree in trees for t in tree.tokens)
+                return trees
+
+            drafter.propose = spy
+            generate_speculative(target, drafter, [[1, 2, 3], [5, 5, 5]], 20, sampling)
+            assert seen and set(seen) <= in_draft_vocab
