@@ -59,10 +59,14 @@ def main(verbose: bool) -> None:
 @click.option(
     "--taps",
     type=click.Choice(["none", "last", "eagle3"]),
-    default="none",
-    show_default=True,
+    default=None,
     help="Hidden states to output: last = final post-norm state (Medusa/EAGLE-1/MTP); "
-    "eagle3 = states entering layers 2, N//2, N-3.",
+    "eagle3 = states entering layers 2, N//2, N-3 [default: what --drafter reads, else none].",
+)
+@click.option(
+    "--drafter",
+    help="Export a draft head with the target: eagle3:DIR | eagle:DIR | medusa:DIR | mtp[:DIR] "
+    "(mtp alone reads the MTP layer from the target checkpoint).",
 )
 @click.option(
     "--max-tree-tokens",
@@ -75,7 +79,8 @@ def export(
     target_dir: Path,
     output_dir: Path,
     max_context: int,
-    taps: str,
+    taps: str | None,
+    drafter: str | None,
     max_tree_tokens: int,
     overwrite: bool,
 ) -> None:
@@ -87,6 +92,7 @@ def export(
         output_dir,
         max_context=max_context,
         taps=taps,
+        drafter=drafter,
         max_tree_tokens=max_tree_tokens,
         overwrite=overwrite,
         progress=_progress,
@@ -148,7 +154,11 @@ def _read_prompts(
 @click.option("--top-p", default=1.0, show_default=True, help="1.0 = no nucleus truncation.")
 @click.option("--seed", type=int, default=None, help="Seed for sampling (reproducible runs).")
 @click.option("--ignore-eos", is_flag=True, help="Do not stop at the end-of-sequence token.")
-@click.option("--drafter", help="Decode speculatively: ngram | draft-model:ARTIFACT.")
+@click.option(
+    "--drafter",
+    help="Decode speculatively: ngram | draft-model:ARTIFACT | eagle3 | eagle | mtp | medusa "
+    "(the last four use the head exported into ARTIFACT_DIR).",
+)
 @click.option(
     "--num-draft-tokens",
     default=4,
@@ -277,6 +287,73 @@ def _print_stats(stats: dict[str, Any]) -> None:
             f"{compare['speedup']:.2f}x, identical tokens: {compare['identical_tokens']}"
         )
     click.echo(line, err=True)
+
+
+@main.command()
+@click.argument("kind", type=click.Choice(["eagle3", "eagle", "medusa", "mtp", "draft-model"]))
+@click.argument("target_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option(
+    "--corpus",
+    multiple=True,
+    required=True,
+    help="Text file, directory (.py/.txt/.md, recursive) or JSONL prompt set; repeatable.",
+)
+@click.option(
+    "-o",
+    "--output",
+    "output_dir",
+    required=True,
+    type=click.Path(path_type=Path),
+    help="Directory for the drafter in its public format (resumes a saved state).",
+)
+@click.option("--steps", default=300, show_default=True)
+@click.option("--batch", default=8, show_default=True)
+@click.option("--seq-len", default=128, show_default=True)
+@click.option("--lr", default=1e-3, show_default=True)
+@click.option("--seed", default=0, show_default=True)
+@click.option(
+    "--ttt-steps",
+    default=3,
+    show_default=True,
+    help="EAGLE-3/MTP training-time-test steps (later steps weighted 0.8^i).",
+)
+@click.option(
+    "--draft-vocab",
+    type=int,
+    default=None,
+    help="EAGLE-3 draft vocabulary size (most frequent corpus tokens; d2t/t2d).",
+)
+@click.option("--medusa-heads", default=4, show_default=True)
+def train(
+    kind: str,
+    target_dir: Path,
+    corpus: tuple[str, ...],
+    output_dir: Path,
+    steps: int,
+    batch: int,
+    seq_len: int,
+    lr: float,
+    seed: int,
+    ttt_steps: int,
+    draft_vocab: int | None,
+    medusa_heads: int,
+) -> None:
+    """Distil a KIND drafter against the target in TARGET_DIR (soft labels from the target)."""
+    from specx.training.loop import TrainConfig, train_drafter
+
+    config = TrainConfig(
+        kind,
+        steps=steps,
+        batch=batch,
+        seq_len=seq_len,
+        lr=lr,
+        seed=seed,
+        ttt_steps=ttt_steps,
+        draft_vocab=draft_vocab,
+        medusa_heads=medusa_heads,
+    )
+    result = train_drafter(target_dir, corpus, output_dir, config, progress=_progress)
+    click.echo(json.dumps(result.report, indent=2))
 
 
 @main.command()

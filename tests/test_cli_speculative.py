@@ -68,7 +68,7 @@ def test_draft_model_with_static_tree(artifacts, draft_artifacts, tmp_path):
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--drafter", "medusa"], "unknown drafter 'medusa'"),
+        (["--drafter", "hydra"], "unknown drafter 'hydra'"),
         (["--drafter", "ngram", "--tree", "[[0]]"], "--tree does not apply to ngram"),
         (["--drafter", "draft-model"], "draft-model needs an artifact"),
         (["--drafter", "ngram", "--num-draft-tokens", "0"], "num_draft_tokens >= 1"),
@@ -102,3 +102,50 @@ def test_demo_runs_end_to_end(tmp_path):
     assert report["identical_to_plain"] is True
     assert report["speculative"]["mode"] == "speculative" and len(report["tokens"]) == 24
     assert (tmp_path / "artifact" / "manifest.json").is_file()
+
+
+def test_export_with_head_and_generate(head_target, head_dirs, tmp_path):
+    artifact = tmp_path / "art"
+    result = invoke(
+        "export",
+        head_target,
+        "-o",
+        artifact,
+        "--max-context",
+        96,
+        "--drafter",
+        f"eagle3:{head_dirs['eagle3']}",
+    )
+    assert result.exit_code == 0, result.output
+    manifest = json.loads((artifact / "manifest.json").read_text())
+    assert manifest["drafter"]["kind"] == "eagle3" and manifest["model"]["taps"]["kind"] == "eagle3"
+    assert {"draft_head", "draft_projection", "target"} == set(manifest["graphs"])
+    result = invoke(
+        "generate",
+        artifact,
+        "--prompt-ids",
+        "1,2,3",
+        "--drafter",
+        "eagle3",
+        "--tree",
+        "dynamic:8,3,3",
+        "--compare",
+        "--json",
+        "--max-new-tokens",
+        20,
+    )
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["stats"]["compare"]["identical_tokens"] is True
+    wrong = invoke("generate", artifact, "--prompt-ids", "1", "--drafter", "medusa")
+    assert wrong.exit_code == 2 and "exported with drafter 'eagle3', not 'medusa'" in wrong.output
+    taps = invoke(
+        "export",
+        head_target,
+        "-o",
+        tmp_path / "x",
+        "--taps",
+        "last",
+        "--drafter",
+        f"eagle3:{head_dirs['eagle3']}",
+    )
+    assert taps.exit_code == 2 and "reads --taps eagle3, not last" in taps.output

@@ -7,11 +7,10 @@ run with a deliberately broken verifier must reject, which shows the test has po
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
-from scipy.stats import chi2_contingency
 
 from broken_verifiers import broken_verify
+from chi_square import p_values
 from conftest import perturbed_copy
 from specx.artifact import load_manifest
 from specx.runtime.drafters.draft_model import DraftModelDrafter
@@ -50,22 +49,6 @@ def pair(tmp_path_factory):
     # The target's own greedy text, repeated: prompt lookup then drafts likely tokens.
     greedy = [1, 2, 3] + generate_plain(target, [[1, 2, 3]], 10).tokens[0]
     return target, OrtTarget(load_manifest(draft_art), threads=2), greedy + greedy[:6]
-
-
-def histograms(tokens, vocab):
-    rows = np.array(tokens)
-    return [np.bincount(rows[:, k], minlength=vocab) for k in range(rows.shape[1])]
-
-
-def p_values(plain, spec, vocab=VOCAB):
-    """Chi-square p-value per output position: plain vs speculative token histograms."""
-    values = []
-    pairs = zip(histograms(plain.tokens, vocab), histograms(spec.tokens, vocab), strict=True)
-    for a, b in pairs:
-        table = np.stack([a, b])
-        table = table[:, table.sum(0) > 0]
-        values.append(chi2_contingency(table)[1] if table.shape[1] > 1 else 1.0)
-    return values
 
 
 DRAFTERS = {
@@ -109,10 +92,10 @@ def test_speculative_sampling_matches_plain(pair, drafter_name, sampling):
     plain, spec = run(pair, drafter_name, sampling, verify, seed=11)
     accepted = spec.stats["accepted_tokens"]
     assert 0 < accepted < SAMPLES * (POSITIONS - 1), "drafts must be accepted only sometimes"
-    assert min(p_values(plain, spec)) > 1e-3, spec.stats["acceptance_by_position"]
+    assert min(p_values(plain, spec, VOCAB)) > 1e-3, spec.stats["acceptance_by_position"]
 
 
 @pytest.mark.parametrize("drafter_name", ["draft-chain", "draft-tree-topk", "draft-tree-iid"])
 def test_broken_verifier_is_detected(pair, drafter_name):
     plain, spec = run(pair, drafter_name, SAMPLING[0], broken_verify, seed=11)
-    assert min(p_values(plain, spec)) < 1e-6
+    assert min(p_values(plain, spec, VOCAB)) < 1e-6

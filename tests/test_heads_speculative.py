@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from broken_verifiers import broken_verify
+from chi_square import p_values
 from conftest import HEAD_VOCAB
 from specx.artifact import load_manifest
 from specx.export.checkpoint import load_checkpoint
@@ -20,7 +21,6 @@ from specx.runtime.plain_decoding import generate_plain
 from specx.runtime.sampling import SamplingParams
 from specx.runtime.speculative_decoding import generate_speculative
 from specx.runtime.verification import verify
-from test_distribution import p_values
 
 TREES = ["chain:3", "[[0],[1],[2],[0,0],[0,1],[1,0],[0,0,0]]", "dynamic:8,3,3"]
 HEADS = {

@@ -107,7 +107,7 @@ def test_tree_over_exported_size_is_refused(artifacts):
 def test_prompt_over_capacity_with_tree_scratch(artifacts):
     target = OrtTarget(load_manifest(artifacts["llama"]), threads=2)
     with pytest.raises(GenerationError, match="KV slots"):
-        generate_speculative(target, NGramDrafter(8), [[1] * 110], 8)
+        generate_speculative(target, NGramDrafter(8), [[1] * 120], 8)
 
 
 def test_vocab_mismatch_is_refused(artifacts, tmp_path):

@@ -23,7 +23,7 @@ from torch import nn
 
 from specx.errors import ExportError
 from specx.export.config import TargetConfig
-from specx.export.tree_attention_op import tree_attention
+from specx.export.tree_attention_op import tree_attention, tree_attention_reference
 
 __all__ = [
     "MLP",
@@ -117,7 +117,9 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = _apply_rope(q.transpose(1, 2), cos, sin)
         k = _apply_rope(k.transpose(1, 2), cos, sin)
-        out, k_cache, v_cache = tree_attention(
+        # Training needs gradients, which the exportable custom op does not define.
+        attend = tree_attention_reference if self.training else tree_attention
+        out, k_cache, v_cache = attend(
             q,
             k,
             v.transpose(1, 2),

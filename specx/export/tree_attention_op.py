@@ -14,11 +14,10 @@ from onnxscript.values import Op, Opset
 
 from specx.graphs import tree_attention as graph_op
 
-__all__ = ["ONNX_TRANSLATIONS", "tree_attention"]
+__all__ = ["ONNX_TRANSLATIONS", "tree_attention", "tree_attention_reference"]
 
 
-@torch.library.custom_op("specx::tree_attention", mutates_args=())
-def tree_attention(
+def tree_attention_reference(
     q: torch.Tensor,  # [B, H, N, D]
     k: torch.Tensor,  # [B, Hkv, N, D]
     v: torch.Tensor,  # [B, Hkv, N, D]
@@ -30,7 +29,10 @@ def tree_attention(
     num_kv_heads: int,
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Writes k/v at `write_pos`, then attends over cache slots [0, L) under `mask`."""
+    """Writes k/v at `write_pos`, then attends over cache slots [0, L) under `mask`.
+
+    Plain differentiable torch: training calls it directly; the custom op wraps it.
+    """
     _check_shapes(q, k, v, k_cache, write_pos, mask, num_heads, num_kv_heads)
     batch, kv_heads, n, head_dim = k.shape
     slots = write_pos[:, None] + torch.arange(n, device=k.device)  # [B, N]
@@ -45,6 +47,26 @@ def tree_attention(
         attn_mask=mask,
         scale=scale,
         enable_gqa=num_heads != num_kv_heads,
+    )
+    return out, k_cache, v_cache
+
+
+@torch.library.custom_op("specx::tree_attention", mutates_args=())
+def tree_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    write_pos: torch.Tensor,
+    mask: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The exportable op (see `tree_attention_reference` for the rule)."""
+    out, k_cache, v_cache = tree_attention_reference(
+        q, k, v, k_cache, v_cache, write_pos, mask, num_heads, num_kv_heads, scale
     )
     return out, k_cache, v_cache
 

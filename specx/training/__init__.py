@@ -1,0 +1,1 @@
+"""Distilling draft heads and draft models against a frozen target (torch; the export extra)."""

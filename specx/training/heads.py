@@ -1,0 +1,145 @@
+"""New heads to train (initialised from the target) and writers of their public formats.
+
+Embeddings and output projections shared with the target are copied from it and frozen,
+as EAGLE, Medusa and DeepSeek's MTP do; everything else starts from torch's default init.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import save_file
+
+from specx.export.config import TargetConfig
+from specx.export.heads.eagle import EagleHead
+from specx.export.heads.eagle3 import Eagle3Head
+from specx.export.heads.medusa import MedusaHeads
+from specx.export.heads.mtp import MTPHead
+
+__all__ = ["HEAD_KINDS", "new_head", "save_head"]
+
+HEAD_KINDS = ("eagle3", "eagle", "medusa", "mtp")
+
+
+def _one_layer(config: TargetConfig) -> TargetConfig:
+    return dataclasses.replace(config, num_layers=1, qk_norm=False)
+
+
+def _frozen(param: torch.nn.Parameter, value: torch.Tensor) -> None:
+    param.data.copy_(value)
+    param.requires_grad_(False)
+
+
+def new_head(
+    kind: str,
+    config: TargetConfig,
+    target: dict[str, torch.Tensor],
+    draft_ids: np.ndarray | None = None,
+    medusa_heads: int = 4,
+) -> torch.nn.Module:
+    """A freshly initialised head of `kind` for the target (`draft_ids`: EAGLE-3's vocab)."""
+    embed, lm_head = target["model.embed_tokens.weight"], target["lm_head.weight"]
+    if kind == "eagle3":
+        ids = np.arange(config.vocab_size) if draft_ids is None else np.sort(draft_ids)
+        head = Eagle3Head(_one_layer(config), config.hidden_size, config.vocab_size, len(ids))
+        _frozen(head.embed_tokens.weight, embed)
+        head.lm_head.weight.data.copy_(lm_head[torch.from_numpy(ids)])
+        head.d2t.copy_(torch.from_numpy(ids) - torch.arange(len(ids)))
+    elif kind == "eagle":
+        head = EagleHead(_one_layer(config), fc_bias=True)
+        _frozen(head.embed_tokens.weight, embed)
+        _frozen(head.lm_head.weight, lm_head)
+    elif kind == "medusa":
+        head = MedusaHeads(config.hidden_size, config.vocab_size, medusa_heads, 1)
+        for block in head.heads:  # Medusa starts each head as the target's lm_head
+            torch.nn.init.zeros_(block[0].linear.weight)
+            block[-1].weight.data.copy_(lm_head)
+    elif kind == "mtp":
+        head = MTPHead(_one_layer(config), hidden_first=False)
+        _frozen(head.embed_tokens.weight, embed)
+        _frozen(head.head.weight, lm_head)
+    else:
+        raise ValueError(f"unknown head {kind!r}; choose one of {', '.join(HEAD_KINDS)}")
+    return head
+
+
+def _layer_tensors(layer: torch.nn.Module, prefix: str) -> dict[str, torch.Tensor]:
+    return {f"{prefix}{k}": v for k, v in layer.state_dict().items()}
+
+
+_ROPE_KEYS = ("rope_theta", "rope_scaling", "rope_parameters")
+
+
+def _llama_config(config: TargetConfig, target_raw: dict[str, Any], **extra: Any) -> dict:
+    rope = {k: target_raw[k] for k in _ROPE_KEYS if target_raw.get(k) is not None}
+    return {
+        "model_type": "llama",
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "num_hidden_layers": 1,
+        "num_attention_heads": config.num_heads,
+        "num_key_value_heads": config.num_kv_heads,
+        "head_dim": config.head_dim,
+        "vocab_size": config.vocab_size,
+        "rms_norm_eps": config.rms_norm_eps,
+        "max_position_embeddings": config.max_position_embeddings,
+        **rope,
+        **extra,
+    }
+
+
+def save_head(head: torch.nn.Module, directory: Path, target_raw: dict[str, Any]) -> Path:
+    """Writes a head in its public format (what `specx export --drafter KIND:DIR` reads).
+
+    `target_raw` is the target's config.json (RoPE settings, layer count).
+    """
+    directory.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().contiguous() for k, v in head.state_dict().items()}
+    if isinstance(head, Eagle3Head):
+        tensors = {k: v for k, v in state.items() if not k.startswith("embed_tokens")}
+        t2d = torch.zeros(head.embed_tokens.num_embeddings, dtype=torch.bool)
+        t2d[torch.arange(len(head.d2t)) + head.d2t] = True
+        tensors["t2d"] = t2d
+        config = _llama_config(
+            head.config,
+            target_raw,
+            architectures=["LlamaForCausalLMEagle3"],
+            draft_vocab_size=len(head.d2t),
+            target_hidden_size=head.fc.in_features // 3,
+        )
+        files = {"model.safetensors": tensors}
+    elif isinstance(head, EagleHead):
+        tensors = {k: v for k, v in state.items() if not k.startswith(("embed_tokens", "lm_head"))}
+        config = _llama_config(head.config, target_raw, bias=True)
+        files = {"model.safetensors": tensors}
+    elif isinstance(head, MedusaHeads):
+        tensors = {k.removeprefix("heads."): v for k, v in state.items()}
+        config = {"medusa_num_heads": len(head.heads), "medusa_num_layers": len(head.heads[0]) - 1}
+        files = {"medusa_lm_head.safetensors": tensors}
+    elif isinstance(head, MTPHead):  # DeepSeek-V3 layout: model.layers.{N}.*
+        p = f"model.layers.{target_raw['num_hidden_layers']}."
+        names = {
+            "enorm.weight": "enorm.weight",
+            "hnorm.weight": "hnorm.weight",
+            "proj.weight": "eh_proj.weight",
+            "norm.weight": "shared_head.norm.weight",
+            "head.weight": "shared_head.head.weight",
+            "embed_tokens.weight": "embed_tokens.weight",
+        }
+        tensors = {p + theirs: state[ours] for ours, theirs in names.items()}
+        tensors.update(
+            {p + k.removeprefix("layer."): v for k, v in state.items() if k.startswith("layer.")}
+        )
+        config = {"num_nextn_predict_layers": 1}
+        files = {"model.safetensors": tensors}
+    else:
+        raise TypeError(f"cannot save {type(head).__name__}")
+    for name, tensors in files.items():
+        save_file(tensors, directory / name, metadata={"format": "pt"})
+    (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return directory
