@@ -68,6 +68,7 @@ def test_medusa_default_tree(head_artifacts):
 
 DISTRIBUTION_CASES = [
     ("eagle3", "dynamic:6,3,2"),
+    ("eagle", "dynamic:16,3,6"),
     ("eagle", "chain:3"),
     ("mtp-deepseek", "dynamic:6,3,2"),
     ("medusa", "[[0],[1],[0,0],[1,0]]"),
