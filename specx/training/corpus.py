@@ -11,7 +11,7 @@ import numpy as np
 
 from specx.errors import SpecxError
 
-__all__ = ["held_out", "read_texts", "token_windows"]
+__all__ = ["held_out", "read_texts", "stdlib_files", "token_windows"]
 
 _TEXT_SUFFIXES = (".py", ".txt", ".md")
 
@@ -19,6 +19,21 @@ _TEXT_SUFFIXES = (".py", ".txt", ".md")
 def held_out(relative_path: str, percent: int = 3) -> bool:
     """The reference recipe's split: `md5(relative path) % 100 < percent` is held out."""
     return int(hashlib.md5(relative_path.encode()).hexdigest(), 16) % 100 < percent
+
+
+def stdlib_files(percent: int = 3) -> tuple[list[Path], list[Path]]:
+    """The running Python's stdlib .py files, split into (train, held out).
+
+    Excluded: test/, tests/, site-packages, __pycache__; the split is `held_out` on the path
+    relative to the stdlib root (the reference target's rule).
+    """
+    import sysconfig
+
+    root = Path(sysconfig.get_paths()["stdlib"])
+    skip = {"test", "tests", "site-packages", "__pycache__"}
+    files = sorted(p for p in root.rglob("*.py") if not skip & set(p.relative_to(root).parts))
+    held = [p for p in files if held_out(p.relative_to(root).as_posix(), percent)]
+    return [p for p in files if p not in set(held)], held
 
 
 def read_texts(sources: Sequence[str | Path]) -> list[str]:

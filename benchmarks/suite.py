@@ -1,0 +1,403 @@
+"""The benchmark suite: every drafter on the reference target, against plain decoding and peers.
+
+    python benchmarks/suite.py [--prompts 12] [--new-tokens 96] [--train-steps 400]
+
+Target: pyref-7m (`shared/models/pyref-7m`). Drafters are trained with `specx train` on the
+CPython standard library (files the reference split does not hold out) and cached in
+`~/.cache/specx/pyref-drafters` (rebuilt with `--retrain`). Prompts: HumanEval stubs plus
+held-out stdlib files. In one run: plain decoding vs n-gram, draft model, Medusa, EAGLE-1,
+EAGLE-3 (chain / static / dynamic) and MTP, greedy and T=0.7; the dynamic-tree size sweep;
+the batch curve; transformers plain, assisted generation and prompt lookup on the same
+weights; onnxruntime-genai when it can run. Writes `benchmarks/results/suite.json`,
+`suite.md` and PNG plots. Skips cleanly (exit 0) when shared/ is absent.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+SHARED = Path(__file__).resolve().parents[2] / "shared"
+CACHE = Path.home() / ".cache" / "specx" / "pyref-drafters"
+RESULTS = Path(__file__).resolve().parent / "results"
+HEADS = {"eagle3": {"draft_vocab": 2048}, "eagle": {}, "medusa": {}, "mtp": {}}
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def stdlib_split() -> tuple[list[Path], list[Path]]:
+    from specx.training.corpus import stdlib_files
+
+    return stdlib_files()
+
+
+def train_drafters(target: Path, steps: int, retrain: bool) -> dict[str, Path]:
+    from specx.training.loop import TrainConfig, train_drafter
+
+    train_files, _ = stdlib_split()
+    corpus = [str(p) for p in train_files]
+    out = {}
+    for kind in [*HEADS, "draft-model"]:
+        directory = CACHE / kind
+        if retrain or not (directory / "train_report.json").is_file():
+            log(f"training {kind} ({steps} steps)")
+            extra = HEADS.get(kind, {})
+            config = TrainConfig(kind, steps=steps, batch=8, seq_len=256, lr=2e-3, **extra)
+            train_drafter(target, corpus, directory, config, progress=log)
+        out[kind] = directory
+    return out
+
+
+def prompts_for(tokenizer, count: int) -> list[list[int]]:
+    lines = (SHARED / "data" / "eval" / "humaneval.jsonl").read_text().splitlines()
+    texts = [
+        json.loads(line)["turns"][0].replace("Complete the code I provided.\n", "")
+        for line in lines[:count]
+    ]
+    _, held = stdlib_split()
+    texts += [p.read_text(errors="replace")[:1200] for p in held[: count // 2]]
+    return [tokenizer.encode(t)[-320:] for t in texts]
+
+
+def run_config(target, drafter, prompts, new_tokens, sampling) -> dict:
+    from specx.runtime.plain_decoding import generate_plain
+    from specx.runtime.speculative_decoding import generate_speculative
+
+    rows = []
+    for prompt in prompts:
+        if drafter is None:
+            result = generate_plain(target, [prompt], new_tokens, sampling)
+        else:
+            result = generate_speculative(target, drafter, [prompt], new_tokens, sampling)
+        rows.append(result)
+    stats = [r.stats for r in rows]
+    out = {
+        "ms_per_token": statistics.mean(s["ms_per_token"] for s in stats),
+        "tokens_per_s": statistics.mean(s["tokens_per_s"] for s in stats),
+        "tokens": [r.tokens[0] for r in rows],
+    }
+    if drafter is not None:
+        out["acceptance_length"] = statistics.mean(s["acceptance_length"] for s in stats)
+        depth = max(len(s["acceptance_by_position"]) for s in stats)
+        out["acceptance_by_position"] = [
+            statistics.mean(
+                s["acceptance_by_position"][d]
+                for s in stats
+                if len(s["acceptance_by_position"]) > d
+            )
+            for d in range(depth)
+        ]
+        out["draft_s_per_round"] = statistics.mean(
+            s["draft_s"] / max(s["rounds"], 1) for s in stats
+        )
+    return out
+
+
+def peers(model_dir: Path, draft_dir: Path, prompts, new_tokens: int, threads: int) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(threads)
+    target = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    assistant = AutoModelForCausalLM.from_pretrained(draft_dir).eval()
+    results = {}
+    runs = {
+        "transformers plain": {},
+        "transformers assisted (draft model)": {"assistant_model": assistant},
+        "transformers prompt lookup": {"prompt_lookup_num_tokens": 6},
+    }
+    for name, extra in runs.items():
+        times = []
+        for prompt in prompts:
+            ids = torch.tensor([prompt])
+            with torch.no_grad():
+                started = time.perf_counter()
+                target.generate(
+                    ids,
+                    max_new_tokens=new_tokens,
+                    min_new_tokens=new_tokens,
+                    do_sample=False,
+                    pad_token_id=0,
+                    **extra,
+                )
+                times.append(time.perf_counter() - started)
+        results[name] = {"ms_per_token": 1e3 * statistics.mean(times) / new_tokens}
+    return results
+
+
+def genai_peer(model_dir: Path, work: Path, prompts, new_tokens: int, threads: int) -> dict:
+    """onnxruntime-genai plain and n-gram decoding, or the reason it could not run."""
+    import subprocess
+
+    try:
+        import onnxruntime_genai as og
+    except ImportError as e:
+        return {"skipped": f"onnxruntime-genai is not installed: {e}"}
+    out = work / "genai"
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "onnxruntime_genai.models.builder",
+            "-i",
+            str(model_dir),
+            "-o",
+            str(out),
+            "-p",
+            "fp32",
+            "-e",
+            "cpu",
+        ],
+        capture_output=True,
+        text=True,
+    )
+    if done.returncode != 0:
+        return {"skipped": f"the genai builder failed: {done.stderr[-400:]}"}
+    config_path = out / "genai_config.json"
+    config = json.loads(config_path.read_text())
+    options = config["model"]["decoder"].setdefault("session_options", {})
+    options["intra_op_num_threads"] = threads
+    config_path.write_text(json.dumps(config))
+    model = og.Model(str(out))
+    results = {}
+    for name, ngram in (("onnxruntime-genai plain", False), ("onnxruntime-genai ngram", True)):
+        times = []
+        for prompt in prompts:
+            params = og.GeneratorParams(model)
+            params.set_search_options(max_length=len(prompt) + new_tokens, do_sample=False)
+            if ngram:
+                params.set_speculative_options(
+                    ngram_size=3, max_draft_tokens=6, ngram_chained_lookup=True
+                )
+            generator = og.Generator(model, params)
+            started = time.perf_counter()
+            generator.append_tokens(prompt)
+            while not generator.is_done():
+                generator.generate_next_token()
+            times.append(time.perf_counter() - started)
+        results[name] = {"ms_per_token": 1e3 * statistics.mean(times) / new_tokens}
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--prompts", type=int, default=12)
+    parser.add_argument("--new-tokens", type=int, default=96)
+    parser.add_argument("--train-steps", type=int, default=400)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--retrain", action="store_true")
+    args = parser.parse_args()
+    model_dir = SHARED / "models" / "pyref-7m"
+    if not (model_dir / "model.safetensors").is_file():
+        log(f"skipped: {model_dir} is absent")
+        return
+
+    import tempfile
+
+    from specx.artifact import load_manifest
+    from specx.export.target_export import export_target
+    from specx.runtime.drafters import DrafterOptions, make_drafter
+    from specx.runtime.drafters.medusa import MEDUSA_DEFAULT_TREE
+    from specx.runtime.drafters.tree_search import DynamicTree, StaticTree
+    from specx.runtime.ort_target import OrtTarget
+    from specx.runtime.plain_decoding import generate_plain
+    from specx.runtime.sampling import SamplingParams
+    from specx.runtime.tokenizer import TextTokenizer
+
+    started = time.perf_counter()
+    drafters_dir = train_drafters(model_dir, args.train_steps, args.retrain)
+    work = Path(tempfile.mkdtemp(prefix="specx-suite-"))
+    log("exporting the target with each head, and the draft model")
+    arts = {
+        kind: export_target(
+            model_dir, work / kind, max_context=1024, drafter=f"{kind}:{drafters_dir[kind]}"
+        )
+        for kind in HEADS
+    }
+    arts["draft-model"] = export_target(
+        drafters_dir["draft-model"], work / "draft", max_context=1024
+    )
+    targets = {kind: OrtTarget(load_manifest(arts[kind]), args.threads) for kind in HEADS}
+    tokenizer = TextTokenizer(model_dir / "tokenizer.json")
+    prompts = prompts_for(tokenizer, args.prompts)
+    base = targets["eagle"]
+    small_tree = [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 0, 0]]
+    configs = {
+        "ngram chain 6": (base, "ngram", DrafterOptions(6)),
+        "draft-model chain 4": (base, f"draft-model:{arts['draft-model']}", DrafterOptions(4)),
+        "medusa static mc_sim_7b_63": (
+            targets["medusa"],
+            "medusa",
+            DrafterOptions(tree=StaticTree.from_choices(MEDUSA_DEFAULT_TREE)),
+        ),
+        "medusa static 7": (
+            targets["medusa"],
+            "medusa",
+            DrafterOptions(tree=StaticTree.from_choices(small_tree)),
+        ),
+        "eagle chain 4": (base, "eagle", DrafterOptions(4)),
+        "eagle static 7": (base, "eagle", DrafterOptions(tree=StaticTree.from_choices(small_tree))),
+        "eagle dynamic 12,5,3": (base, "eagle", DrafterOptions(tree=DynamicTree(12, 5, 3))),
+        "eagle3 chain 4": (targets["eagle3"], "eagle3", DrafterOptions(4)),
+        "eagle3 static 7": (
+            targets["eagle3"],
+            "eagle3",
+            DrafterOptions(tree=StaticTree.from_choices(small_tree)),
+        ),
+        "eagle3 dynamic 12,5,3": (
+            targets["eagle3"],
+            "eagle3",
+            DrafterOptions(tree=DynamicTree(12, 5, 3)),
+        ),
+        "mtp chain 3": (targets["mtp"], "mtp", DrafterOptions(3)),
+        "mtp dynamic 12,5,3": (targets["mtp"], "mtp", DrafterOptions(tree=DynamicTree(12, 5, 3))),
+    }
+    report = {
+        "benchmark": "suite",
+        "target": "pyref-7m",
+        "prompts": len(prompts),
+        "new_tokens": args.new_tokens,
+        "machine": {"platform": platform.platform(), "threads": args.threads},
+        "drafter_training": {
+            k: json.loads((v / "train_report.json").read_text()) for k, v in drafters_dir.items()
+        },
+        "results": {},
+    }
+    for label, sampling in (("greedy", SamplingParams()), ("T=0.7", SamplingParams(0.7, seed=0))):
+        log(f"[{label}] plain")
+        plain = run_config(base, None, prompts, args.new_tokens, sampling)
+        report["results"][f"plain/{label}"] = {k: v for k, v in plain.items() if k != "tokens"}
+        for name, (target, spec, options) in configs.items():
+            log(f"[{label}] {name}")
+            entry = run_config(
+                target, make_drafter(spec, target, options), prompts, args.new_tokens, sampling
+            )
+            if sampling.greedy:
+                entry["identical_to_plain"] = entry["tokens"] == plain["tokens"]
+            entry["speedup"] = plain["ms_per_token"] / entry["ms_per_token"]
+            entry["draft_cost_c"] = entry.pop("draft_s_per_round") / (plain["ms_per_token"] / 1e3)
+            del entry["tokens"]
+            report["results"][f"{name}/{label}"] = entry
+    log("tree size sweep (eagle3 dynamic, greedy)")
+    sweep = {}
+    plain_ms = report["results"]["plain/greedy"]["ms_per_token"]
+    for total in (2, 4, 8, 16, 32, 60):
+        options = DrafterOptions(tree=DynamicTree(total, 6, 4))
+        entry = run_config(
+            targets["eagle3"],
+            make_drafter("eagle3", targets["eagle3"], options),
+            prompts,
+            args.new_tokens,
+            SamplingParams(),
+        )
+        sweep[total] = {
+            "acceptance_length": entry["acceptance_length"],
+            "speedup": plain_ms / entry["ms_per_token"],
+        }
+    report["tree_size_sweep"] = sweep
+    log("batch curve (eagle3 dynamic 12,5,3, greedy)")
+    curve = {}
+    for batch in (1, 2, 4, 8):
+        chunk = (prompts * 8)[:batch]
+        drafter = make_drafter(
+            "eagle3", targets["eagle3"], DrafterOptions(tree=DynamicTree(12, 5, 3))
+        )
+        from specx.runtime.speculative_decoding import generate_speculative
+
+        t0 = time.perf_counter()
+        generate_plain(targets["eagle3"], chunk, args.new_tokens)
+        t1 = time.perf_counter()
+        generate_speculative(targets["eagle3"], drafter, chunk, args.new_tokens)
+        t2 = time.perf_counter()
+        curve[batch] = {
+            "plain_s": t1 - t0,
+            "speculative_s": t2 - t1,
+            "speedup": (t1 - t0) / (t2 - t1),
+        }
+    report["batch_curve"] = curve
+    losing = [b for b, v in curve.items() if v["speedup"] < 1.0]
+    report["batch_where_speculation_stops_paying"] = min(losing) if losing else None
+    log("peers: transformers, onnxruntime-genai")
+    report["peers"] = peers(
+        model_dir, drafters_dir["draft-model"], prompts[:6], args.new_tokens, args.threads
+    )
+    try:
+        report["peers"].update(
+            genai_peer(model_dir, work, prompts[:6], args.new_tokens, args.threads)
+        )
+    except Exception as e:  # a peer failing must not lose the rest of the run
+        report["peers"]["onnxruntime-genai"] = {"skipped": f"{type(e).__name__}: {e}"}
+    report["wall_s"] = time.perf_counter() - started
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "suite.json").write_text(json.dumps(report, indent=2) + "\n")
+    (RESULTS / "suite.md").write_text(markdown(report))
+    plots(report)
+    print(markdown(report))
+
+
+def markdown(report: dict) -> str:
+    lines = [
+        "| drafter / decoding | acceptance length | acceptance @1,2,3 | c | ms/token | speedup "
+        "| identical |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, e in report["results"].items():
+        accept = ", ".join(f"{a:.2f}" for a in e.get("acceptance_by_position", [])[:3])
+        lines.append(
+            f"| {name} | {e.get('acceptance_length', 1.0):.2f} | {accept} | "
+            f"{e.get('draft_cost_c', 0.0):.2f} | {e['ms_per_token']:.2f} | "
+            f"{e.get('speedup', 1.0):.2f}x | {e.get('identical_to_plain', '')} |"
+        )
+    lines += ["", "| peer | ms/token |", "|---|---|"]
+    for name, e in report["peers"].items():
+        lines.append(
+            f"| {name} | {e['ms_per_token']:.2f} |"
+            if "ms_per_token" in e
+            else f"| {name} | not run: {e['skipped'][:200]} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def plots(report: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, e in report["results"].items():
+        if name.endswith("/greedy") and "acceptance_by_position" in e:
+            ax.plot(
+                range(1, len(e["acceptance_by_position"]) + 1),
+                e["acceptance_by_position"],
+                marker="o",
+                label=name.removesuffix("/greedy"),
+            )
+    ax.set(
+        xlabel="draft position", ylabel="acceptance rate", title="Acceptance by position (greedy)"
+    )
+    ax.legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(RESULTS / "acceptance_by_position.png", dpi=120)
+    for key, xlabel, file in (
+        ("tree_size_sweep", "dynamic tree nodes", "speedup_vs_tree_size.png"),
+        ("batch_curve", "batch size", "speedup_vs_batch.png"),
+    ):
+        fig, ax = plt.subplots(figsize=(5, 3.5))
+        xs = [int(x) for x in report[key]]
+        ax.plot(xs, [report[key][x]["speedup"] for x in report[key]], marker="o")
+        ax.axhline(1.0, color="grey", linestyle="--")
+        ax.set(xlabel=xlabel, ylabel="speedup vs plain", xscale="log", title=key.replace("_", " "))
+        fig.tight_layout()
+        fig.savefig(RESULTS / file, dpi=120)
+
+
+if __name__ == "__main__":
+    main()
