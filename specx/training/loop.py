@@ -47,6 +47,7 @@ class TrainConfig:
     medusa_heads: int = 4
     draft_model_layers: int = 2
     held_out_fraction: float = 0.1
+    max_held_out_windows: int = 64  # the acceptance estimate needs no more
     save_every: int = 100
 
 
@@ -175,7 +176,7 @@ def train_drafter(
     tokenizer = TextTokenizer(tokenizer_path)
     windows = token_windows([tokenizer.encode(t) for t in read_texts(corpus)], cfg.seq_len)
     held = max(1, int(len(windows) * cfg.held_out_fraction))
-    train_windows, held_windows = windows[:-held], windows[-held:]
+    train_windows, held_windows = windows[:-held], windows[-held:][: cfg.max_held_out_windows]
     if len(train_windows) == 0:
         raise SpecxError(f"the corpus gives {len(windows)} windows; need more than {held}")
     teacher = Teacher(config, checkpoint.state_dict)
