@@ -26,29 +26,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from specx.training.corpus import stdlib_files
+from specx.training.corpus import stdlib_files, train_byte_level_bpe
 
 DEFAULT_OUT = Path.home() / ".cache" / "specx" / "pyref-rebuild"
 
 
 def log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
-
-
-def train_tokenizer(files: list[Path], vocab_size: int, path: Path) -> None:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=["<|endoftext|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tokenizer.train([str(f) for f in files], trainer)
-    tokenizer.save(str(path))
 
 
 def encode(files: list[Path], tokenizer_path: Path) -> tuple[np.ndarray, int]:
@@ -152,7 +136,7 @@ def main() -> None:
     config = model_config(args.tiny)
     if not tokenizer_path.is_file():
         log(f"[1/4] training a {config.vocab_size}-token BPE on {len(train_files)} files")
-        train_tokenizer(train_files, config.vocab_size, tokenizer_path)
+        train_byte_level_bpe(train_files, config.vocab_size, tokenizer_path)
     train_stream, _ = encode(train_files, tokenizer_path)
     held_stream, held_bytes = encode(held_files, tokenizer_path)
     log(f"[2/4] {len(train_stream)} training tokens, {len(held_stream)} held-out tokens")

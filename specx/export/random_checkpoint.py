@@ -44,26 +44,11 @@ _FAMILY_CONFIGS = {
 
 
 def train_demo_tokenizer(vocab_size: int, path: Path, max_files: int = 40) -> None:
-    """Trains a byte-level BPE tokenizer on stdlib sources and saves `tokenizer.json`.
-
-    Token 0 is `<|endoftext|>` (bos/eos); the post-processor does not add it, like most
-    code-model tokenizers.
-    """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    """A byte-level BPE trained on the first stdlib modules (token 0 = `<|endoftext|>`)."""
+    from specx.training.corpus import train_byte_level_bpe
 
     stdlib = Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(str(p) for p in stdlib.glob("*.py"))[:max_files]
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=["<|endoftext|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tokenizer.train(files, trainer)
-    tokenizer.save(str(path))
+    train_byte_level_bpe(sorted(stdlib.glob("*.py"))[:max_files], vocab_size, path)
 
 
 def write_random_checkpoint(
