@@ -324,6 +324,13 @@ def _print_stats(stats: dict[str, Any]) -> None:
     help="EAGLE-3 draft vocabulary size (most frequent corpus tokens; d2t/t2d).",
 )
 @click.option("--medusa-heads", default=4, show_default=True)
+@click.option(
+    "--on-policy",
+    "on_policy",
+    default=0,
+    show_default=True,
+    help="Add this many windows continued by sampling from the target (on-policy data).",
+)
 def train(
     kind: str,
     target_dir: Path,
@@ -337,6 +344,7 @@ def train(
     ttt_steps: int,
     draft_vocab: int | None,
     medusa_heads: int,
+    on_policy: int,
 ) -> None:
     """Distil a KIND drafter against the target in TARGET_DIR (soft labels from the target)."""
     from specx.training.loop import TrainConfig, train_drafter
@@ -351,6 +359,7 @@ def train(
         ttt_steps=ttt_steps,
         draft_vocab=draft_vocab,
         medusa_heads=medusa_heads,
+        on_policy_windows=on_policy,
     )
     result = train_drafter(target_dir, corpus, output_dir, config, progress=_progress)
     click.echo(json.dumps(result.report, indent=2))

@@ -145,3 +145,14 @@ def test_cli_train_and_bad_input(teacher_dir, tmp_path):
         train_drafter(teacher_dir, [str(tmp_path / "nope")], tmp_path / "x", config("eagle"))
     with pytest.raises(SpecxError, match="unknown drafter"):
         train_drafter(teacher_dir, CORPUS, tmp_path / "x", config("hydra"))
+
+
+def test_on_policy_windows_are_added(teacher_dir, tmp_path):
+    report = train_drafter(
+        teacher_dir,
+        CORPUS,
+        tmp_path / "op",
+        config("medusa", steps=3, on_policy_windows=4, on_policy_prompt=8),
+    ).report
+    plain = train_drafter(teacher_dir, CORPUS, tmp_path / "plain", config("medusa", steps=3)).report
+    assert report["train_windows"] == plain["train_windows"] + 4

@@ -48,6 +48,8 @@ class TrainConfig:
     draft_model_layers: int = 2
     held_out_fraction: float = 0.1
     max_held_out_windows: int = 64  # the acceptance estimate needs no more
+    on_policy_windows: int = 0  # extra windows continued by sampling from the target
+    on_policy_prompt: int = 16  # corpus tokens that start each on-policy window
     save_every: int = 100
 
 
@@ -63,6 +65,35 @@ def _draft_vocab(windows: np.ndarray, size: int, vocab: int) -> np.ndarray:
     """The `size` most frequent target tokens of the training windows (ties: lower id)."""
     counts = np.bincount(windows.reshape(-1), minlength=vocab)
     return np.sort(np.argsort(-counts, kind="stable")[:size])
+
+
+def _on_policy(target_dir: Path, windows: np.ndarray, cfg: TrainConfig) -> np.ndarray:
+    """Windows started from corpus tokens and continued by sampling the target (T=1).
+
+    The drafter then learns the target's own continuations (DistillSpec's on-policy data).
+    """
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(target_dir).eval()
+    rng = np.random.default_rng([cfg.seed, 1])
+    starts = windows[rng.choice(len(windows), cfg.on_policy_windows), : cfg.on_policy_prompt]
+    torch.manual_seed(cfg.seed)
+    out = []
+    for start in range(0, len(starts), cfg.batch):
+        prompt = torch.from_numpy(starts[start : start + cfg.batch])
+        new = cfg.seq_len - cfg.on_policy_prompt
+        with torch.no_grad():
+            sampled = model.generate(
+                prompt,
+                do_sample=True,
+                temperature=1.0,
+                top_k=0,
+                max_new_tokens=new,
+                min_new_tokens=new,
+                pad_token_id=0,
+            )
+        out.append(sampled.numpy())
+    return np.concatenate(out)
 
 
 def _new_draft_model(config, seed: int, layers: int):
@@ -179,6 +210,9 @@ def train_drafter(
     train_windows, held_windows = windows[:-held], windows[-held:][: cfg.max_held_out_windows]
     if len(train_windows) == 0:
         raise SpecxError(f"the corpus gives {len(windows)} windows; need more than {held}")
+    if cfg.on_policy_windows:
+        progress(f"sampling {cfg.on_policy_windows} on-policy windows from the target")
+        train_windows = np.concatenate([train_windows, _on_policy(target_dir, train_windows, cfg)])
     teacher = Teacher(config, checkpoint.state_dict)
     torch.manual_seed(cfg.seed)
     if cfg.kind == "draft-model":
