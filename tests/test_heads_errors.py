@@ -162,3 +162,12 @@ def test_unknown_head_and_missing_dir(target):
         load_head("hydra:/x", target)
     with pytest.raises(ExportError, match="needs a checkpoint directory"):
         load_head("eagle3", target)
+
+
+def test_d2t_must_be_injective(head_dirs, target, tmp_path):
+    def change(t):
+        t["d2t"][1] = t["d2t"][0] - 1  # draft ids 0 and 1 -> the same target id
+
+    path = edit(head_dirs["eagle3-modelopt"], tmp_path, change)
+    with pytest.raises(CheckpointError, match="maps two draft ids to the same target id"):
+        load_head(f"eagle3:{path}", target)

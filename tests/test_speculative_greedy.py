@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from conftest import FAMILIES
@@ -123,3 +124,33 @@ def test_vocab_mismatch_is_refused(artifacts, tmp_path):
         check_same_vocabulary(target, draft)
     with pytest.raises(VocabMismatchError):
         make_drafter(f"draft-model:{tmp_path / 'art'}", target, DrafterOptions())
+
+
+class _BrokenDrafter(NGramDrafter):
+    def __init__(self, tree):
+        super().__init__(2)
+        self.tree = tree
+
+    def propose(self, histories, active, sampling, rng):
+        return [self.tree for _ in histories]
+
+
+def test_malformed_drafts_fail_loudly(artifacts):
+    from specx.runtime.trees import DraftTree
+
+    target = OrtTarget(load_manifest(artifacts["llama"]), threads=2)
+    cyclic = DraftTree(np.array([3, 4]), np.array([-1, 1]))
+    with pytest.raises(TreeError, match="node 1 has parent 1: a cycle"):
+        generate_speculative(target, _BrokenDrafter(cyclic), [[1, 2]], 4)
+    outside = DraftTree.chain([3, 10_000])
+    with pytest.raises(TreeError, match="outside"):
+        generate_speculative(target, _BrokenDrafter(outside), [[1, 2]], 4)
+
+
+def test_tree_ranks_beyond_the_vocabulary(head_artifacts):
+    from specx.runtime.drafters.tree_search import StaticTree
+
+    target = OrtTarget(load_manifest(head_artifacts["medusa"]), threads=2)
+    drafter = make_drafter("medusa", target, DrafterOptions(tree=StaticTree.from_choices([[40]])))
+    with pytest.raises(TreeError, match="rank 40 but the vocabulary has only 32"):
+        generate_speculative(target, drafter, [[1, 2]], 4)

@@ -144,6 +144,8 @@ class OrtTarget:
         binding.bind_cpu_input("attention_mask", np.ascontiguousarray(attention_mask, dtype=bool))
         binding.bind_cpu_input("write_pos", np.ascontiguousarray(write_pos, dtype=np.int64))
         if self._feature_input is not None:
+            if features is None:
+                raise GenerationError("this draft-head graph needs `features` [B, N, d]")
             binding.bind_cpu_input(
                 self._feature_input, np.ascontiguousarray(features, dtype=np.float32)
             )

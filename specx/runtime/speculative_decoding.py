@@ -23,7 +23,14 @@ from specx.runtime.metrics import AcceptanceStats
 from specx.runtime.ort_target import OrtTarget
 from specx.runtime.plain_decoding import GenerationResult, check_prompts, generate_plain, prefill
 from specx.runtime.sampling import SamplingParams, sample, sampling_probs
-from specx.runtime.trees import DraftTree, TreeError, ancestor_mask, depths, verify_parents
+from specx.runtime.trees import (
+    DraftTree,
+    TreeError,
+    ancestor_mask,
+    depths,
+    validate_parents,
+    verify_parents,
+)
 from specx.runtime.verification import Coin, RandomCoin, Verdict, verify
 
 __all__ = ["Verifier", "generate_speculative", "verify_inputs"]
@@ -32,12 +39,14 @@ Verifier = Callable[[np.ndarray, DraftTree, Coin, bool], Verdict]
 
 
 def verify_inputs(
-    roots: np.ndarray, drafts: Sequence[DraftTree], lengths: np.ndarray
+    roots: np.ndarray, drafts: Sequence[DraftTree], lengths: np.ndarray, vocab_size: int
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Target inputs for one verify forward over [root, draft...] per sequence.
 
     Sequences with smaller drafts are padded with tokens that only see themselves;
-    their outputs are ignored and their KV rows land past the sequence length.
+    their outputs are ignored and their KV rows land past the sequence length. Drafts are
+    validated first (parents before children, tokens in the vocabulary), so a faulty
+    drafter fails loudly instead of producing a wrong mask.
 
     Returns:
         input_ids [B, N], position_ids [B, N] (prefix length + depth), mask [B, 1, N, L].
@@ -50,7 +59,9 @@ def verify_inputs(
     mask = np.zeros((batch, 1, n, kv_len), dtype=bool)
     for b, draft in enumerate(drafts):
         size, start = 1 + len(draft), int(lengths[b])
-        parents = verify_parents(draft.parents)
+        parents = verify_parents(validate_parents(draft.parents))
+        if len(draft) and not 0 <= int(draft.tokens.min()) <= int(draft.tokens.max()) < vocab_size:
+            raise TreeError(f"sequence {b}: a draft token is outside [0, {vocab_size})")
         input_ids[b, 0], input_ids[b, 1:size] = roots[b], draft.tokens
         positions[b, :size] += depths(parents)
         mask[b, 0, :, :start] = True
@@ -122,26 +133,29 @@ def generate_speculative(
         roots = np.array([h[-1] for h in histories], dtype=np.int64)
         # Finished sequences still ride along in the batch; their rows go to slot 0 on.
         lengths = np.where(active, cache.lengths, 0)
-        input_ids, positions, mask = verify_inputs(roots, drafts, lengths)
+        input_ids, positions, mask = verify_inputs(roots, drafts, lengths, target.vocab_size)
         output = target.forward(cache, input_ids, positions, mask, lengths)
-        target_logits = output.logits
-        target_probs = target_logits if sampling.greedy else sampling_probs(target_logits, sampling)
         for b in np.flatnonzero(active):
             draft = drafts[b]
-            verdict = verifier(target_probs[b, : 1 + len(draft)], draft, coin, sampling.greedy)
+            logits = output.logits[b, : 1 + len(draft)]
+            # Only the verify tokens of this row, never the padding, go through the transform.
+            probs = logits if sampling.greedy else sampling_probs(logits, sampling)
+            verdict = verifier(probs, draft, coin, sampling.greedy)
             path = np.array([0] + [i + 1 for i in verdict.accepted])
             cache.keep_path(b, int(lengths[b]), path)
             cache.lengths[b] = lengths[b] + len(path)
             path_taps = None if output.taps is None else output.taps[b, path]
             drafter.accept(b, draft, verdict.accepted, path_taps)
-            tokens = verdict.emitted(draft)
-            stats[b].record(_depth(draft), len(verdict.accepted))
-            for token in tokens:
+            count = 0
+            for token in verdict.emitted(draft):
                 emitted[b].append(token)
                 histories[b].append(token)
+                count += 1
                 if token in eos or len(emitted[b]) >= max_new_tokens:
                     active[b] = False
                     break
+            # Accepted tokens cut off by eos or the token budget are not counted.
+            stats[b].record(_depth(draft), min(len(verdict.accepted), count - 1))
         draft_s += tock - tick
         verify_s += time.perf_counter() - tock
     total_s = time.perf_counter() - started

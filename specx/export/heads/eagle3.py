@@ -149,6 +149,11 @@ def _d2t(tensors, origin, draft_vocab: int, vocab: int) -> torch.Tensor:
             f"{origin['d2t']}: d2t maps draft id {bad} to target id {int(target_ids[bad])}, "
             f"outside [0, {vocab})"
         )
+    if len(torch.unique(target_ids)) != draft_vocab:
+        raise CheckpointError(
+            f"{origin['d2t']}: d2t maps two draft ids to the same target id (i + d2t[i] must be "
+            "distinct)"
+        )
     if "t2d" in tensors:
         t2d = tensors["t2d"].to(torch.bool)
         if (

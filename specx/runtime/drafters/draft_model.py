@@ -72,6 +72,8 @@ class DraftModelDrafter:
     def _catch_up(self, histories: Sequence[Sequence[int]]) -> np.ndarray:
         """Feeds each sequence's tokens the draft has not seen; returns last-token logits."""
         cache = self.cache
+        # A finished row may have kept more accepted rows than it emitted tokens.
+        cache.lengths[:] = np.minimum(cache.lengths, [len(h) for h in histories])
         pending = [list(h[start:]) for h, start in zip(histories, cache.lengths, strict=True)]
         width = max(1, max(len(p) for p in pending))
         ids = np.zeros((len(pending), width), dtype=np.int64)

@@ -55,8 +55,8 @@ class StaticTree:
 
     @property
     def forwarded_nodes(self) -> int:
-        """Most nodes a drafter feeds its model while growing this tree."""
-        return len(self.parents)
+        """Nodes a drafter feeds its model while growing this tree: those with children."""
+        return int(np.isin(np.arange(len(self.parents)), self.parents).sum())
 
 
 @dataclass(frozen=True)
@@ -77,8 +77,8 @@ class DynamicTree:
 
     @property
     def forwarded_nodes(self) -> int:
-        """Most nodes a drafter feeds its model while growing this tree (the frontiers)."""
-        return self.top_k * self.depth
+        """Nodes a drafter feeds its model while growing this tree (every frontier but the last)."""
+        return self.top_k * (self.depth - 1)
 
 
 TreeShape = StaticTree | DynamicTree
@@ -128,6 +128,11 @@ def grow(
 
 def _grow_static(shape, root_logits, forward, sampling, rng, sample_chain):
     batch, n = len(root_logits), shape.max_nodes
+    if int(shape.ranks.max()) >= root_logits.shape[-1]:
+        raise TreeError(
+            f"the tree asks for rank {int(shape.ranks.max())} but the vocabulary has only "
+            f"{root_logits.shape[-1]} tokens"
+        )
     level_of = depths(shape.parents)
     has_children = np.isin(np.arange(n), shape.parents)
     sampled = sample_chain and not sampling.greedy
