@@ -139,6 +139,7 @@ def _grow_static(shape, root_logits, forward, sampling, rng, sample_chain):
     tokens = np.zeros((batch, n), dtype=np.int64)
     probs = None
     logits_of = {-1: root_logits}
+    ranked: dict[int, np.ndarray] = {}
     for level in range(int(level_of.max()) + 1):
         nodes = np.flatnonzero(level_of == level)
         for node in nodes:
@@ -149,8 +150,10 @@ def _grow_static(shape, root_logits, forward, sampling, rng, sample_chain):
                 probs = np.zeros((batch, n, q.shape[-1])) if probs is None else probs
                 probs[:, node] = q
             else:
-                order = np.argsort(-parent_logits, axis=-1, kind="stable")
-                tokens[:, node] = order[:, shape.ranks[node]]
+                parent = int(shape.parents[node])
+                if parent not in ranked:  # one sort per parent, not per child
+                    ranked[parent] = np.argsort(-parent_logits, axis=-1, kind="stable")
+                tokens[:, node] = ranked[parent][:, shape.ranks[node]]
         expand = nodes[has_children[nodes]]
         if expand.size:
             ids = np.broadcast_to(expand, (batch, len(expand)))
