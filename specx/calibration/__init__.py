@@ -1,0 +1,1 @@
+"""Calibration: acceptance statistics, tree/gamma selection, quantization (not built yet)."""

@@ -1,0 +1,1 @@
+"""ONNX graph definitions: the TreeAttention op and its function body."""

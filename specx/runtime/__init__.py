@@ -1,0 +1,1 @@
+"""The embedded runtime: numpy and onnxruntime only (never torch, never specx.export)."""
