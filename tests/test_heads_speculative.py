@@ -71,7 +71,7 @@ DISTRIBUTION_CASES = [
     ("eagle", "dynamic:16,3,6"),
     ("eagle", "chain:3"),
     ("mtp-deepseek", "dynamic:6,3,2"),
-    ("medusa", "[[0],[1],[0,0],[1,0]]"),
+    ("medusa", "[[0],[1],[2],[3],[4],[5],[0,0],[1,0]]"),
     ("medusa", "chain:3"),
 ]
 
