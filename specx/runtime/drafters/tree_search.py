@@ -167,6 +167,13 @@ def _grow_static(shape, root_logits, forward, sampling, rng, sample_chain):
     return trees, [np.arange(n)] * batch
 
 
+def _top_k(values: np.ndarray, k: int) -> np.ndarray:
+    """Indices of the k largest values along the last axis, largest first (O(V), not a sort)."""
+    part = np.argpartition(-values, k - 1, axis=-1)[..., :k]
+    order = np.argsort(-np.take_along_axis(values, part, -1), axis=-1, kind="stable")
+    return np.take_along_axis(part, order, -1)
+
+
 def _log_softmax(logits: np.ndarray) -> np.ndarray:
     shifted = logits - logits.max(-1, keepdims=True)
     return shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
@@ -185,14 +192,14 @@ def _grow_dynamic(shape: DynamicTree, root_logits, forward):
         return start + np.arange(tokens.shape[1])
 
     logp = _log_softmax(root_logits)
-    top = np.argsort(-logp, axis=-1, kind="stable")[:, :k]
+    top = _top_k(logp, k)
     frontier_scores = np.take_along_axis(logp, top, -1)
     frontier = np.broadcast_to(add(top, np.full(top.shape, -1), frontier_scores, 0), top.shape)
     frontier_tokens = top
     for level in range(1, shape.depth):
         logits = forward(frontier, frontier_tokens, _gather(pool_parents, frontier))
         logp = _log_softmax(logits)  # [B, k, V]
-        children = np.argsort(-logp, axis=-1, kind="stable")[:, :, :k]  # [B, k, k]
+        children = _top_k(logp, k)  # [B, k, k]
         scores = frontier_scores[:, :, None] + np.take_along_axis(logp, children, -1)
         parents = np.repeat(frontier, k, axis=1)
         ids = add(children.reshape(batch, -1), parents, scores.reshape(batch, -1), level)
