@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -11,6 +12,7 @@ import onnxruntime as ort
 from specx.artifact import Manifest
 from specx.errors import ArtifactError, GenerationError
 from specx.runtime.kv_cache import KVCache
+from specx.runtime.masks import causal_mask
 
 __all__ = ["OrtGraph", "OrtTarget", "StepOutput", "configure_threads", "open_session"]
 
@@ -157,6 +159,36 @@ class OrtTarget:
         )
         self.session.run_with_iobinding(binding)
         return StepOutput(logits=logits, taps=taps)
+
+    def feed(
+        self,
+        cache: KVCache,
+        sequences: Sequence[Sequence[int]],
+        starts: np.ndarray,  # [B] slot of each sequence's first token
+        features: Sequence[np.ndarray] | None = None,  # per sequence [n_b, d], draft heads
+    ) -> tuple[StepOutput, np.ndarray]:
+        """Feeds each sequence as a causal chain at `starts[b]`, positions = slots.
+
+        Rows are right-padded; padding lands past each sequence and no later mask shows
+        it. Does not change `cache.lengths`.
+
+        Returns:
+            The output and each row's index of its last real token (0 for an empty row).
+        """
+        width = max(1, max(len(s) for s in sequences))
+        ids = np.zeros((len(sequences), width), dtype=np.int64)
+        for b, tokens in enumerate(sequences):
+            ids[b, : len(tokens)] = tokens
+        padded = None
+        if features is not None:
+            padded = np.zeros((len(sequences), width, self.tap_width), dtype=np.float32)
+            for b, rows in enumerate(features):
+                padded[b, : len(rows)] = rows
+        starts = np.asarray(starts, dtype=np.int64)
+        positions = starts[:, None] + np.arange(width)
+        mask = causal_mask(starts, width, int(starts.max()) + width)
+        output = self.forward(cache, ids, positions, mask, starts, padded)
+        return output, np.array([max(len(s) - 1, 0) for s in sequences])
 
     def _bind_new_output(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
         # A fresh array per run: callers keep earlier outputs while the next forward runs.

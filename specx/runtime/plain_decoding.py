@@ -72,15 +72,9 @@ def prefill(target: OrtTarget, cache, prompts: Sequence[Sequence[int]]):
         (logits [B, V] at each prompt's last token, full StepOutput).
     """
     lengths = np.array([len(p) for p in prompts], dtype=np.int64)
-    n = int(lengths.max())
-    input_ids = np.zeros((len(prompts), n), dtype=np.int64)
-    for b, prompt in enumerate(prompts):
-        input_ids[b, : len(prompt)] = prompt
-    zeros = np.zeros(len(prompts), dtype=np.int64)
-    positions = np.broadcast_to(np.arange(n), input_ids.shape)
-    output = target.forward(cache, input_ids, positions, causal_mask(zeros, n, n), zeros)
+    output, last_index = target.feed(cache, prompts, np.zeros(len(prompts), dtype=np.int64))
     cache.lengths[:] = lengths
-    last = output.logits[np.arange(len(prompts)), lengths - 1]
+    last = output.logits[np.arange(len(prompts)), last_index]
     return last, output
 
 

@@ -10,7 +10,6 @@ from specx.errors import SpecxError
 from specx.runtime.drafters.node_slots import NodeSlots
 from specx.runtime.drafters.tree_search import TreeShape, grow
 from specx.runtime.kv_cache import KVCache
-from specx.runtime.masks import causal_mask
 from specx.runtime.ort_target import OrtTarget
 from specx.runtime.sampling import SamplingParams
 from specx.runtime.trees import DraftTree
@@ -75,17 +74,9 @@ class DraftModelDrafter:
         # A finished row may have kept more accepted rows than it emitted tokens.
         cache.lengths[:] = np.minimum(cache.lengths, [len(h) for h in histories])
         pending = [list(h[start:]) for h, start in zip(histories, cache.lengths, strict=True)]
-        width = max(1, max(len(p) for p in pending))
-        ids = np.zeros((len(pending), width), dtype=np.int64)
-        for b, tokens in enumerate(pending):
-            ids[b, : len(tokens)] = tokens
-        write_pos = cache.lengths.copy()
-        positions = write_pos[:, None] + np.arange(width)
-        mask = causal_mask(write_pos, width, int(write_pos.max()) + width)
-        logits = self.model.forward(cache, ids, positions, mask, write_pos).logits
-        last = np.array([max(len(p) - 1, 0) for p in pending])
+        output, last = self.model.feed(cache, pending, cache.lengths.copy())
         cache.lengths[:] = [len(h) for h in histories]
-        return logits[np.arange(len(pending)), last]
+        return output.logits[np.arange(len(pending)), last]
 
     def _forward_nodes(self, nodes: np.ndarray, tokens: np.ndarray, parents: np.ndarray):
         write_pos, depth, mask = self.slots.place(nodes, parents)

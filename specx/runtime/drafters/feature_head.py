@@ -18,7 +18,6 @@ from specx.artifact import Manifest
 from specx.errors import ArtifactError
 from specx.runtime.drafters.node_slots import NodeSlots
 from specx.runtime.drafters.tree_search import DynamicTree, TreeShape, grow
-from specx.runtime.masks import causal_mask
 from specx.runtime.ort_target import OrtGraph, OrtTarget
 from specx.runtime.sampling import SamplingParams
 from specx.runtime.trees import DraftTree
@@ -83,19 +82,13 @@ class FeatureHeadDrafter:
         """
         cache, batch = self.cache, len(histories)
         starts = cache.lengths.copy()
-        counts = np.array([len(h) - 1 for h in histories]) - starts
-        width = max(1, int(counts.max()))
-        ids = np.zeros((batch, width), dtype=np.int64)
-        features = np.zeros((batch, width, self.head.tap_width), dtype=np.float32)
-        for b, history in enumerate(histories):
-            n, start = int(counts[b]), int(starts[b])
-            ids[b, :n] = history[start + 1 : start + 1 + n]
-            features[b, :n] = self.features[b, start : start + n]
-        positions = starts[:, None] + np.arange(width)
-        mask = causal_mask(starts, width, int(starts.max()) + width)
-        out = self.head.forward(cache, ids, positions, mask, starts, features)
-        last = np.maximum(counts - 1, 0)
-        cache.lengths[:] = starts + np.maximum(counts, 0)
+        counts = np.maximum(np.array([len(h) - 1 for h in histories]) - starts, 0)
+        tokens = [h[s + 1 : s + 1 + n] for h, s, n in zip(histories, starts, counts, strict=True)]
+        features = [
+            self.features[b, s : s + n] for b, (s, n) in enumerate(zip(starts, counts, strict=True))
+        ]
+        out, last = self.head.feed(cache, tokens, starts, features)
+        cache.lengths[:] = starts + counts
         rows = np.arange(batch)
         return out.logits[rows, last], out.taps[rows, last]
 
