@@ -34,8 +34,10 @@ __all__ = [
     "MANIFEST_NAME",
     "Manifest",
     "atomic_output_dir",
+    "atomic_write_bytes",
     "atomic_write_text",
     "load_manifest",
+    "parse_manifest",
     "sha256_file",
     "write_manifest",
 ]
@@ -57,12 +59,17 @@ def sha256_file(path: str | os.PathLike[str]) -> str:
 
 def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
     """Writes `text` to `path` so that readers see the old file or the new one, never half."""
+    atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
+    """Writes `data` to `path` so that readers see the old file or the new one, never half."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         os.chmod(tmp, 0o644)
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -125,23 +132,54 @@ class Manifest:
         return self.data["model"]
 
     @property
+    def build(self) -> dict[str, Any] | None:
+        """The build the runtime uses (`specx build`), or None: the exported graphs on ORT.
+
+        `builds` maps a build name to its backend, precision and graphs; `default_build`
+        names the one `specx generate` runs unless told otherwise.
+        """
+        name = self.data.get("default_build")
+        return None if name is None else self.data["builds"][name]
+
+    def runtime_graph(self, name: str) -> dict[str, Any]:
+        """The entry of graph `name` in the default build, else the exported graph's."""
+        build = self.build
+        if build is None:
+            return self.graph(name)
+        if name not in build["graphs"]:
+            raise ArtifactError(
+                f"{self.root / MANIFEST_NAME}: build {self.data['default_build']!r} has no "
+                f"graph {name!r} (has {sorted(build['graphs'])})"
+            )
+        return build["graphs"][name]
+
+    @property
     def tokenizer_file(self) -> Path | None:
         """The artifact's tokenizer.json, or None when it was exported without one."""
         name = self.data.get("tokenizer")
         return None if name is None else self.root / name
 
 
-def write_manifest(root: str | os.PathLike[str], body: dict[str, Any]) -> dict[str, Any]:
+def write_manifest(
+    root: str | os.PathLike[str], body: dict[str, Any], exclude: tuple[str, ...] = ()
+) -> dict[str, Any]:
     """Hashes every file under `root` into `body["files"]` and writes `manifest.json` atomically.
+
+    Files under the directories in `exclude` (relative paths) are left out: a build being
+    replaced, which is deleted once the new manifest is in place.
 
     Returns:
         The full manifest as written.
     """
     root = Path(root)
+    excluded = tuple(root / e for e in exclude)
     files = {
         p.relative_to(root).as_posix(): sha256_file(p)
         for p in sorted(root.rglob("*"))
-        if p.is_file() and p.name != MANIFEST_NAME and not p.name.startswith(".")
+        if p.is_file()
+        and p.name != MANIFEST_NAME
+        and not any(part.startswith(".") for part in p.relative_to(root).parts)
+        and not any(p.is_relative_to(e) for e in excluded)
     }
     manifest = {
         "format": FORMAT_NAME,
@@ -166,23 +204,7 @@ def load_manifest(root: str | os.PathLike[str], verify_hashes: bool = True) -> M
     manifest_path = root / MANIFEST_NAME
     if not manifest_path.is_file():
         raise ArtifactError(f"{root} is not a specx artifact: {MANIFEST_NAME} is missing")
-    try:
-        data = json.loads(manifest_path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ArtifactError(f"{manifest_path} is not valid JSON: {e}") from e
-    if not isinstance(data, dict) or data.get("format") != FORMAT_NAME:
-        raise ArtifactError(f"{manifest_path} is not a specx manifest (format != {FORMAT_NAME!r})")
-    version = data.get("format_version")
-    if version != FORMAT_VERSION:
-        raise ArtifactError(
-            f"{manifest_path} has artifact format {version!r}, written by specx "
-            f"{data.get('specx_version')!r}; this specx {__version__} reads format "
-            f"{FORMAT_VERSION} only: re-export the model with this version"
-        )
-    for key in ("graphs", "model", "files"):
-        if not isinstance(data.get(key), dict):
-            raise ArtifactError(f"{manifest_path} lacks the {key!r} section")
-    _check_references(manifest_path, data)
+    data = parse_manifest(manifest_path.read_bytes(), str(manifest_path))
     if verify_hashes:
         for name, expected in data["files"].items():
             path = root / name
@@ -197,10 +219,46 @@ def load_manifest(root: str | os.PathLike[str], verify_hashes: bool = True) -> M
     return Manifest(root=root, data=data)
 
 
+def parse_manifest(raw: bytes, where: str) -> dict[str, Any]:
+    """Parses and checks a manifest's JSON body (format, version, sections, references).
+
+    Raises:
+        ArtifactError: naming `where` and the problem.
+    """
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ArtifactError(f"{where} is not valid JSON: {e}") from e
+    if not isinstance(data, dict) or data.get("format") != FORMAT_NAME:
+        raise ArtifactError(f"{where} is not a specx manifest (format != {FORMAT_NAME!r})")
+    version = data.get("format_version")
+    if version != FORMAT_VERSION:
+        raise ArtifactError(
+            f"{where} has artifact format {version!r}, written by specx "
+            f"{data.get('specx_version')!r}; this specx {__version__} reads format "
+            f"{FORMAT_VERSION} only: re-export the model with this version"
+        )
+    for key in ("graphs", "model", "files"):
+        if not isinstance(data.get(key), dict):
+            raise ArtifactError(f"{where} lacks the {key!r} section")
+    _check_references(Path(where), data)
+    return data
+
+
 def _check_references(manifest_path: Path, data: dict[str, Any]) -> None:
     files = data["files"]
-    referenced = [g["file"] for g in data["graphs"].values()]
-    referenced += [d for g in data["graphs"].values() for d in g.get("data_files", [])]
+    graphs = list(data["graphs"].values())
+    builds = data.get("builds", {})
+    if not isinstance(builds, dict):
+        raise ArtifactError(f"{manifest_path}: 'builds' must be an object")
+    default = data.get("default_build")
+    if default is not None and default not in builds:
+        raise ArtifactError(f"{manifest_path}: default_build {default!r} is not in builds")
+    for build in builds.values():
+        graphs += list(build.get("graphs", {}).values())
+    referenced = [g["file"] for g in graphs]
+    referenced += [d for g in graphs for d in g.get("data_files", [])]
+    referenced += [g["engine"] for g in graphs if "engine" in g]
     if data.get("tokenizer"):
         referenced.append(data["tokenizer"])
     for name in referenced:

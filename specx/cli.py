@@ -213,11 +213,15 @@ def generate(
     threads: int | None,
     as_json: bool,
 ) -> None:
-    """Generate from the target in ARTIFACT_DIR on ONNX Runtime, plainly or speculatively."""
+    """Generate from the target in ARTIFACT_DIR, plainly or speculatively.
+
+    Runs the artifact's default build (`specx build`); without one, the exported graphs on
+    ONNX Runtime (CPU).
+    """
     from specx.artifact import load_manifest
+    from specx.runtime.backends import open_decoder
     from specx.runtime.drafters import DrafterOptions, make_drafter
     from specx.runtime.drafters.tree_search import parse_tree_spec
-    from specx.runtime.ort_target import OrtTarget
     from specx.runtime.plain_decoding import generate_plain
     from specx.runtime.sampling import SamplingParams
     from specx.runtime.speculative_decoding import generate_speculative
@@ -230,7 +234,7 @@ def generate(
         sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     except ValueError as e:
         raise GenerationError(str(e)) from e
-    target = OrtTarget(manifest, threads=threads)
+    target = open_decoder(manifest, threads=threads)
     eos = () if ignore_eos else manifest.model["eos_token_ids"]
     if drafter is None:
         if compare:
@@ -261,6 +265,7 @@ def generate(
                 "speedup": plain.stats["ms_per_token"] / result.stats["ms_per_token"],
                 "identical_tokens": plain.tokens == result.tokens,
             }
+    result.stats["backend"] = manifest.data.get("default_build", "ort")
     texts = [tokenizer.decode(t) if tokenizer else None for t in result.tokens]
     if as_json:
         click.echo(json.dumps({"tokens": result.tokens, "text": texts, "stats": result.stats}))
@@ -397,8 +402,8 @@ def demo(
     from specx.artifact import load_manifest
     from specx.export.random_checkpoint import write_random_checkpoint
     from specx.export.target_export import export_target
+    from specx.runtime.backends import open_decoder
     from specx.runtime.drafters.ngram import NGramDrafter
-    from specx.runtime.ort_target import OrtTarget
     from specx.runtime.plain_decoding import generate_plain
     from specx.runtime.speculative_decoding import generate_speculative
     from specx.runtime.tokenizer import TextTokenizer
@@ -414,7 +419,7 @@ def demo(
     manifest = load_manifest(artifact)
     tokenizer = TextTokenizer(manifest.tokenizer_file) if manifest.tokenizer_file else None
     prompt_ids = tokenizer.encode(prompt) if tokenizer else [1, 2, 3, 4]
-    target = OrtTarget(manifest, threads=threads)
+    target = open_decoder(manifest, threads=threads)
     _progress("decoding: plain, then speculative with the n-gram drafter")
     plain = generate_plain(target, [prompt_ids], max_new_tokens)
     spec = generate_speculative(target, NGramDrafter(6), [prompt_ids], max_new_tokens)
@@ -438,3 +443,13 @@ def demo(
 
 if __name__ == "__main__":
     main()
+
+
+def _add_build_commands() -> None:
+    from specx import cli_build
+
+    for command in (cli_build.lint, cli_build.build, cli_build.pack, cli_build.verify):
+        main.add_command(command)
+
+
+_add_build_commands()

@@ -2,6 +2,7 @@
 
 __all__ = [
     "ArtifactError",
+    "BuildError",
     "CheckpointError",
     "ExportError",
     "GenerationError",
@@ -27,3 +28,7 @@ class ArtifactError(SpecxError):
 
 class GenerationError(SpecxError):
     """A generation request cannot be served (e.g. the prompt exceeds the KV capacity)."""
+
+
+class BuildError(SpecxError):
+    """`specx build` cannot build the requested backend (missing TensorRT, lint failures)."""

@@ -11,6 +11,7 @@ import torch
 
 from specx.errors import ExportError
 from specx.export.tree_attention_op import ONNX_TRANSLATIONS
+from specx.graphs.signature import graph_signature
 from specx.graphs.tree_attention import attach_function
 
 __all__ = ["EXPORT_OPSET", "export_module", "graph_entry", "graph_signature", "save_graph"]
@@ -62,21 +63,6 @@ def save_graph(model: onnx.ModelProto, directory: Path, name: str) -> tuple[str,
         size_threshold=1024,
     )
     return graph_file, data_file
-
-
-def graph_signature(model: onnx.ModelProto) -> dict[str, list[dict[str, Any]]]:
-    """The IO signature of a graph: name, element type and shape (ints or symbolic names)."""
-
-    def describe(value: onnx.ValueInfoProto) -> dict[str, Any]:
-        tensor = value.type.tensor_type
-        shape = [d.dim_param or d.dim_value for d in tensor.shape.dim]
-        dtype = onnx.helper.tensor_dtype_to_np_dtype(tensor.elem_type).name
-        return {"name": value.name, "dtype": dtype, "shape": shape}
-
-    return {
-        "inputs": [describe(v) for v in model.graph.input],
-        "outputs": [describe(v) for v in model.graph.output],
-    }
 
 
 def graph_entry(model: onnx.ModelProto, graph_file: str, data_file: str) -> dict[str, Any]:

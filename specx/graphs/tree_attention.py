@@ -73,10 +73,10 @@ def function_proto() -> onnx.FunctionProto:
     attention.attribute.append(_ref_attr("scale", onnx.AttributeProto.FLOAT))
     nodes = [
         helper.make_node(
-            "TensorScatter", ["k_cache", "k", "write_pos"], ["k_cache_out"], axis=2, name="write_k"
+            "TensorScatter", ["k_cache", "k", "write_pos"], ["k_cache_out"], axis=-2, name="write_k"
         ),
         helper.make_node(
-            "TensorScatter", ["v_cache", "v", "write_pos"], ["v_cache_out"], axis=2, name="write_v"
+            "TensorScatter", ["v_cache", "v", "write_pos"], ["v_cache_out"], axis=-2, name="write_v"
         ),
         helper.make_node("Shape", ["mask"], ["kv_len"], start=3, end=4, name="kv_len"),
         helper.make_node("Constant", [], ["zero"], value=helper.make_tensor("zero", i64, [1], [0])),

@@ -3,18 +3,23 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
-from dataclasses import dataclass
 
 import numpy as np
 import onnxruntime as ort
 
 from specx.artifact import Manifest
 from specx.errors import ArtifactError, GenerationError
+from specx.runtime.decoder_backend import DecoderBackend, StepOutput
 from specx.runtime.kv_cache import KVCache
-from specx.runtime.masks import causal_mask
 
-__all__ = ["OrtGraph", "OrtTarget", "StepOutput", "configure_threads", "open_session"]
+__all__ = [
+    "OrtGraph",
+    "OrtTarget",
+    "StepOutput",
+    "configure_threads",
+    "open_session",
+    "session_options",
+]
 
 _global_threads: int | None = None
 
@@ -33,14 +38,6 @@ def configure_threads(threads: int | None = None) -> int:
     return _global_threads
 
 
-@dataclass(frozen=True)
-class StepOutput:
-    """What one decoder forward returns besides the in-place cache update."""
-
-    logits: np.ndarray  # [B, N, V] float32
-    taps: np.ndarray | None  # [B, N, W]: the target's taps, or a draft head's hidden output
-
-
 class OrtGraph:
     """A stateless graph of the artifact (Medusa heads, a feature projection): one input."""
 
@@ -53,21 +50,28 @@ class OrtGraph:
         return self.session.run(None, {self.input_name: np.ascontiguousarray(x, np.float32)})[0]
 
 
-def open_session(manifest: Manifest, graph: str, threads: int | None) -> ort.InferenceSession:
-    """An ONNX Runtime CPU session for one of the artifact's graphs, on the global pool."""
+def session_options(threads: int | None = None) -> ort.SessionOptions:
+    """Options every specx session uses: the shared global thread pool, full optimization."""
     configure_threads(threads)
     options = ort.SessionOptions()
     options.use_per_session_threads = False
     options.log_severity_level = 3  # TensorScatter warns when a buffer is copied, not an error
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    path = manifest.path(manifest.graph(graph)["file"])
+    return options
+
+
+def open_session(manifest: Manifest, graph: str, threads: int | None) -> ort.InferenceSession:
+    """An ONNX Runtime CPU session for one of the artifact's graphs, on the global pool."""
+    path = manifest.path(manifest.runtime_graph(graph)["file"])
     try:
-        return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+        return ort.InferenceSession(
+            str(path), session_options(threads), providers=["CPUExecutionProvider"]
+        )
     except Exception as e:  # onnxruntime raises its own untyped errors here
         raise ArtifactError(f"{path}: ONNX Runtime could not load the graph: {e}") from e
 
 
-class OrtTarget:
+class OrtTarget(DecoderBackend):
     """Runs a decoder graph of an artifact: new tokens in, logits (and hidden states) out.
 
     `graph="target"` is the target; `"draft_head"` an autoregressive draft head (EAGLE,
@@ -77,37 +81,17 @@ class OrtTarget:
     """
 
     def __init__(self, manifest: Manifest, threads: int | None = None, graph: str = "target"):
-        self.manifest = manifest
-        model = manifest.model
-        self.capacity: int = model["kv_capacity"]
-        self.max_tree_tokens: int = model["max_tree_tokens"]
-        if graph == "target":
-            self.num_layers: int = model["num_layers"]
-            self.num_kv_heads: int = model["num_kv_heads"]
-            self.head_dim: int = model["head_dim"]
-            self.vocab_size: int = model["vocab_size"]
-            self.taps: str = model["taps"]["kind"]
-            self.tap_width: int = model["taps"]["width"]
-            self._hidden_output, self._feature_input = "hidden_taps", None
-        else:
-            decoder = manifest.graph(graph)["decoder"]
-            self.num_layers, self.num_kv_heads = decoder["num_layers"], decoder["num_kv_heads"]
-            self.head_dim, self.vocab_size = decoder["head_dim"], decoder["vocab_size"]
-            self.taps, self.tap_width = "hidden", decoder["hidden_size"]
-            self._hidden_output, self._feature_input = "hidden", "features"
-        self.has_taps = self.taps != "none"
+        super().__init__(manifest, graph)
         self.session = open_session(manifest, graph, threads)
         self._binding = self.session.io_binding()
         self._bound_cache: KVCache | None = None
 
     def allocate_cache(self, batch: int, capacity: int | None = None) -> KVCache:
         """A zeroed cache for `batch` sequences; capacity defaults to the artifact's."""
-        capacity = capacity or self.capacity
-        if capacity > self.capacity:
-            raise GenerationError(
-                f"a KV cache of {capacity} slots exceeds the artifact's capacity {self.capacity}"
-            )
-        return KVCache.allocate(self.num_layers, batch, self.num_kv_heads, capacity, self.head_dim)
+        capacity = self.checked_capacity(capacity)
+        return KVCache.allocate(
+            self.num_layers, batch, self.num_kv_heads, capacity, self.head_dim, self.cache_dtype
+        )
 
     def _bind_cache(self, cache: KVCache) -> None:
         for i, (keys, values) in enumerate(zip(cache.keys, cache.values, strict=True)):
@@ -130,14 +114,8 @@ class OrtTarget:
 
         Does not change `cache.lengths`: the caller decides which new rows are kept.
         """
+        self.check_step(cache, input_ids, attention_mask, write_pos)
         batch, n = input_ids.shape
-        if attention_mask.shape != (batch, 1, n, attention_mask.shape[3]):
-            raise GenerationError(f"attention_mask shape {attention_mask.shape} != [B, 1, N, L]")
-        if int(write_pos.max()) + n > cache.capacity or attention_mask.shape[3] > cache.capacity:
-            raise GenerationError(
-                f"writing {n} tokens at slot {int(write_pos.max())} overflows the KV cache "
-                f"({cache.capacity} slots)"
-            )
         if cache is not self._bound_cache:
             self._bind_cache(cache)
         binding = self._binding
@@ -159,36 +137,6 @@ class OrtTarget:
         )
         self.session.run_with_iobinding(binding)
         return StepOutput(logits=logits, taps=taps)
-
-    def feed(
-        self,
-        cache: KVCache,
-        sequences: Sequence[Sequence[int]],
-        starts: np.ndarray,  # [B] slot of each sequence's first token
-        features: Sequence[np.ndarray] | None = None,  # per sequence [n_b, d], draft heads
-    ) -> tuple[StepOutput, np.ndarray]:
-        """Feeds each sequence as a causal chain at `starts[b]`, positions = slots.
-
-        Rows are right-padded; padding lands past each sequence and no later mask shows
-        it. Does not change `cache.lengths`.
-
-        Returns:
-            The output and each row's index of its last real token (0 for an empty row).
-        """
-        width = max(1, max(len(s) for s in sequences))
-        ids = np.zeros((len(sequences), width), dtype=np.int64)
-        for b, tokens in enumerate(sequences):
-            ids[b, : len(tokens)] = tokens
-        padded = None
-        if features is not None:
-            padded = np.zeros((len(sequences), width, self.tap_width), dtype=np.float32)
-            for b, rows in enumerate(features):
-                padded[b, : len(rows)] = rows
-        starts = np.asarray(starts, dtype=np.int64)
-        positions = starts[:, None] + np.arange(width)
-        mask = causal_mask(starts, width, int(starts.max()) + width)
-        output = self.forward(cache, ids, positions, mask, starts, padded)
-        return output, np.array([max(len(s) - 1, 0) for s in sequences])
 
     def _bind_new_output(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
         # A fresh array per run: callers keep earlier outputs while the next forward runs.

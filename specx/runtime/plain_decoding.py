@@ -10,8 +10,8 @@ from typing import Any
 import numpy as np
 
 from specx.errors import GenerationError
+from specx.runtime.decoder_backend import DecoderBackend
 from specx.runtime.masks import causal_mask
-from specx.runtime.ort_target import OrtTarget
 from specx.runtime.sampling import SamplingParams, sample, sampling_probs
 
 __all__ = ["GenerationResult", "check_prompts", "generate_plain", "prefill"]
@@ -62,7 +62,7 @@ def check_prompts(
     return needed
 
 
-def prefill(target: OrtTarget, cache, prompts: Sequence[Sequence[int]]):
+def prefill(target: DecoderBackend, cache, prompts: Sequence[Sequence[int]]):
     """Runs all prompts through the target in one forward; returns last-position logits.
 
     Shorter prompts are right-padded; their padding rows land past `lengths[b]`, are
@@ -79,7 +79,7 @@ def prefill(target: OrtTarget, cache, prompts: Sequence[Sequence[int]]):
 
 
 def generate_plain(
-    target: OrtTarget,
+    target: DecoderBackend,
     prompts: Sequence[Sequence[int]],
     max_new_tokens: int,
     sampling: SamplingParams | None = None,

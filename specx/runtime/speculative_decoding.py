@@ -18,9 +18,9 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from specx.errors import GenerationError
+from specx.runtime.decoder_backend import DecoderBackend
 from specx.runtime.drafters.base import Drafter
 from specx.runtime.metrics import AcceptanceStats
-from specx.runtime.ort_target import OrtTarget
 from specx.runtime.plain_decoding import GenerationResult, check_prompts, generate_plain, prefill
 from specx.runtime.sampling import SamplingParams, sample, sampling_probs
 from specx.runtime.trees import (
@@ -72,7 +72,7 @@ def verify_inputs(
 
 
 def generate_speculative(
-    target: OrtTarget,
+    target: DecoderBackend,
     drafter: Drafter,
     prompts: Sequence[Sequence[int]],
     max_new_tokens: int,

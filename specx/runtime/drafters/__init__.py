@@ -7,13 +7,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specx.errors import SpecxError
+from specx.runtime.backends import open_decoder
+from specx.runtime.decoder_backend import DecoderBackend
 from specx.runtime.drafters.base import Drafter
 from specx.runtime.drafters.draft_model import DraftModelDrafter, check_same_vocabulary
 from specx.runtime.drafters.feature_head import FeatureHeadDrafter
 from specx.runtime.drafters.medusa import MedusaDrafter
 from specx.runtime.drafters.ngram import NGramDrafter
 from specx.runtime.drafters.tree_search import StaticTree, TreeShape
-from specx.runtime.ort_target import OrtTarget
 
 __all__ = ["DRAFTERS", "Drafter", "DrafterOptions", "make_drafter"]
 
@@ -30,7 +31,7 @@ class DrafterOptions:
     threads: int | None = None
 
 
-def _ngram(target: OrtTarget, argument: str | None, options: DrafterOptions) -> Drafter:
+def _ngram(target: DecoderBackend, argument: str | None, options: DrafterOptions) -> Drafter:
     if argument:
         raise SpecxError(f"the ngram drafter takes no argument, got 'ngram:{argument}'")
     if options.tree is not None:
@@ -43,18 +44,18 @@ def _ngram(target: OrtTarget, argument: str | None, options: DrafterOptions) -> 
         raise SpecxError(str(e)) from e
 
 
-def _draft_model(target: OrtTarget, argument: str | None, options: DrafterOptions) -> Drafter:
+def _draft_model(target: DecoderBackend, argument: str | None, options: DrafterOptions) -> Drafter:
     from specx.artifact import load_manifest
 
     if not argument:
         raise SpecxError("draft-model needs an artifact: --drafter draft-model:PATH")
-    draft = OrtTarget(load_manifest(Path(argument)), threads=options.threads)
+    draft = open_decoder(load_manifest(Path(argument)), threads=options.threads)
     check_same_vocabulary(target, draft)
     return DraftModelDrafter(draft, options.tree or StaticTree.chain(options.num_draft_tokens))
 
 
 def _head(kind: str):
-    def build(target: OrtTarget, argument: str | None, options: DrafterOptions) -> Drafter:
+    def build(target: DecoderBackend, argument: str | None, options: DrafterOptions) -> Drafter:
         if argument:
             raise SpecxError(f"{kind} drafts with the artifact's own head; it takes no argument")
         exported = (target.manifest.data.get("drafter") or {}).get("kind")
@@ -71,14 +72,14 @@ def _head(kind: str):
     return build
 
 
-DRAFTERS: dict[str, Callable[[OrtTarget, str | None, DrafterOptions], Drafter]] = {
+DRAFTERS: dict[str, Callable[[DecoderBackend, str | None, DrafterOptions], Drafter]] = {
     "ngram": _ngram,
     "draft-model": _draft_model,
     **{kind: _head(kind) for kind in ("eagle3", "eagle", "mtp", "medusa")},
 }
 
 
-def make_drafter(spec: str, target: OrtTarget, options: DrafterOptions) -> Drafter:
+def make_drafter(spec: str, target: DecoderBackend, options: DrafterOptions) -> Drafter:
     """Builds a drafter from `NAME` or `NAME:ARGUMENT` (e.g. `draft-model:artifacts/small`)."""
     name, _, argument = spec.partition(":")
     if name not in DRAFTERS:

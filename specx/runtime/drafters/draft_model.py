@@ -7,10 +7,10 @@ from collections.abc import Sequence
 import numpy as np
 
 from specx.errors import SpecxError
+from specx.runtime.decoder_backend import DecoderBackend
 from specx.runtime.drafters.node_slots import NodeSlots
 from specx.runtime.drafters.tree_search import TreeShape, grow
 from specx.runtime.kv_cache import KVCache
-from specx.runtime.ort_target import OrtTarget
 from specx.runtime.sampling import SamplingParams
 from specx.runtime.trees import DraftTree
 
@@ -21,7 +21,7 @@ class VocabMismatchError(SpecxError):
     """Draft and target do not share a vocabulary."""
 
 
-def check_same_vocabulary(target: OrtTarget, draft: OrtTarget) -> None:
+def check_same_vocabulary(target: DecoderBackend, draft: DecoderBackend) -> None:
     """Refuses a draft model whose token ids cannot mean the same as the target's.
 
     Raises:
@@ -55,7 +55,7 @@ class DraftModelDrafter:
     name = "draft-model"
     taps = "none"
 
-    def __init__(self, model: OrtTarget, shape: TreeShape, iid_siblings: bool = False):
+    def __init__(self, model: DecoderBackend, shape: TreeShape, iid_siblings: bool = False):
         self.model = model
         self.shape = shape
         self.iid_siblings = iid_siblings

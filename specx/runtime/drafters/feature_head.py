@@ -16,9 +16,9 @@ import numpy as np
 
 from specx.artifact import Manifest
 from specx.errors import ArtifactError
+from specx.runtime.backends import open_decoder, open_stateless
 from specx.runtime.drafters.node_slots import NodeSlots
 from specx.runtime.drafters.tree_search import DynamicTree, TreeShape, grow
-from specx.runtime.ort_target import OrtGraph, OrtTarget
 from specx.runtime.sampling import SamplingParams
 from specx.runtime.trees import DraftTree
 
@@ -33,10 +33,9 @@ class FeatureHeadDrafter:
         if not spec or spec["kind"] not in ("eagle3", "eagle", "mtp"):
             raise ArtifactError(f"{manifest.root} has no EAGLE or MTP head")
         self.name, self.taps = spec["kind"], spec["taps"]
-        self.head = OrtTarget(manifest, threads, graph="draft_head")
-        self.projection = (
-            OrtGraph(manifest, spec["projection"], threads) if spec.get("projection") else None
-        )
+        self.head = open_decoder(manifest, threads, graph="draft_head")
+        projection = spec.get("projection")
+        self.projection = projection and open_stateless(manifest, projection, threads)
         self.to_target = None
         if spec.get("d2t"):
             d2t = np.load(manifest.path(spec["d2t"]))

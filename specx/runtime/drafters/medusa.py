@@ -13,8 +13,8 @@ import numpy as np
 
 from specx.artifact import Manifest
 from specx.errors import ArtifactError
+from specx.runtime.backends import open_stateless
 from specx.runtime.drafters.tree_search import StaticTree, TreeShape, grow
-from specx.runtime.ort_target import OrtGraph
 from specx.runtime.sampling import SamplingParams
 from specx.runtime.trees import DraftTree, TreeError, depths
 
@@ -54,7 +54,7 @@ class MedusaDrafter:
                 f"the tree is {int(depths(shape.parents).max()) + 1} deep but the artifact has "
                 f"{num_heads} Medusa heads"
             )
-        self.heads = OrtGraph(manifest, spec["graph"], threads)
+        self.heads = open_stateless(manifest, spec["graph"], threads)
         self.shape = shape
         self.max_nodes = shape.max_nodes
 

@@ -1,0 +1,209 @@
+"""`specx build`: backend-specific graphs (and TensorRT engines) recorded in the artifact.
+
+A build lives in `builds/<name>.<id>/` inside the artifact and is described in the
+manifest under `builds[<name>]`: backend, precision, the files of every graph, and for
+TensorRT the version, GPU compute capability, optimization profiles and engine sha256.
+The newest build becomes `default_build`, which the runtime opens.
+
+- `--backend ort` (the CPU default): fp32 records the exported graphs as they are; fp16
+  writes converted graphs (KV caches in fp16, logits in fp32) and checks ONNX Runtime
+  loads them.
+- `--backend trt`: lowers every graph to the TensorRT form, lints it against the parser's
+  operator table, then builds one engine per graph with TensorRT (imported only here).
+
+Atomic: the build is assembled in a hidden staging directory, moved to a fresh
+directory name, and only then referenced from a manifest written with `os.replace`; an
+interrupted build leaves the previous manifest valid.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import onnx_ir as ir
+
+from specx.artifact import Manifest, load_manifest, write_manifest
+from specx.errors import BuildError
+from specx.graphs.precision import PRECISIONS, ConvertPrecisionPass
+from specx.graphs.signature import graph_signature
+from specx.graphs.trt_lint import lint_for_tensorrt
+from specx.graphs.trt_lowering import lower_for_tensorrt
+
+__all__ = ["BuildOptions", "build_artifact", "manifest_body"]
+
+Progress = Callable[[str], None]
+BACKENDS = ("ort", "trt")
+_MANIFEST_HEADER = ("format", "format_version", "specx_version", "files")
+
+
+@dataclass(frozen=True)
+class BuildOptions:
+    """What to build: backend, precision, and the TensorRT engine's ranges and effort."""
+
+    backend: str = "ort"
+    precision: str = "fp32"
+    max_batch: int = 8
+    optimization_level: int = 3
+    timing_cache: Path | None = None  # TensorRT timing cache, read and updated across builds
+
+    @property
+    def name(self) -> str:
+        """The build's name in the manifest, e.g. `trt-fp16`."""
+        return f"{self.backend}-{self.precision}"
+
+
+def manifest_body(manifest: Manifest) -> dict[str, Any]:
+    """The manifest without the fields `write_manifest` regenerates (format, files)."""
+    return {k: v for k, v in manifest.data.items() if k not in _MANIFEST_HEADER}
+
+
+def build_artifact(
+    artifact_dir: str | os.PathLike[str],
+    options: BuildOptions,
+    progress: Progress = lambda message: None,
+) -> str:
+    """Builds `options.backend` for the artifact and makes it the default build.
+
+    Returns:
+        The build's name.
+
+    Raises:
+        BuildError: unknown backend or precision, a precision the backend cannot run,
+            lint failures, or TensorRT / a GPU missing for `--backend trt`.
+        ArtifactError: the artifact does not verify.
+    """
+    if options.backend not in BACKENDS:
+        raise BuildError(f"--backend must be one of {BACKENDS}, got {options.backend!r}")
+    if options.precision not in PRECISIONS:
+        raise BuildError(f"--precision must be one of {sorted(PRECISIONS)}")
+    if options.backend == "ort" and options.precision == "bf16":
+        raise BuildError(
+            "ONNX Runtime's CPU provider has no bfloat16 kernels (MatMul, Attention); "
+            "use --precision fp16 on ORT, or bf16 with --backend trt"
+        )
+    started = time.perf_counter()
+    manifest = load_manifest(artifact_dir)
+    root = manifest.root
+    staging = Path(tempfile.mkdtemp(prefix=".build-", dir=root))
+    output = _Output(staging, f"builds/{options.name}.{uuid.uuid4().hex[:8]}")
+    try:
+        if options.backend == "ort":
+            record = _build_ort(manifest, options, output, progress)
+        else:
+            record = _build_trt(manifest, options, output, progress)
+        _publish(manifest, options, output, record)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    progress(f"built {options.name} in {time.perf_counter() - started:.1f}s")
+    return options.name
+
+
+@dataclass(frozen=True)
+class _Output:
+    """Where a build's files are written (`staging`) and the path they will have (`directory`)."""
+
+    staging: Path
+    directory: str
+
+
+def _publish(manifest: Manifest, options: BuildOptions, output: _Output, record: dict) -> None:
+    """Moves the staged files into place, then points the manifest at them."""
+    root = manifest.root
+    body = manifest_body(manifest)
+    previous = body.get("builds", {}).get(options.name, {}).get("directory")
+    record["directory"] = None
+    if any(output.staging.iterdir()):
+        (root / "builds").mkdir(exist_ok=True)
+        os.replace(output.staging, root / output.directory)
+        record["directory"] = output.directory
+    body.setdefault("builds", {})[options.name] = record
+    body["default_build"] = options.name
+    retired = (previous,) if previous and previous != record["directory"] else ()
+    write_manifest(root, body, exclude=retired)
+    if retired:
+        shutil.rmtree(root / previous, ignore_errors=True)
+
+
+def _build_ort(manifest: Manifest, options: BuildOptions, output: _Output, progress: Progress):
+    import onnxruntime as ort
+
+    from specx.runtime.ort_target import session_options
+
+    graphs = {}
+    for name, entry in manifest.data["graphs"].items():
+        if options.precision == "fp32":
+            graphs[name] = {k: entry[k] for k in ("file", "data_files", "inputs", "outputs")}
+            continue
+        progress(f"[ort] converting {name} to {options.precision}")
+        model = ConvertPrecisionPass(PRECISIONS[options.precision])(_load(manifest, name)).model
+        graphs[name] = _save(model, output, name)
+        try:
+            path = str(output.staging / f"{name}.onnx")
+            ort.InferenceSession(path, session_options(), providers=["CPUExecutionProvider"])
+        except Exception as e:  # onnxruntime raises untyped errors
+            raise BuildError(f"ONNX Runtime cannot load the {options.precision} {name}: {e}") from e
+    return {
+        "backend": "ort",
+        "precision": options.precision,
+        "onnxruntime_version": ort.__version__,
+        "graphs": graphs,
+    }
+
+
+def _build_trt(manifest: Manifest, options: BuildOptions, output: _Output, progress: Progress):
+    from specx.tensorrt.profiles import ProfileLimits, optimization_profiles
+
+    capacity = manifest.model["kv_capacity"]
+    lowered = {}
+    for name in manifest.data["graphs"]:
+        progress(f"[trt] lowering {name} ({options.precision}) and linting it")
+        model = lower_for_tensorrt(_load(manifest, name), capacity, options.precision)
+        issues = lint_for_tensorrt(model, name)
+        if issues:
+            listing = "\n  ".join(str(i) for i in issues)
+            raise BuildError(f"TensorRT would reject {len(issues)} node(s):\n  {listing}")
+        lowered[name] = model
+    from specx.tensorrt.engine import build_engine, device_summary
+
+    device = device_summary()  # raises BuildError naming what is missing
+    limits = ProfileLimits(
+        kv_capacity=capacity,
+        max_tree_tokens=manifest.model["max_tree_tokens"],
+        max_batch=options.max_batch,
+    )
+    graphs = {}
+    for name, model in lowered.items():
+        entry = _save(model, output, name)
+        profiles = optimization_profiles(entry["inputs"], limits)
+        progress(f"[trt] building the {name} engine ({len(profiles)} profiles)")
+        engine = build_engine(
+            output.staging / f"{name}.onnx",
+            output.staging / f"{name}.engine",
+            profiles,
+            optimization_level=options.optimization_level,
+            timing_cache=options.timing_cache,
+        )
+        graphs[name] = {**entry, "engine": f"{output.directory}/{name}.engine", **engine}
+    return {"backend": "trt", "precision": options.precision, **device, "graphs": graphs}
+
+
+def _load(manifest: Manifest, name: str) -> ir.Model:
+    return ir.load(manifest.path(manifest.graph(name)["file"]))
+
+
+def _save(model: ir.Model, output: _Output, name: str) -> dict[str, Any]:
+    """Saves `name.onnx` (+ `.data`) to the staging directory; returns its manifest entry."""
+    ir.save(model, output.staging / f"{name}.onnx", external_data=f"{name}.onnx.data")
+    return {
+        "file": f"{output.directory}/{name}.onnx",
+        "data_files": [f"{output.directory}/{name}.onnx.data"],
+        **graph_signature(ir.to_proto(model)),
+    }

@@ -1,0 +1,122 @@
+"""`specx lint`, `build`, `pack` and `verify`: the commands between export and a registry."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+from specx.errors import BuildError
+
+__all__ = ["build", "lint", "pack", "verify"]
+
+_ARTIFACT = click.Path(exists=True, file_okay=False, path_type=Path)
+_PRECISION = click.Choice(["fp32", "fp16", "bf16"])
+
+
+def _progress(message: str) -> None:
+    click.echo(message, err=True)
+
+
+@click.command()
+@click.argument("artifact_dir", type=_ARTIFACT)
+@click.option(
+    "--target", "lint_target", type=click.Choice(["trt"]), default="trt", show_default=True
+)
+@click.option("--precision", type=_PRECISION, default="fp32", show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Print the issues as JSON.")
+def lint(artifact_dir: Path, lint_target: str, precision: str, as_json: bool) -> None:
+    """Check every graph of ARTIFACT_DIR against the TensorRT ONNX parser's operator table.
+
+    Each graph is lowered to the form `specx build --backend trt` parses (at --precision)
+    and checked twice: with the TreeAttention plugin registered, and with its standard-op
+    fallback inlined. Exits 1 when any node would be rejected.
+    """
+    import onnx_ir as ir
+
+    from specx.artifact import load_manifest
+    from specx.graphs.trt_lint import lint_for_tensorrt
+    from specx.graphs.trt_lowering import lower_for_tensorrt
+
+    manifest = load_manifest(artifact_dir)
+    capacity = manifest.model["kv_capacity"]
+    issues, nodes = [], 0
+    for name, entry in manifest.data["graphs"].items():
+        model = lower_for_tensorrt(ir.load(manifest.path(entry["file"])), capacity, precision)
+        nodes += sum(1 for _ in model.graph)
+        issues += lint_for_tensorrt(model, name)
+    if as_json:
+        click.echo(json.dumps([vars(i) for i in issues], indent=2))
+    for issue in issues:
+        click.echo(str(issue), err=True)
+    graphs = len(manifest.data["graphs"])
+    click.echo(
+        f"{lint_target} lint ({precision}): {graphs} graphs, {nodes} nodes, {len(issues)} issues",
+        err=True,
+    )
+    if issues:
+        raise SystemExit(1)
+
+
+@click.command()
+@click.argument("artifact_dir", type=_ARTIFACT)
+@click.option("--backend", type=click.Choice(["ort", "trt"]), default="ort", show_default=True)
+@click.option("--precision", type=_PRECISION, default="fp32", show_default=True)
+@click.option("--max-batch", default=8, show_default=True, help="TensorRT: largest batch.")
+@click.option(
+    "--optimization-level", default=3, show_default=True, help="TensorRT builder effort (0-5)."
+)
+@click.option(
+    "--timing-cache",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="TensorRT timing cache file, reused and updated across builds.",
+)
+def build(
+    artifact_dir: Path,
+    backend: str,
+    precision: str,
+    max_batch: int,
+    optimization_level: int,
+    timing_cache: Path | None,
+) -> None:
+    """Build ARTIFACT_DIR for a backend and make that build the one the runtime uses.
+
+    ort (CPU default): fp32 records the exported graphs, fp16 writes converted graphs.
+    trt: lowers, lints and builds one TensorRT engine per graph (needs TensorRT and a GPU).
+    """
+    from specx.build import BuildOptions, build_artifact
+
+    if not 0 <= optimization_level <= 5:
+        raise BuildError("--optimization-level must be in 0..5")
+    options = BuildOptions(backend, precision, max_batch, optimization_level, timing_cache)
+    build_artifact(artifact_dir, options, progress=_progress)
+
+
+@click.command()
+@click.argument("artifact_dir", type=_ARTIFACT)
+@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False, path_type=Path))
+def pack(artifact_dir: Path, output: Path) -> None:
+    """Verify ARTIFACT_DIR and write it as one tar (manifest + every pinned file)."""
+    from specx.publish import pack_artifact
+
+    path = pack_artifact(artifact_dir, output)
+    _progress(f"packed {artifact_dir} -> {path} ({path.stat().st_size / 1e6:.1f} MB)")
+
+
+@click.command()
+@click.argument("source", type=click.Path(exists=True, path_type=Path))
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+def verify(source: Path, as_json: bool) -> None:
+    """Check a packed tar or an artifact directory: hashes, format, engine compatibility."""
+    from specx.publish import verify_artifact
+
+    report = verify_artifact(source)
+    if as_json:
+        click.echo(json.dumps(vars(report), indent=2))
+        return
+    builds = ", ".join(f"{k} ({v})" for k, v in report.builds.items()) or "none"
+    click.echo(f"ok: {report.source}: {report.files} files verified; builds: {builds}")
+    for note in report.notes:
+        click.echo(f"note: {note}")

@@ -1,0 +1,192 @@
+"""Publishing artifacts: `specx pack` writes one tar, `specx verify` checks a tar or directory.
+
+A packed artifact is a plain, deterministic tar (sorted members, zeroed owners and times)
+holding `<name>/manifest.json` and every file the manifest pins, nothing else. Verifying
+checks, without extracting: the manifest's format version, the sha256 of every listed
+file, that nothing unlisted, linked or outside the artifact is in the tar, and, for
+TensorRT builds, that the engines match this machine's TensorRT version and GPU (when
+TensorRT is installed here; otherwise that check is reported as skipped).
+
+Standard library only (plus `tensorrt`/`torch` when present, for the engine check).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tarfile
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
+
+from specx import __version__
+from specx.artifact import MANIFEST_NAME, load_manifest, parse_manifest
+from specx.errors import ArtifactError
+from specx.runtime.engine_compat import engine_mismatches
+
+__all__ = ["VerifyReport", "pack_artifact", "verify_artifact"]
+
+_CHUNK = 1 << 20
+
+
+@dataclass
+class VerifyReport:
+    """What `verify_artifact` checked."""
+
+    source: str
+    specx_version: str
+    files: int = 0
+    builds: dict[str, str] = field(default_factory=dict)  # name -> backend/precision
+    notes: list[str] = field(default_factory=list)
+
+
+def pack_artifact(artifact_dir: str | os.PathLike[str], output: str | os.PathLike[str]) -> Path:
+    """Verifies the artifact, then writes it as one tar at `output` (atomically).
+
+    Raises:
+        ArtifactError: the artifact does not verify.
+    """
+    manifest = load_manifest(artifact_dir)
+    output = Path(output).absolute()
+    top = manifest.root.name
+    names = [MANIFEST_NAME, *sorted(manifest.data["files"])]
+    fd, tmp = tempfile.mkstemp(prefix=f".{output.name}.", suffix=".tmp", dir=output.parent)
+    try:
+        with os.fdopen(fd, "wb") as raw, tarfile.open(fileobj=raw, mode="w") as tar:
+            for name in names:
+                info = tar.gettarinfo(str(manifest.root / name), arcname=f"{top}/{name}")
+                info.uid = info.gid = 0
+                info.uname = info.gname = ""
+                info.mtime = 0
+                info.mode = 0o644
+                with open(manifest.root / name, "rb") as f:
+                    tar.addfile(info, f)
+            raw.flush()
+            os.fsync(raw.fileno())
+        os.replace(tmp, output)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return output
+
+
+def verify_artifact(source: str | os.PathLike[str]) -> VerifyReport:
+    """Checks a packed tar or an artifact directory; raises on the first problem.
+
+    Raises:
+        ArtifactError: naming the file or engine at fault (tampered, truncated, missing,
+            unlisted, unsafe member, incompatible format, foreign engine).
+    """
+    source = Path(source)
+    if source.is_dir():
+        data = load_manifest(source).data
+        report = VerifyReport(str(source), data.get("specx_version", "?"), len(data["files"]))
+    elif source.is_file():
+        data, report = _verify_tar(source)
+    else:
+        raise ArtifactError(f"{source} is neither an artifact directory nor a packed tar")
+    _check_builds(data, report)
+    return report
+
+
+def _verify_tar(path: Path) -> tuple[dict, VerifyReport]:
+    try:
+        tar = tarfile.open(path, mode="r:*")
+    except (tarfile.TarError, OSError) as e:
+        raise ArtifactError(f"{path} is not a readable tar ({e}); was it truncated?") from e
+    with tar:
+        try:
+            members = tar.getmembers()
+        except (tarfile.TarError, EOFError) as e:
+            raise ArtifactError(f"{path} is truncated or corrupt: {e}") from e
+        tops = {PurePosixPath(m.name).parts[0] for m in members if m.name}
+        if len(tops) != 1:
+            raise ArtifactError(f"{path} must hold one artifact directory, found {sorted(tops)}")
+        top = tops.pop()
+        by_name = {}
+        for member in members:
+            relative = PurePosixPath(member.name).relative_to(top).as_posix()
+            unsafe = member.name.startswith("/") or ".." in PurePosixPath(member.name).parts
+            if unsafe or not (member.isfile() or member.isdir()):
+                raise ArtifactError(f"{path}: refusing unsafe member {member.name!r}")
+            if member.isfile():
+                by_name[relative] = member
+        if MANIFEST_NAME not in by_name:
+            raise ArtifactError(f"{path} has no {top}/{MANIFEST_NAME}")
+        where = f"{path}:{top}/{MANIFEST_NAME}"
+        data = parse_manifest(_read(tar, by_name[MANIFEST_NAME], path), where)
+        unlisted = sorted(set(by_name) - set(data["files"]) - {MANIFEST_NAME})
+        if unlisted:
+            raise ArtifactError(f"{path} holds files the manifest does not pin: {unlisted}")
+        for name, expected in data["files"].items():
+            if name not in by_name:
+                raise ArtifactError(f"{path}: {top}/{name} is listed in the manifest but missing")
+            actual = _sha256_member(tar, by_name[name], path)
+            if actual != expected:
+                raise ArtifactError(
+                    f"{path}: {top}/{name} does not match the manifest: sha256 {actual} != "
+                    f"{expected} (modified or truncated after packing)"
+                )
+    return data, VerifyReport(str(path), data.get("specx_version", "?"), len(data["files"]))
+
+
+def _read(tar: tarfile.TarFile, member: tarfile.TarInfo, path: Path) -> bytes:
+    try:
+        f = tar.extractfile(member)
+        return f.read() if f is not None else b""
+    except (tarfile.TarError, EOFError, OSError) as e:
+        raise ArtifactError(f"{path}: cannot read {member.name} ({e}); truncated?") from e
+
+
+def _sha256_member(tar: tarfile.TarFile, member: tarfile.TarInfo, path: Path) -> str:
+    digest = hashlib.sha256()
+    try:
+        f = tar.extractfile(member)
+        while chunk := f.read(_CHUNK):
+            digest.update(chunk)
+    except (tarfile.TarError, EOFError, OSError) as e:
+        raise ArtifactError(f"{path}: cannot read {member.name} ({e}); truncated?") from e
+    return digest.hexdigest()
+
+
+def _check_builds(data: dict, report: VerifyReport) -> None:
+    newer = _version_tuple(data.get("specx_version", "0")) > _version_tuple(__version__)
+    if newer:
+        report.notes.append(
+            f"written by specx {data['specx_version']}, newer than this {__version__} "
+            "(same artifact format, so it loads)"
+        )
+    for name, build in data.get("builds", {}).items():
+        report.builds[name] = f"{build['backend']}/{build['precision']}"
+        if build["backend"] != "trt":
+            continue
+        local = _local_tensorrt()
+        if local is None:
+            report.notes.append(
+                f"build {name}: TensorRT {build.get('tensorrt_version')} engines for compute "
+                f"capability {build.get('compute_capability')}; TensorRT or a GPU is not "
+                "available here, so they were not checked against this machine"
+            )
+            continue
+        problems = engine_mismatches(build, *local)
+        if problems:
+            raise ArtifactError(f"build {name}: " + "; ".join(problems))
+
+
+def _local_tensorrt() -> tuple[str, str] | None:
+    try:
+        import tensorrt
+        import torch
+    except ImportError:
+        return None
+    if not torch.cuda.is_available():
+        return None
+    return tensorrt.__version__, "{}.{}".format(*torch.cuda.get_device_capability())
+
+
+def _version_tuple(version: str) -> tuple[int, ...]:
+    parts = []
+    for part in version.split("."):
+        digits = "".join(c for c in part if c.isdigit())
+        parts.append(int(digits or 0))
+    return tuple(parts)

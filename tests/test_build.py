@@ -1,0 +1,161 @@
+"""`specx build`: ORT builds recorded and used, fp16 decoding, atomic manifests, TRT profiles."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+import specx.build
+from specx.artifact import load_manifest
+from specx.build import BuildOptions, build_artifact
+from specx.cli import main
+from specx.errors import ArtifactError, BuildError
+from specx.runtime.backends import open_decoder
+from specx.runtime.drafters.ngram import NGramDrafter
+from specx.runtime.engine_compat import engine_mismatches
+from specx.runtime.plain_decoding import generate_plain
+from specx.runtime.speculative_decoding import generate_speculative
+from specx.tensorrt.profiles import ProfileLimits, optimization_profiles
+
+PROMPTS = [[5, 9, 5, 9, 5, 9, 13], [7, 3, 11]]
+
+
+@pytest.fixture
+def artifact(artifacts, tmp_path):
+    return shutil.copytree(artifacts["llama"], tmp_path / "artifact")
+
+
+def _plain(artifact) -> list[list[int]]:
+    target = open_decoder(load_manifest(artifact), threads=2)
+    return generate_plain(target, PROMPTS, 12).tokens
+
+
+def test_ort_fp32_build_records_the_exported_graphs(artifact):
+    before = _plain(artifact)
+    assert build_artifact(artifact, BuildOptions("ort", "fp32")) == "ort-fp32"
+    manifest = load_manifest(artifact)
+    assert manifest.data["default_build"] == "ort-fp32"
+    assert manifest.build["graphs"]["target"]["file"] == "target.onnx"
+    assert manifest.build["onnxruntime_version"]
+    assert _plain(artifact) == before
+
+
+def test_ort_fp16_build_decodes_and_speculation_stays_lossless(artifact):
+    fp32 = _plain(artifact)
+    build_artifact(artifact, BuildOptions("ort", "fp16"))
+    manifest = load_manifest(artifact)
+    target = open_decoder(manifest, threads=2)
+    assert manifest.build["graphs"]["target"]["file"].startswith("builds/ort-fp16.")
+    cache = target.allocate_cache(1)
+    assert cache.keys[0].dtype == np.float16
+    plain = generate_plain(target, PROMPTS, 12)
+    spec = generate_speculative(target, NGramDrafter(4), PROMPTS, 12)
+    assert spec.tokens == plain.tokens
+    agreement = np.mean(
+        [a == b for x, y in zip(plain.tokens, fp32, strict=True) for a, b in zip(x, y, strict=True)]
+    )
+    assert agreement >= 0.75  # fp16 may flip near-ties of random weights, not most tokens
+
+
+def test_rebuilding_replaces_the_previous_build_directory(artifact):
+    build_artifact(artifact, BuildOptions("ort", "fp16"))
+    first = load_manifest(artifact).build["directory"]
+    build_artifact(artifact, BuildOptions("ort", "fp16"))
+    second = load_manifest(artifact).build["directory"]
+    assert first != second and not (artifact / first).exists() and (artifact / second).is_dir()
+
+
+def test_an_interrupted_build_leaves_the_manifest_untouched(artifact, monkeypatch):
+    original = (artifact / "manifest.json").read_bytes()
+
+    def interrupted(root, body, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(specx.build, "write_manifest", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        build_artifact(artifact, BuildOptions("ort", "fp16"))
+    assert (artifact / "manifest.json").read_bytes() == original
+    assert not [p for p in artifact.iterdir() if p.name.startswith(".build-")]
+    load_manifest(artifact)
+
+
+def test_a_tampered_build_file_is_refused(artifact):
+    build_artifact(artifact, BuildOptions("ort", "fp16"))
+    graph = artifact / load_manifest(artifact).build["graphs"]["target"]["file"]
+    graph.write_bytes(graph.read_bytes()[:-10])
+    with pytest.raises(ArtifactError, match="modified or truncated"):
+        load_manifest(artifact)
+
+
+def test_bad_build_requests_are_refused(artifact):
+    with pytest.raises(BuildError, match="no bfloat16 kernels"):
+        build_artifact(artifact, BuildOptions("ort", "bf16"))
+    with pytest.raises(BuildError, match="--backend must be one of"):
+        build_artifact(artifact, BuildOptions("tvm", "fp32"))
+
+
+def test_trt_build_without_tensorrt_says_what_is_missing(artifact):
+    try:
+        import tensorrt  # noqa: F401
+
+        pytest.skip("TensorRT is installed here; tests/test_trt_engine.py covers it")
+    except ImportError:
+        pass
+    original = (artifact / "manifest.json").read_bytes()
+    result = CliRunner().invoke(main, ["build", str(artifact), "--backend", "trt"])
+    assert result.exit_code == 2
+    assert "TensorRT is not installed" in result.output and "10.15" in result.output
+    assert (artifact / "manifest.json").read_bytes() == original
+
+
+def test_cli_build_and_generate_use_the_build(artifact):
+    runner = CliRunner()
+    assert runner.invoke(main, ["build", str(artifact), "--precision", "fp16"]).exit_code == 0
+    result = runner.invoke(
+        main,
+        [
+            "generate",
+            str(artifact),
+            "--prompt-ids",
+            "1,2,3",
+            "--max-new-tokens",
+            "4",
+            "--ignore-eos",
+            "--json",
+        ],
+    )
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["stats"]["backend"] == "ort-fp16"
+
+
+def test_optimization_profiles_follow_the_manifest(artifacts):
+    manifest = load_manifest(artifacts["llama"])
+    inputs = manifest.graph("target")["inputs"]
+    limits = ProfileLimits(kv_capacity=128, max_tree_tokens=64, max_batch=4)
+    profiles = optimization_profiles(inputs, limits)
+    assert list(profiles) == ["decode", "prefill"]
+    decode, prefill = profiles["decode"], profiles["prefill"]
+    assert decode["input_ids"] == ([1, 1], [1, 8], [4, 64])
+    assert prefill["input_ids"] == ([1, 1], [1, 64], [4, 128])
+    assert decode["attention_mask"] == ([1, 1, 1, 1], [1, 1, 8, 64], [4, 1, 64, 128])
+    kv = manifest.model["num_kv_heads"], manifest.model["head_dim"]
+    assert decode["past_key_0"] == (
+        [1, kv[0], 128, kv[1]],
+        [1, kv[0], 128, kv[1]],
+        [4, kv[0], 128, kv[1]],
+    )
+    with pytest.raises(ArtifactError, match="dynamic dimension 'sequence'"):
+        optimization_profiles([{"name": "x", "shape": ["sequence"]}], limits)
+
+
+def test_engine_mismatches_name_the_version_and_gpu():
+    build = {"tensorrt_version": "10.15.1", "compute_capability": "9.0", "gpu": "H200"}
+    assert engine_mismatches(build, "10.15.3", "9.0") == []
+    assert engine_mismatches(build, None, None) == []
+    problems = engine_mismatches(build, "11.1.0", "8.9")
+    assert "built with TensorRT 10.15.1, this is TensorRT 11.1.0" in problems[0]
+    assert "compute capability 9.0 (H200), this GPU is 8.9" in problems[1]
