@@ -37,6 +37,7 @@ __all__ = [
     "atomic_write_bytes",
     "atomic_write_text",
     "load_manifest",
+    "manifest_body",
     "parse_manifest",
     "sha256_file",
     "write_manifest",
@@ -158,6 +159,12 @@ class Manifest:
         """The artifact's tokenizer.json, or None when it was exported without one."""
         name = self.data.get("tokenizer")
         return None if name is None else self.root / name
+
+
+def manifest_body(manifest: Manifest) -> dict[str, Any]:
+    """The manifest without the fields `write_manifest` regenerates (format, files)."""
+    generated = ("format", "format_version", "specx_version", "files")
+    return {k: v for k, v in manifest.data.items() if k not in generated}
 
 
 def write_manifest(

@@ -30,18 +30,17 @@ from typing import Any
 
 import onnx_ir as ir
 
-from specx.artifact import Manifest, load_manifest, write_manifest
+from specx.artifact import Manifest, load_manifest, manifest_body, write_manifest
 from specx.errors import BuildError
 from specx.graphs.precision import PRECISIONS, ConvertPrecisionPass
 from specx.graphs.signature import graph_signature
 from specx.graphs.trt_lint import lint_for_tensorrt
 from specx.graphs.trt_lowering import lower_for_tensorrt
 
-__all__ = ["BuildOptions", "build_artifact", "manifest_body"]
+__all__ = ["BuildOptions", "BuildOutput", "build_artifact", "publish_build"]
 
 Progress = Callable[[str], None]
 BACKENDS = ("ort", "trt")
-_MANIFEST_HEADER = ("format", "format_version", "specx_version", "files")
 
 
 @dataclass(frozen=True)
@@ -58,11 +57,6 @@ class BuildOptions:
     def name(self) -> str:
         """The build's name in the manifest, e.g. `trt-fp16`."""
         return f"{self.backend}-{self.precision}"
-
-
-def manifest_body(manifest: Manifest) -> dict[str, Any]:
-    """The manifest without the fields `write_manifest` regenerates (format, files)."""
-    return {k: v for k, v in manifest.data.items() if k not in _MANIFEST_HEADER}
 
 
 def build_artifact(
@@ -93,13 +87,13 @@ def build_artifact(
     manifest = load_manifest(artifact_dir)
     root = manifest.root
     staging = Path(tempfile.mkdtemp(prefix=".build-", dir=root))
-    output = _Output(staging, f"builds/{options.name}.{uuid.uuid4().hex[:8]}")
+    output = BuildOutput.under(root, options.name, staging)
     try:
         if options.backend == "ort":
             record = _build_ort(manifest, options, output, progress)
         else:
             record = _build_trt(manifest, options, output, progress)
-        _publish(manifest, options, output, record)
+        publish_build(manifest, options.name, output, record)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     progress(f"built {options.name} in {time.perf_counter() - started:.1f}s")
@@ -107,32 +101,46 @@ def build_artifact(
 
 
 @dataclass(frozen=True)
-class _Output:
+class BuildOutput:
     """Where a build's files are written (`staging`) and the path they will have (`directory`)."""
 
     staging: Path
     directory: str
 
+    @classmethod
+    def under(cls, root: Path, name: str, staging: Path) -> BuildOutput:
+        """A fresh `builds/<name>.<id>` for a build staged in `staging` under the artifact."""
+        return cls(staging, f"builds/{name}.{uuid.uuid4().hex[:8]}")
 
-def _publish(manifest: Manifest, options: BuildOptions, output: _Output, record: dict) -> None:
-    """Moves the staged files into place, then points the manifest at them."""
+
+def publish_build(manifest: Manifest, name: str, output: BuildOutput, record: dict) -> None:
+    """Moves the staged files into place, then points the manifest at them as `default_build`.
+
+    The build is referenced only once the new manifest is written; if writing fails, the
+    moved directory is removed again. A previous build of the same name is deleted last.
+    """
     root = manifest.root
     body = manifest_body(manifest)
-    previous = body.get("builds", {}).get(options.name, {}).get("directory")
+    previous = body.get("builds", {}).get(name, {}).get("directory")
     record["directory"] = None
     if any(output.staging.iterdir()):
         (root / "builds").mkdir(exist_ok=True)
         os.replace(output.staging, root / output.directory)
         record["directory"] = output.directory
-    body.setdefault("builds", {})[options.name] = record
-    body["default_build"] = options.name
+    body.setdefault("builds", {})[name] = record
+    body["default_build"] = name
     retired = (previous,) if previous and previous != record["directory"] else ()
-    write_manifest(root, body, exclude=retired)
+    try:
+        write_manifest(root, body, exclude=retired)
+    except BaseException:
+        if record["directory"]:
+            shutil.rmtree(root / record["directory"], ignore_errors=True)
+        raise
     if retired:
         shutil.rmtree(root / previous, ignore_errors=True)
 
 
-def _build_ort(manifest: Manifest, options: BuildOptions, output: _Output, progress: Progress):
+def _build_ort(manifest: Manifest, options: BuildOptions, output: BuildOutput, progress: Progress):
     import onnxruntime as ort
 
     from specx.runtime.ort_target import session_options
@@ -158,7 +166,7 @@ def _build_ort(manifest: Manifest, options: BuildOptions, output: _Output, progr
     }
 
 
-def _build_trt(manifest: Manifest, options: BuildOptions, output: _Output, progress: Progress):
+def _build_trt(manifest: Manifest, options: BuildOptions, output: BuildOutput, progress: Progress):
     from specx.tensorrt.profiles import ProfileLimits, optimization_profiles
 
     capacity = manifest.model["kv_capacity"]
@@ -199,7 +207,7 @@ def _load(manifest: Manifest, name: str) -> ir.Model:
     return ir.load(manifest.path(manifest.graph(name)["file"]))
 
 
-def _save(model: ir.Model, output: _Output, name: str) -> dict[str, Any]:
+def _save(model: ir.Model, output: BuildOutput, name: str) -> dict[str, Any]:
     """Saves `name.onnx` (+ `.data`) to the staging directory; returns its manifest entry."""
     ir.save(model, output.staging / f"{name}.onnx", external_data=f"{name}.onnx.data")
     return {

@@ -161,9 +161,10 @@ def _read_prompts(
 )
 @click.option(
     "--num-draft-tokens",
-    default=4,
-    show_default=True,
-    help="Draft tokens per round (chain length; node budget for ngram trees).",
+    type=int,
+    default=None,
+    help="Draft tokens per round (chain length; node budget for ngram trees) "
+    "[default: the calibrated choice (specx calibrate), else 4].",
 )
 @click.option(
     "--tree",
@@ -220,6 +221,7 @@ def generate(
     """
     from specx.artifact import load_manifest
     from specx.runtime.backends import open_decoder
+    from specx.runtime.calibrated import calibrated_choice
     from specx.runtime.drafters import DrafterOptions, make_drafter
     from specx.runtime.drafters.tree_search import parse_tree_spec
     from specx.runtime.plain_decoding import generate_plain
@@ -241,9 +243,19 @@ def generate(
             raise GenerationError("--compare needs --drafter")
         result = generate_plain(target, prompts, max_new_tokens, sampling, eos)
     else:
+        shape = parse_tree_spec(tree) if tree else None
+        calibrated = calibrated_choice(manifest, drafter)
+        use_calibration = calibrated is not None and tree is None and num_draft_tokens is None
+        if use_calibration:
+            if drafter.startswith("ngram"):
+                num_draft_tokens = calibrated.shape.max_nodes
+            else:
+                shape = calibrated.shape
+            if max_batch_spec is None:
+                max_batch_spec = calibrated.max_batch_spec
         options = DrafterOptions(
-            num_draft_tokens,
-            parse_tree_spec(tree) if tree else None,
+            num_draft_tokens or 4,
+            shape,
             ngram_min,
             ngram_max,
             ngram_matches,
@@ -258,6 +270,12 @@ def generate(
             eos,
             max_batch_spec,
         )
+        if use_calibration:
+            result.stats["calibration"] = {
+                "tree": calibrated.description,
+                "max_batch_spec": calibrated.max_batch_spec,
+                "predicted_speedup": calibrated.predicted_speedup,
+            }
         if compare:
             plain = generate_plain(target, prompts, max_new_tokens, sampling, eos)
             result.stats["compare"] = {
@@ -291,6 +309,14 @@ def _print_stats(stats: dict[str, Any]) -> None:
             f"; plain {compare['plain']['ms_per_token']:.2f} ms/token, speedup "
             f"{compare['speedup']:.2f}x, identical tokens: {compare['identical_tokens']}"
         )
+    if "calibration" in stats:
+        calibration = stats["calibration"]
+        line += (
+            f"; calibrated {calibration['tree']}, predicted speedup "
+            f"{calibration['predicted_speedup']:.2f}x"
+        )
+    if "speculation" in stats:
+        line += f"; speculation {stats['speculation']}"
     click.echo(line, err=True)
 
 
@@ -445,11 +471,13 @@ if __name__ == "__main__":
     main()
 
 
-def _add_build_commands() -> None:
-    from specx import cli_build
+def _add_commands() -> None:
+    from specx import cli_build, cli_calibration, cli_quantize
 
     for command in (cli_build.lint, cli_build.build, cli_build.pack, cli_build.verify):
         main.add_command(command)
+    main.add_command(cli_calibration.calibrate)
+    main.add_command(cli_quantize.quantize)
 
 
-_add_build_commands()
+_add_commands()

@@ -3,6 +3,7 @@
 __all__ = [
     "ArtifactError",
     "BuildError",
+    "CalibrationError",
     "CheckpointError",
     "ExportError",
     "GenerationError",
@@ -32,3 +33,7 @@ class GenerationError(SpecxError):
 
 class BuildError(SpecxError):
     """`specx build` cannot build the requested backend (missing TensorRT, lint failures)."""
+
+
+class CalibrationError(SpecxError):
+    """`specx calibrate` cannot run on this input (no prompts, no drafter, prompts too long)."""

@@ -11,8 +11,7 @@ import pytest
 from click.testing import CliRunner
 
 import specx.publish
-from specx.artifact import load_manifest, write_manifest
-from specx.build import manifest_body
+from specx.artifact import load_manifest, manifest_body, write_manifest
 from specx.cli import main
 from specx.errors import ArtifactError
 from specx.publish import pack_artifact, verify_artifact

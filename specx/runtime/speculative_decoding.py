@@ -33,9 +33,10 @@ from specx.runtime.trees import (
 )
 from specx.runtime.verification import Coin, RandomCoin, Verdict, verify
 
-__all__ = ["Verifier", "generate_speculative", "verify_inputs"]
+__all__ = ["RoundObserver", "Verifier", "generate_speculative", "verify_inputs"]
 
 Verifier = Callable[[np.ndarray, DraftTree, Coin, bool], Verdict]
+RoundObserver = Callable[[int, DraftTree, Verdict], None]
 
 
 def verify_inputs(
@@ -80,11 +81,13 @@ def generate_speculative(
     eos_token_ids: Sequence[int] = (),
     max_batch_spec: int | None = None,
     verifier: Verifier = verify,
+    observer: RoundObserver | None = None,
 ) -> GenerationResult:
     """Decodes speculatively; output equals `generate_plain`'s (greedy: token for token).
 
     Batches larger than `max_batch_spec` fall back to plain decoding, where verifying
-    trees no longer pays off.
+    trees no longer pays off. `observer(row, draft, verdict)` sees every verified draft
+    (calibration records which nodes were accepted).
     """
     sampling = sampling or SamplingParams()
     if max_batch_spec is not None and len(prompts) > max_batch_spec:
@@ -141,6 +144,8 @@ def generate_speculative(
             # Only the verify tokens of this row, never the padding, go through the transform.
             probs = logits if sampling.greedy else sampling_probs(logits, sampling)
             verdict = verifier(probs, draft, coin, sampling.greedy)
+            if observer is not None:
+                observer(int(b), draft, verdict)
             path = np.array([0] + [i + 1 for i in verdict.accepted])
             cache.keep_path(b, int(lengths[b]), path)
             cache.lengths[b] = lengths[b] + len(path)

@@ -119,11 +119,14 @@ class DraftTree:
     `probs[i]` is the distribution node i was sampled from (siblings sampled i.i.d.
     share it); None means the nodes were chosen deterministically (top-k, n-gram
     matches, greedy), which selects the matching lossless verification rule.
+    `confidence[i]`, when the drafter knows it, is the draft probability of node i's
+    token given its parent (calibration relates it to acceptance; verification ignores it).
     """
 
     tokens: np.ndarray  # [n] int64
     parents: np.ndarray  # [n] int64, -1 = child of the root
     probs: np.ndarray | None = None  # [n, V] float
+    confidence: np.ndarray | None = None  # [n] float
 
     def __post_init__(self) -> None:
         if len(self.tokens) != len(self.parents):

@@ -137,9 +137,11 @@ def _grow_static(shape, root_logits, forward, sampling, rng, sample_chain):
     has_children = np.isin(np.arange(n), shape.parents)
     sampled = sample_chain and not sampling.greedy
     tokens = np.zeros((batch, n), dtype=np.int64)
+    confidence = np.zeros((batch, n))
     probs = None
     logits_of = {-1: root_logits}
     ranked: dict[int, np.ndarray] = {}
+    normalizer: dict[int, np.ndarray] = {}
     for level in range(int(level_of.max()) + 1):
         nodes = np.flatnonzero(level_of == level)
         for node in nodes:
@@ -149,11 +151,15 @@ def _grow_static(shape, root_logits, forward, sampling, rng, sample_chain):
                 tokens[:, node] = sample(q, rng)
                 probs = np.zeros((batch, n, q.shape[-1])) if probs is None else probs
                 probs[:, node] = q
+                confidence[:, node] = q[np.arange(batch), tokens[:, node]]
             else:
                 parent = int(shape.parents[node])
                 if parent not in ranked:  # one sort per parent, not per child
                     ranked[parent] = np.argsort(-parent_logits, axis=-1, kind="stable")
+                    normalizer[parent] = _logsumexp(parent_logits)
                 tokens[:, node] = ranked[parent][:, shape.ranks[node]]
+                chosen = parent_logits[np.arange(batch), tokens[:, node]]
+                confidence[:, node] = np.exp(chosen - normalizer[parent])
         expand = nodes[has_children[nodes]]
         if expand.size:
             ids = np.broadcast_to(expand, (batch, len(expand)))
@@ -161,7 +167,7 @@ def _grow_static(shape, root_logits, forward, sampling, rng, sample_chain):
             logits = forward(ids, tokens[:, expand], parents)
             logits_of.update({int(node): logits[:, k] for k, node in enumerate(expand)})
     trees = [
-        DraftTree(tokens[b], shape.parents, None if probs is None else probs[b])
+        DraftTree(tokens[b], shape.parents, None if probs is None else probs[b], confidence[b])
         for b in range(batch)
     ]
     return trees, [np.arange(n)] * batch
@@ -175,8 +181,12 @@ def _top_k(values: np.ndarray, k: int) -> np.ndarray:
 
 
 def _log_softmax(logits: np.ndarray) -> np.ndarray:
-    shifted = logits - logits.max(-1, keepdims=True)
-    return shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+    return logits - _logsumexp(logits)[..., None]
+
+
+def _logsumexp(logits: np.ndarray) -> np.ndarray:
+    top = logits.max(-1)
+    return top + np.log(np.exp(logits - top[..., None]).sum(-1))
 
 
 def _grow_dynamic(shape: DynamicTree, root_logits, forward):
@@ -219,7 +229,9 @@ def _grow_dynamic(shape: DynamicTree, root_logits, forward):
         keep = np.sort(order[: shape.total_tokens])
         index = {int(p): i for i, p in enumerate(keep)}
         tree_parents = np.array([index[int(p)] if p >= 0 else -1 for p in parents[b, keep]])
-        trees.append(DraftTree(tokens[b, keep], tree_parents))
+        parent_scores = np.where(parents[b, keep] >= 0, scores[b, parents[b, keep]], 0.0)
+        confidence = np.exp(scores[b, keep] - parent_scores)
+        trees.append(DraftTree(tokens[b, keep], tree_parents, confidence=confidence))
         pool_ids.append(keep)
     return trees, pool_ids
 

@@ -1,0 +1,333 @@
+"""`specx calibrate`: measure acceptance and costs, choose trees, write them into the manifest.
+
+Steps, all on this machine and the artifact's default build:
+
+1. plain decoding of the prompts (batch 1): the per-token time the speedup is relative to;
+2. the drafter on a probe tree (K ranks at each of D depths under the top-1 path; a chain
+   for n-gram drafts), counting which rank the target's token had at each depth
+   (`AcceptanceCounts`) and acceptance against draft confidence;
+3. two chains (depth 1 and D) for the draft-cost fit d = a + b*depth + c*nodes, and the
+   target's verify curve t(n) at the prompts' mean context;
+4. the optimal tree per node budget (`best_trees`), the best chain, EAGLE-2 dynamic
+   parameters, each with its predicted speedup (`specx.calibration.costs`);
+5. the chosen tree at batch 1, 2, 4, 8: predicted speedup from the measured round costs,
+   and the largest batch where speculation still pays off (`max_batch_spec`).
+
+Greedy acceptance is what is measured (the probe tree relies on greedy verification's
+one accepted child per node). The result lands under `calibration[<drafter>]` in
+manifest.json, written atomically after everything succeeded: a failed calibration
+leaves the manifest as it was. `specx generate` then uses the choice by default.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from specx.artifact import load_manifest, manifest_body, write_manifest
+from specx.calibration.acceptance import AcceptanceCounts, probe_choices
+from specx.calibration.costs import DraftCost, fit_draft_cost, measure_verify_curve
+from specx.calibration.tree_selection import RankedTree, best_trees, chain_expected
+from specx.errors import CalibrationError, SpecxError
+from specx.runtime.backends import open_decoder
+from specx.runtime.decoder_backend import DecoderBackend
+from specx.runtime.drafters import DrafterOptions, make_drafter
+from specx.runtime.drafters.tree_search import StaticTree
+from specx.runtime.plain_decoding import check_prompts, generate_plain
+from specx.runtime.speculative_decoding import generate_speculative
+
+__all__ = [
+    "CalibrationOptions",
+    "calibrate_artifact",
+    "predicted_speedup",
+]
+
+Progress = Callable[[str], None]
+VERIFY_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+
+
+@dataclass(frozen=True)
+class CalibrationOptions:
+    """What to measure: the drafter (default: the artifact's head), probe size, tokens."""
+
+    drafter: str | None = None
+    probe_top_k: int = 4
+    probe_depth: int = 6
+    max_new_tokens: int = 48
+    batches: tuple[int, ...] = (1, 2, 4, 8)
+    threads: int | None = None
+
+
+def predicted_speedup(expected_accepted: float, round_seconds: float, plain_seconds: float):
+    """E[tokens per round] * t_plain / round time (see `specx.calibration.costs`)."""
+    return (1.0 + expected_accepted) * plain_seconds / round_seconds
+
+
+def calibrate_artifact(
+    artifact_dir: str | Path,
+    prompts: Sequence[Sequence[int]],
+    options: CalibrationOptions = CalibrationOptions(),
+    progress: Progress = lambda message: None,
+) -> dict[str, Any]:
+    """Measures, chooses and records; returns the calibration entry written to the manifest.
+
+    Raises:
+        CalibrationError: no prompts, no drafter, or a prompt too long for the capacity.
+        SpecxError: the artifact or drafter spec is invalid.
+    """
+    manifest = load_manifest(artifact_dir)
+    prompts = [list(map(int, p)) for p in prompts]
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise CalibrationError("calibration needs at least one non-empty prompt")
+    spec = options.drafter or (manifest.data.get("drafter") or {}).get("kind")
+    if spec is None:
+        raise CalibrationError(
+            f"{manifest.root} has no drafter to calibrate: export it with --drafter "
+            "(eagle3|eagle|medusa|mtp), or pass --drafter ngram | draft-model:ARTIFACT"
+        )
+    target = open_decoder(manifest, options.threads)
+    depth = _probe_depth(manifest.data, spec, options, target)
+    top_k = 1 if spec == "ngram" else options.probe_top_k
+    for index, prompt in enumerate(prompts):
+        try:
+            check_prompts(
+                [prompt],
+                options.max_new_tokens,
+                target.capacity,
+                target.vocab_size,
+                top_k * depth + 1,
+            )
+        except SpecxError as e:
+            raise CalibrationError(f"calibration prompt {index}: {e}") from e
+
+    started = time.perf_counter()
+    progress(f"[1/5] plain decoding of {len(prompts)} prompts")
+    plain = _run(target, None, prompts, options)
+    plain_s = plain["decode_s"] / plain["tokens"]
+
+    progress(f"[2/5] {spec} on a probe tree: top-{top_k} x depth {depth}")
+    probe = (
+        StaticTree.chain(depth)
+        if top_k == 1
+        else StaticTree.from_choices(probe_choices(top_k, depth))
+    )
+    counts = AcceptanceCounts(top_k, depth)
+
+    def observe(row, draft, verdict):
+        counts.record(draft, probe.ranks, verdict)
+
+    runs = [_run(target, _drafter(spec, target, probe, options), prompts, options, observe)]
+    progress("[3/5] draft-cost runs and the verify curve")
+    for length in sorted({1, depth}):
+        runs.append(
+            _run(
+                target, _drafter(spec, target, StaticTree.chain(length), options), prompts, options
+            )
+        )
+    cost = fit_draft_cost([(r["depth"], r["nodes"], r["draft_s"] / r["rounds"]) for r in runs])
+    context = int(np.mean([len(p) for p in prompts])) + options.max_new_tokens // 2
+    sizes = tuple(n for n in VERIFY_SIZES if n <= target.max_tree_tokens)
+    curve = measure_verify_curve(target, sizes, context)
+    overhead = float(np.mean([r["verify_s"] / r["rounds"] - curve(r["nodes"] + 1) for r in runs]))
+
+    progress("[4/5] choosing trees by predicted speedup")
+    p = counts.probabilities()
+
+    def round_seconds(depth_: int, nodes: int) -> float:
+        return curve(nodes + 1) + max(overhead, 0.0) + cost(depth_, nodes)
+
+    trees = best_trees(p, target.max_tree_tokens - 1) if top_k > 1 else []
+    scored = [
+        (predicted_speedup(t.expected_accepted, round_seconds(t.depth, t.nodes), plain_s), t)
+        for t in trees
+    ]
+    chains = [
+        (predicted_speedup(chain_expected(p, n), round_seconds(n, n), plain_s), n)
+        for n in range(1, depth + 1)
+    ]
+    best_chain_speedup, best_chain = max(chains)
+    choice = _choice(scored, best_chain_speedup, best_chain, p)
+
+    progress(f"[5/5] batch curve {options.batches}")
+    batch_curve = _batch_curve(target, spec, choice, prompts, options, plain_s)
+    pays = [b["batch"] for b in batch_curve if b["predicted_speedup"] >= 1.0]
+    max_batch_spec = 0
+    for entry in batch_curve:
+        if entry["batch"] not in pays:
+            break
+        max_batch_spec = entry["batch"]
+
+    entry = {
+        "drafter": spec,
+        "measured_on": {
+            "backend": manifest.data.get("default_build", "ort"),
+            "prompts": len(prompts),
+            "prompts_sha256": hashlib.sha256(json.dumps(prompts).encode()).hexdigest(),
+            "max_new_tokens": options.max_new_tokens,
+            "threads": options.threads,
+            "seconds": None,
+        },
+        "acceptance": counts.summary(),
+        "costs": {
+            "plain_ms_per_token": 1e3 * plain_s,
+            "verify_curve": curve.summary(),
+            "verify_overhead_ms": 1e3 * overhead,
+            "draft_ms": {
+                "per_round": 1e3 * cost.per_round,
+                "per_depth": 1e3 * cost.per_depth,
+                "per_node": 1e3 * cost.per_node,
+            },
+            "draft_cost_c": _draft_cost_c(cost, choice, curve),
+        },
+        "trees_by_budget": [
+            {
+                "nodes": t.nodes,
+                "depth": t.depth,
+                "expected_accepted": t.expected_accepted,
+                "predicted_speedup": s,
+            }
+            for s, t in scored
+        ],
+        "chains": [{"length": n, "predicted_speedup": s} for s, n in chains],
+        "choice": choice,
+        "batch_curve": batch_curve,
+        "max_batch_spec": max_batch_spec,
+    }
+    entry["measured_on"]["seconds"] = time.perf_counter() - started
+    body = manifest_body(manifest)
+    body.setdefault("calibration", {})[spec.partition(":")[0]] = entry
+    write_manifest(manifest.root, body)
+    progress(
+        f"calibrated {spec}: {choice['tree']} (predicted {choice['predicted_speedup']:.2f}x), "
+        f"speculation up to batch {max_batch_spec}, in {entry['measured_on']['seconds']:.0f}s"
+    )
+    return entry
+
+
+def _probe_depth(
+    manifest_data: dict, spec: str, options: CalibrationOptions, target: DecoderBackend
+) -> int:
+    depth = options.probe_depth
+    heads = (manifest_data.get("drafter") or {}).get("medusa_heads")
+    if spec == "medusa" and heads:
+        depth = min(depth, heads)
+    top_k = 1 if spec == "ngram" else options.probe_top_k
+    if top_k * depth + 1 > target.max_tree_tokens:
+        raise CalibrationError(
+            f"a probe tree of {top_k} x {depth} nodes exceeds the artifact's "
+            f"{target.max_tree_tokens} verify tokens: lower --probe-top-k/--probe-depth"
+        )
+    return depth
+
+
+def _drafter(spec: str, target: DecoderBackend, shape: StaticTree, options: CalibrationOptions):
+    if spec == "ngram":
+        return make_drafter(
+            spec, target, DrafterOptions(num_draft_tokens=shape.max_nodes, threads=options.threads)
+        )
+    return make_drafter(spec, target, DrafterOptions(tree=shape, threads=options.threads))
+
+
+def _run(target, drafter, prompts, options, observer=None, batch: int = 1) -> dict[str, Any]:
+    """Decodes the prompts `batch` at a time; returns summed times, tokens and rounds."""
+    total = {"decode_s": 0.0, "tokens": 0, "draft_s": 0.0, "verify_s": 0.0, "rounds": 0}
+    for start in range(0, len(prompts), batch):
+        group = prompts[start : start + batch]
+        if drafter is None:
+            stats = generate_plain(target, group, options.max_new_tokens).stats
+            total["decode_s"] += stats["decode_s"]
+        else:
+            stats = generate_speculative(
+                target, drafter, group, options.max_new_tokens, observer=observer
+            ).stats
+            total["draft_s"] += stats["draft_s"]
+            total["verify_s"] += stats["verify_s"]
+            # Loop iterations, not rows x iterations: a batched round costs one draft + verify.
+            total["rounds"] += max(r["rounds"] for r in stats["per_request"])
+            total["decode_s"] += stats["total_s"] - stats["prefill_s"]
+        total["tokens"] += max(stats["new_tokens"] - len(group), 1)
+    if drafter is not None:
+        total["rounds"] = max(total["rounds"], 1)
+        shape = getattr(drafter, "shape", None)
+        total["nodes"] = drafter.max_nodes
+        total["depth"] = drafter.max_nodes if shape is None else _depth_of(shape)
+    return total
+
+
+def _depth_of(shape: StaticTree) -> int:
+    from specx.runtime.trees import depths
+
+    return int(depths(shape.parents).max()) + 1
+
+
+def _choice(
+    scored: list[tuple[float, RankedTree]], chain_speedup: float, chain: int, p: np.ndarray
+) -> dict[str, Any]:
+    """The better of the best static tree and the best chain, with dynamic parameters."""
+    if scored:
+        speedup, tree = max(scored, key=lambda item: item[0])
+        if speedup > chain_speedup:
+            return {
+                "tree": "static",
+                "choices": [list(c) for c in tree.choices],
+                "nodes": tree.nodes,
+                "depth": tree.depth,
+                "expected_accepted": tree.expected_accepted,
+                "predicted_speedup": speedup,
+                "dynamic": {
+                    "total_tokens": tree.nodes,
+                    "depth": tree.depth,
+                    "top_k": 1 + max(max(c) for c in tree.choices),
+                },
+                "chain_length": chain,
+                "chain_predicted_speedup": chain_speedup,
+            }
+    return {
+        "tree": "chain",
+        "chain_length": chain,
+        "nodes": chain,
+        "depth": chain,
+        "expected_accepted": chain_expected(p, chain),
+        "predicted_speedup": chain_speedup,
+        "chain_predicted_speedup": chain_speedup,
+    }
+
+
+def _batch_curve(target, spec, choice, prompts, options, plain_s) -> list[dict[str, Any]]:
+    """Predicted speedup of the chosen tree per batch size, from measured round costs."""
+    curve = []
+    shape = (
+        StaticTree.from_choices(choice["choices"])
+        if choice["tree"] == "static"
+        else StaticTree.chain(choice["chain_length"])
+    )
+    short = CalibrationOptions(**{**options.__dict__, "max_new_tokens": 24})
+    for batch in options.batches:
+        group = [prompts[i % len(prompts)] for i in range(batch)]
+        plain = _run(target, None, group, short, batch=batch)
+        spec_run = _run(target, _drafter(spec, target, shape, options), group, short, batch=batch)
+        round_s = (spec_run["draft_s"] + spec_run["verify_s"]) / spec_run["rounds"]
+        plain_step = plain["decode_s"] / max(plain["tokens"] / batch, 1)
+        curve.append(
+            {
+                "batch": batch,
+                "plain_ms_per_step": 1e3 * plain_step,
+                "round_ms": 1e3 * round_s,
+                "predicted_speedup": predicted_speedup(
+                    choice["expected_accepted"], round_s, plain_step
+                ),
+            }
+        )
+    return curve
+
+
+def _draft_cost_c(cost: DraftCost, choice: dict[str, Any], curve) -> float:
+    """Draft time of the chosen tree in units of one target step (the seed's c)."""
+    return cost(choice["depth"], choice["nodes"]) / curve(1)

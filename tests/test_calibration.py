@@ -1,0 +1,196 @@
+"""Calibration: tree choice vs brute force, acceptance counts, cost fits, the command."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import shutil
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+import specx.calibration.calibrate as calibrate_module
+from specx.artifact import load_manifest
+from specx.calibration.acceptance import AcceptanceCounts, probe_choices
+from specx.calibration.calibrate import CalibrationOptions, calibrate_artifact
+from specx.calibration.costs import VerifyCurve, fit_draft_cost
+from specx.calibration.tree_selection import best_trees, chain_expected, expected_accepted
+from specx.cli import main
+from specx.errors import CalibrationError
+from specx.runtime.drafters.tree_search import StaticTree
+from specx.runtime.trees import DraftTree
+from specx.runtime.verification import Verdict
+
+
+def _all_paths(top_k: int, depth: int) -> list[tuple[int, ...]]:
+    return [p for d in range(1, depth + 1) for p in itertools.product(range(top_k), repeat=d)]
+
+
+def _brute_force_best(p: np.ndarray, nodes: int) -> float:
+    """Max E[accepted] over every node set of this size that is closed under parents."""
+    paths = _all_paths(*p.shape[::-1])
+    best = 0.0
+    for subset in itertools.combinations(paths, nodes):
+        chosen = set(subset)
+        if all(len(s) == 1 or s[:-1] in chosen for s in subset):
+            best = max(best, expected_accepted(p, subset))
+    return best
+
+
+def _random_rank_probabilities(rng, depth: int, top_k: int) -> np.ndarray:
+    """p[d, k]: each depth's rank probabilities sum to at most 1 (random, not sorted)."""
+    raw = rng.dirichlet(np.ones(top_k + 1), size=depth)
+    return raw[:, :top_k]
+
+
+@pytest.mark.parametrize("shape", [(3, 2), (2, 3), (4, 2)])  # (depth, top_k)
+def test_greedy_trees_match_brute_force_for_every_small_budget(shape):
+    rng = np.random.default_rng(sum(shape))
+    for _ in range(3):
+        p = _random_rank_probabilities(rng, *shape)
+        trees = best_trees(p, 7)
+        for tree in trees:
+            assert tree.expected_accepted == pytest.approx(_brute_force_best(p, tree.nodes))
+            assert tree.expected_accepted == pytest.approx(expected_accepted(p, tree.choices))
+            assert all(len(c) == 1 or c[:-1] in tree.choices for c in tree.choices)
+        assert [t.nodes for t in trees] == list(range(1, len(trees) + 1))
+
+
+def test_chain_expectation_and_zero_probability_nodes():
+    p = np.array([[0.8, 0.1], [0.5, 0.0], [0.0, 0.0]])
+    assert chain_expected(p, 1) == pytest.approx(0.8)
+    assert chain_expected(p, 3) == pytest.approx(0.8 + 0.4)
+    trees = best_trees(p, 10)
+    # Nodes that can gain nothing are never added.
+    assert trees[-1].choices == ((0,), (0, 0), (1,), (1, 0))
+    assert trees[-1].expected_accepted == pytest.approx(0.8 + 0.4 + 0.1 + 0.05)
+
+
+def _probe_round(counts, top_k, depth, target_ranks, confidence=None):
+    """One probe round in which the target's token has `target_ranks[d]` at depth d."""
+    shape = StaticTree.from_choices(probe_choices(top_k, depth))
+    draft = DraftTree(np.arange(len(shape.parents)), shape.parents, confidence=confidence)
+    accepted = []
+    for d, rank in enumerate(target_ranks):
+        if rank >= top_k:
+            break
+        accepted.append(d * top_k + rank)
+        if rank != 0:
+            break
+    counts.record(draft, shape.ranks, Verdict(accepted, 0))
+
+
+def test_acceptance_counts_by_depth_and_rank():
+    counts = AcceptanceCounts(top_k=2, depth=3)
+    _probe_round(counts, 2, 3, [0, 0, 1])  # reaches depth 3, rank 1 there
+    _probe_round(counts, 2, 3, [1, 0, 0])  # rank 1 at depth 1: depth 2 is never tried
+    _probe_round(counts, 2, 3, [0, 5, 0])  # depth 2's token is not among the top 2
+    _probe_round(counts, 2, 3, [5, 0, 0])
+    assert counts.reached.tolist() == [4, 2, 1]
+    assert counts.hits.tolist() == [[2, 1], [1, 0], [0, 1]]
+    np.testing.assert_allclose(counts.probabilities(), [[0.5, 0.25], [0.5, 0], [0, 1]])
+
+
+def test_acceptance_by_confidence():
+    counts = AcceptanceCounts(top_k=2, depth=1)
+    _probe_round(counts, 2, 1, [0], confidence=np.array([0.95, 0.03]))
+    _probe_round(counts, 2, 1, [5], confidence=np.array([0.91, 0.05]))
+    bins = counts.summary()["acceptance_by_confidence"]
+    assert bins[9]["tried"] == 2 and bins[9]["acceptance"] == 0.5
+    assert bins[0]["tried"] == 2 and bins[0]["acceptance"] == 0.0
+
+
+def test_draft_cost_fit_recovers_coefficients_and_drops_negative_ones():
+    cost = fit_draft_cost([(1, 1, 0.003), (6, 6, 0.013), (6, 24, 0.019)])
+    assert (cost.per_round, cost.per_depth, cost.per_node) == pytest.approx(
+        (0.001, 0.0016666, 0.00033333), rel=1e-3
+    )
+    noisy = fit_draft_cost([(1, 1, 0.002), (6, 6, 0.001), (6, 24, 0.0011)])
+    assert min(noisy.per_round, noisy.per_depth, noisy.per_node) >= 0
+
+
+def test_verify_curve_interpolates_and_extrapolates():
+    curve = VerifyCurve(1, 100, (1, 4, 8), (1.0, 2.0, 4.0))
+    assert curve(1) == 1.0 and curve(6) == pytest.approx(3.0) and curve(10) == pytest.approx(5.0)
+
+
+PROMPTS = [[5, 9, 5, 9, 5, 9, 13, 5, 9], [7, 3, 11, 7, 3, 11], [2, 4, 6, 8, 2, 4]]
+FAST = CalibrationOptions(probe_top_k=3, probe_depth=3, max_new_tokens=12, batches=(1, 2))
+
+
+@pytest.fixture
+def artifact(artifacts, tmp_path):
+    return shutil.copytree(artifacts["llama"], tmp_path / "artifact")
+
+
+def test_calibrate_a_draft_model_then_generate_uses_the_choice(artifact, draft_artifacts):
+    options = CalibrationOptions(
+        **{**FAST.__dict__, "drafter": f"draft-model:{draft_artifacts['llama']}"}
+    )
+    entry = calibrate_artifact(artifact, PROMPTS, options)
+    recorded = load_manifest(artifact).data["calibration"]["draft-model"]
+    assert recorded == json.loads(json.dumps(entry))
+    acceptance = np.array(entry["acceptance"]["acceptance_by_depth_and_rank"])
+    assert acceptance.shape == (3, 3) and 0 < acceptance[0].sum() <= 1  # drafts were accepted
+    assert len(entry["trees_by_budget"]) > 1 and entry["costs"]["verify_curve"]["ms"][0] > 0
+    assert entry["choice"]["predicted_speedup"] > 0
+    assert [b["batch"] for b in entry["batch_curve"]] == [1, 2]
+
+    args = [
+        "generate",
+        str(artifact),
+        "--prompt-ids",
+        "5,9,5,9,5,9",
+        "--max-new-tokens",
+        "16",
+        "--ignore-eos",
+        "--drafter",
+        f"draft-model:{draft_artifacts['llama']}",
+        "--compare",
+        "--json",
+        "--max-batch-spec",
+        "1",
+    ]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    stats = json.loads(result.stdout)["stats"]
+    assert stats["compare"]["identical_tokens"]
+    assert stats["calibration"]["predicted_speedup"] == entry["choice"]["predicted_speedup"]
+
+
+def test_calibrate_ngram_picks_a_chain_length(artifact):
+    entry = calibrate_artifact(
+        artifact, PROMPTS, CalibrationOptions(**{**FAST.__dict__, "drafter": "ngram"})
+    )
+    assert entry["choice"]["tree"] == "chain"
+    assert 1 <= entry["choice"]["chain_length"] <= 3
+    assert entry["acceptance"]["top_k"] == 1
+
+
+def test_bad_calibration_input_leaves_the_manifest_untouched(artifact, monkeypatch):
+    before = (artifact / "manifest.json").read_bytes()
+    with pytest.raises(CalibrationError, match="at least one non-empty prompt"):
+        calibrate_artifact(artifact, [], FAST)
+    with pytest.raises(CalibrationError, match="no drafter to calibrate"):
+        calibrate_artifact(artifact, PROMPTS, FAST)
+    ngram = CalibrationOptions(**{**FAST.__dict__, "drafter": "ngram"})
+    with pytest.raises(CalibrationError, match="calibration prompt 1: .*capacity"):
+        calibrate_artifact(artifact, [[1, 2], list(range(1, 200))], ngram)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("interrupted")
+
+    monkeypatch.setattr(calibrate_module, "measure_verify_curve", broken)
+    with pytest.raises(RuntimeError):
+        calibrate_artifact(artifact, PROMPTS, ngram)
+    assert (artifact / "manifest.json").read_bytes() == before
+
+
+def test_cli_calibrate_errors(artifact, tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    result = CliRunner().invoke(main, ["calibrate", str(artifact), "--prompts", str(empty)])
+    assert result.exit_code == 2 and "has no prompts" in result.output
+    result = CliRunner().invoke(main, ["calibrate", str(artifact)])
+    assert result.exit_code == 2 and "no drafter to calibrate" in result.output
