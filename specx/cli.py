@@ -248,7 +248,7 @@ def generate(
         use_calibration = calibrated is not None and tree is None and num_draft_tokens is None
         if use_calibration:
             if drafter.startswith("ngram"):
-                num_draft_tokens = calibrated.shape.max_nodes
+                num_draft_tokens = calibrated.shape.max_nodes  # a chain
             else:
                 shape = calibrated.shape
             if max_batch_spec is None:

@@ -134,8 +134,15 @@ def test_calibrate_a_draft_model_then_generate_uses_the_choice(artifact, draft_a
     acceptance = np.array(entry["acceptance"]["acceptance_by_depth_and_rank"])
     assert acceptance.shape == (3, 3) and 0 < acceptance[0].sum() <= 1  # drafts were accepted
     assert len(entry["trees_by_budget"]) > 1 and entry["costs"]["verify_curve"]["ms"][0] > 0
-    assert entry["choice"]["predicted_speedup"] > 0
+    assert entry["choice"]["measured_speedup"] > 0 and len(entry["choice"]["candidates"]) >= 3
+    labels = [c["label"] for c in entry["choice"]["candidates"]]
+    assert any(x.startswith("dynamic") for x in labels) and any(
+        x.startswith("chain") for x in labels
+    )
+    best = max(c["measured_speedup"] for c in entry["choice"]["candidates"])
+    assert entry["choice"]["measured_speedup"] == best
     assert [b["batch"] for b in entry["batch_curve"]] == [1, 2]
+    assert entry["max_batch_spec"] in (0, 1, 2)
 
     args = [
         "generate",
@@ -156,7 +163,7 @@ def test_calibrate_a_draft_model_then_generate_uses_the_choice(artifact, draft_a
     assert result.exit_code == 0, result.output
     stats = json.loads(result.stdout)["stats"]
     assert stats["compare"]["identical_tokens"]
-    assert stats["calibration"]["predicted_speedup"] == entry["choice"]["predicted_speedup"]
+    assert stats["calibration"]["predicted_speedup"] == entry["expected_speedup"]
 
 
 def test_calibrate_ngram_picks_a_chain_length(artifact):
@@ -165,6 +172,7 @@ def test_calibrate_ngram_picks_a_chain_length(artifact):
     )
     assert entry["choice"]["tree"] == "chain"
     assert 1 <= entry["choice"]["chain_length"] <= 3
+    assert len(entry["choice"]["candidates"]) == 3  # every chain length is measured
     assert entry["acceptance"]["top_k"] == 1
 
 

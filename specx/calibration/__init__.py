@@ -1,1 +1,1 @@
-"""Calibration: acceptance statistics, tree/gamma selection, quantization (not built yet)."""
+"""Calibration: acceptance statistics, tree/chain/batch selection by predicted speedup, INT8."""

@@ -8,10 +8,16 @@ Steps, all on this machine and the artifact's default build:
    (`AcceptanceCounts`) and acceptance against draft confidence;
 3. two chains (depth 1 and D) for the draft-cost fit d = a + b*depth + c*nodes, and the
    target's verify curve t(n) at the prompts' mean context;
-4. the optimal tree per node budget (`best_trees`), the best chain, EAGLE-2 dynamic
-   parameters, each with its predicted speedup (`specx.calibration.costs`);
-5. the chosen tree at batch 1, 2, 4, 8: predicted speedup from the measured round costs,
-   and the largest batch where speculation still pays off (`max_batch_spec`).
+4. the optimal tree per node budget (`best_trees`) and every chain, each with its
+   model-predicted speedup (`specx.calibration.costs`);
+5. the model's best candidates (3 static trees, 2 chains, EAGLE-2 parameters from the best
+   tree) decoded on the prompts: the fastest measured one is the choice, and its measured
+   speedup is the speedup expected on similar prompts; then the choice at batch 1, 2, 4,
+   8, measured, gives the largest batch where speculation still pays off
+   (`max_batch_spec`, 0 when it never does: generation then stays plain).
+
+The model narrows hundreds of trees to a handful; measuring the handful keeps what the
+model misses (per-round bookkeeping, rank correlations across depths) out of the choice.
 
 Greedy acceptance is what is measured (the probe tree relies on greedy verification's
 one accepted child per node). The result lands under `calibration[<drafter>]` in
@@ -37,6 +43,7 @@ from specx.calibration.costs import DraftCost, fit_draft_cost, measure_verify_cu
 from specx.calibration.tree_selection import RankedTree, best_trees, chain_expected
 from specx.errors import CalibrationError, SpecxError
 from specx.runtime.backends import open_decoder
+from specx.runtime.calibrated import choice_shape
 from specx.runtime.decoder_backend import DecoderBackend
 from specx.runtime.drafters import DrafterOptions, make_drafter
 from specx.runtime.drafters.tree_search import StaticTree
@@ -51,6 +58,7 @@ __all__ = [
 
 Progress = Callable[[str], None]
 VERIFY_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+DYNAMIC_DRAFTERS = ("eagle3", "eagle", "mtp", "draft-model")
 
 
 @dataclass(frozen=True)
@@ -152,17 +160,23 @@ def calibrate_artifact(
         (predicted_speedup(chain_expected(p, n), round_seconds(n, n), plain_s), n)
         for n in range(1, depth + 1)
     ]
-    best_chain_speedup, best_chain = max(chains)
-    choice = _choice(scored, best_chain_speedup, best_chain, p)
-
-    progress(f"[5/5] batch curve {options.batches}")
-    batch_curve = _batch_curve(target, spec, choice, prompts, options, plain_s)
-    pays = [b["batch"] for b in batch_curve if b["predicted_speedup"] >= 1.0]
+    candidates = _candidates(scored, chains, p, spec)
+    progress(f"[5/5] measuring {len(candidates)} candidates, then the batch curve")
+    for candidate in candidates:
+        run = _run(
+            target, _drafter(spec, target, choice_shape(candidate), options), prompts, options
+        )
+        candidate["measured_speedup"] = plain_s / (run["decode_s"] / run["tokens"])
+    choice = dict(max(candidates, key=lambda c: c["measured_speedup"]))
+    choice["candidates"] = [
+        {k: c[k] for k in ("label", "model_speedup", "measured_speedup")} for c in candidates
+    ]
+    batch_curve = _batch_curve(target, spec, choice, prompts, options)
     max_batch_spec = 0
-    for entry in batch_curve:
-        if entry["batch"] not in pays:
+    for point in batch_curve:
+        if point["measured_speedup"] < 1.0:
             break
-        max_batch_spec = entry["batch"]
+        max_batch_spec = point["batch"]
 
     entry = {
         "drafter": spec,
@@ -197,6 +211,7 @@ def calibrate_artifact(
         ],
         "chains": [{"length": n, "predicted_speedup": s} for s, n in chains],
         "choice": choice,
+        "expected_speedup": choice["measured_speedup"] if max_batch_spec else 1.0,
         "batch_curve": batch_curve,
         "max_batch_spec": max_batch_spec,
     }
@@ -205,8 +220,9 @@ def calibrate_artifact(
     body.setdefault("calibration", {})[spec.partition(":")[0]] = entry
     write_manifest(manifest.root, body)
     progress(
-        f"calibrated {spec}: {choice['tree']} (predicted {choice['predicted_speedup']:.2f}x), "
-        f"speculation up to batch {max_batch_spec}, in {entry['measured_on']['seconds']:.0f}s"
+        f"calibrated {spec}: {choice['label']} ({choice['measured_speedup']:.2f}x on the "
+        f"calibration prompts), speculation up to batch {max_batch_spec}, in "
+        f"{entry['measured_on']['seconds']:.0f}s"
     )
     return entry
 
@@ -261,68 +277,83 @@ def _run(target, drafter, prompts, options, observer=None, batch: int = 1) -> di
     return total
 
 
-def _depth_of(shape: StaticTree) -> int:
+def _depth_of(shape) -> int:
     from specx.runtime.trees import depths
 
+    if not hasattr(shape, "parents"):  # a dynamic tree
+        return shape.depth
     return int(depths(shape.parents).max()) + 1
 
 
-def _choice(
-    scored: list[tuple[float, RankedTree]], chain_speedup: float, chain: int, p: np.ndarray
-) -> dict[str, Any]:
-    """The better of the best static tree and the best chain, with dynamic parameters."""
-    if scored:
-        speedup, tree = max(scored, key=lambda item: item[0])
-        if speedup > chain_speedup:
-            return {
+def _candidates(
+    scored: list[tuple[float, RankedTree]],
+    chains: list[tuple[float, int]],
+    p: np.ndarray,
+    spec: str,
+) -> list[dict[str, Any]]:
+    """The shapes the model ranks best, to be measured.
+
+    Three static trees, two chains (every chain for n-gram), and EAGLE-2 parameters from
+    the best tree where the drafter grows dynamic trees.
+    """
+    candidates = []
+    for speedup, tree in sorted(scored, key=lambda item: -item[0])[:3]:
+        candidates.append(
+            {
+                "label": f"static {tree.nodes} nodes, depth {tree.depth}",
                 "tree": "static",
                 "choices": [list(c) for c in tree.choices],
                 "nodes": tree.nodes,
                 "depth": tree.depth,
                 "expected_accepted": tree.expected_accepted,
-                "predicted_speedup": speedup,
-                "dynamic": {
-                    "total_tokens": tree.nodes,
-                    "depth": tree.depth,
-                    "top_k": 1 + max(max(c) for c in tree.choices),
-                },
-                "chain_length": chain,
-                "chain_predicted_speedup": chain_speedup,
+                "model_speedup": speedup,
             }
-    return {
-        "tree": "chain",
-        "chain_length": chain,
-        "nodes": chain,
-        "depth": chain,
-        "expected_accepted": chain_expected(p, chain),
-        "predicted_speedup": chain_speedup,
-        "chain_predicted_speedup": chain_speedup,
-    }
+        )
+    for speedup, length in sorted(chains, reverse=True)[: len(chains) if spec == "ngram" else 2]:
+        candidates.append(
+            {
+                "label": f"chain {length}",
+                "tree": "chain",
+                "chain_length": length,
+                "nodes": length,
+                "depth": length,
+                "expected_accepted": chain_expected(p, length),
+                "model_speedup": speedup,
+            }
+        )
+    if scored and spec.partition(":")[0] in DYNAMIC_DRAFTERS:
+        speedup, tree = max(scored, key=lambda item: item[0])
+        top_k = 1 + max(max(c) for c in tree.choices)
+        candidates.append(
+            {
+                "label": f"dynamic {tree.nodes},{tree.depth},{top_k}",
+                "tree": "dynamic",
+                "dynamic": {"total_tokens": tree.nodes, "depth": tree.depth, "top_k": top_k},
+                "nodes": tree.nodes,
+                "depth": tree.depth,
+                "expected_accepted": tree.expected_accepted,
+                "model_speedup": speedup,
+            }
+        )
+    return candidates
 
 
-def _batch_curve(target, spec, choice, prompts, options, plain_s) -> list[dict[str, Any]]:
-    """Predicted speedup of the chosen tree per batch size, from measured round costs."""
+def _batch_curve(target, spec, choice, prompts, options) -> list[dict[str, Any]]:
+    """Measured speedup of the chosen tree per batch size (prompts cycled to fill batches)."""
     curve = []
-    shape = (
-        StaticTree.from_choices(choice["choices"])
-        if choice["tree"] == "static"
-        else StaticTree.chain(choice["chain_length"])
-    )
     short = CalibrationOptions(**{**options.__dict__, "max_new_tokens": 24})
     for batch in options.batches:
-        group = [prompts[i % len(prompts)] for i in range(batch)]
+        group = [prompts[i % len(prompts)] for i in range(max(batch, len(prompts)))]
         plain = _run(target, None, group, short, batch=batch)
-        spec_run = _run(target, _drafter(spec, target, shape, options), group, short, batch=batch)
-        round_s = (spec_run["draft_s"] + spec_run["verify_s"]) / spec_run["rounds"]
-        plain_step = plain["decode_s"] / max(plain["tokens"] / batch, 1)
+        drafter = _drafter(spec, target, choice_shape(choice), options)
+        speculative = _run(target, drafter, group, short, batch=batch)
         curve.append(
             {
                 "batch": batch,
-                "plain_ms_per_step": 1e3 * plain_step,
-                "round_ms": 1e3 * round_s,
-                "predicted_speedup": predicted_speedup(
-                    choice["expected_accepted"], round_s, plain_step
-                ),
+                "plain_ms_per_token": 1e3 * plain["decode_s"] / plain["tokens"],
+                "speculative_ms_per_token": 1e3 * speculative["decode_s"] / speculative["tokens"],
+                "measured_speedup": (plain["decode_s"] / plain["tokens"])
+                / (speculative["decode_s"] / speculative["tokens"]),
             }
         )
     return curve

@@ -9,19 +9,28 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from specx.artifact import Manifest
-from specx.runtime.drafters.tree_search import StaticTree
+from specx.runtime.drafters.tree_search import DynamicTree, StaticTree, TreeShape
 
-__all__ = ["CalibratedChoice", "calibrated_choice"]
+__all__ = ["CalibratedChoice", "calibrated_choice", "choice_shape"]
 
 
 @dataclass(frozen=True)
 class CalibratedChoice:
     """A calibration's choice for one drafter."""
 
-    shape: StaticTree
+    shape: TreeShape
     max_batch_spec: int
-    predicted_speedup: float
+    predicted_speedup: float  # measured on the calibration prompts; 1.0 when speculation is off
     description: str
+
+
+def choice_shape(choice: dict) -> TreeShape:
+    """The tree shape a recorded choice (or candidate) describes."""
+    if choice["tree"] == "static":
+        return StaticTree.from_choices(choice["choices"])
+    if choice["tree"] == "dynamic":
+        return DynamicTree(**choice["dynamic"])
+    return StaticTree.chain(choice["chain_length"])
 
 
 def calibrated_choice(manifest: Manifest, drafter: str) -> CalibratedChoice | None:
@@ -30,12 +39,8 @@ def calibrated_choice(manifest: Manifest, drafter: str) -> CalibratedChoice | No
     if entry is None:
         return None
     choice = entry["choice"]
-    if choice["tree"] == "static":
-        shape = StaticTree.from_choices(choice["choices"])
-        description = f"static tree, {choice['nodes']} nodes, depth {choice['depth']}"
-    else:
-        shape = StaticTree.chain(choice["chain_length"])
-        description = f"chain of {choice['chain_length']}"
-    return CalibratedChoice(
-        shape, entry["max_batch_spec"], choice["predicted_speedup"], description
-    )
+    shape = choice_shape(choice)
+    description = choice["label"]
+    if entry["max_batch_spec"] == 0:
+        description += " (calibration: speculation does not pay off here, decoding plainly)"
+    return CalibratedChoice(shape, entry["max_batch_spec"], entry["expected_speedup"], description)
