@@ -3,8 +3,9 @@
     python benchmarks/calibration.py [--drafters eagle,eagle3,medusa,mtp,ngram,draft-model]
 
 For each drafter of pyref-7m (trained heads from the suite's cache, rebuilt when missing):
-`specx calibrate` on 12 HumanEval prompts, then, on held-out prompts (the last 16 HumanEval
-prompts and 8 held-out stdlib files, none used for calibration), greedy at batch 1:
+`specx calibrate` on 16 prompts (12 HumanEval, 4 stdlib training files), then, on held-out
+prompts of the same mix (the last 16 HumanEval prompts and 8 held-out stdlib files, none
+used for calibration), greedy at batch 1:
 plain decoding, the calibrated choice and the hand-picked defaults of the suite. Reports
 the predicted and measured speedup of the calibrated choice (and their relative error),
 whether it is at least as fast as every default, and the batch curve measured against
@@ -35,16 +36,24 @@ def log(message: str) -> None:
 
 
 def split_prompts(tokenizer) -> tuple[list[list[int]], list[list[int]]]:
-    """Calibration: the first 12 HumanEval prompts; held out: the last 16 + 8 stdlib files."""
+    """Two disjoint prompt sets of the same mix (HumanEval stubs and stdlib source).
+
+    Calibration: the first 12 HumanEval prompts + 4 stdlib files the target trained on;
+    held out: the last 16 HumanEval prompts + 8 held-out stdlib files.
+    """
     lines = HUMANEVAL.read_text().splitlines()
 
     def encode(line: str) -> list[int]:
         text = json.loads(line)["turns"][0].replace("Complete the code I provided.\n", "")
         return tokenizer.encode(text)[-320:]
 
-    _, held = stdlib_split()
-    stdlib = [tokenizer.encode(p.read_text(errors="replace")[:1200])[-320:] for p in held[:8]]
-    return [encode(x) for x in lines[:12]], [encode(x) for x in lines[-16:]] + stdlib
+    train, held = stdlib_split()
+
+    def source(path: Path) -> list[int]:
+        return tokenizer.encode(path.read_text(errors="replace")[:1200])[-320:]
+
+    calibration = [encode(x) for x in lines[:12]] + [source(p) for p in train[::200][:4]]
+    return calibration, [encode(x) for x in lines[-16:]] + [source(p) for p in held[:8]]
 
 
 def measure(target, spec, options, prompts, new_tokens, batch: int = 1) -> dict:

@@ -173,3 +173,16 @@ def test_cli_refuses_tampered_artifact(artifacts, tmp_path):
         f.write(b"\0")
     result = CliRunner().invoke(main, ["generate", str(copy), "--prompt-ids", "1"])
     assert result.exit_code == 2 and "does not match" in result.output
+
+
+def test_feed_near_the_end_of_the_cache_does_not_pad_past_it(artifacts):
+    """A short row at the cache's end and a long row elsewhere: padding would overflow."""
+    target = OrtTarget(load_manifest(artifacts["llama"]), threads=2)
+    cache = target.allocate_cache(2, 16)
+    output, last = target.feed(cache, [[7], [1, 2, 3, 4]], np.array([15, 0]))
+    assert last.tolist() == [0, 3]
+    alone = target.allocate_cache(1, 16)
+    reference, _ = target.feed(alone, [[1, 2, 3, 4]], np.array([0]))
+    np.testing.assert_allclose(output.logits[1, :4], reference.logits[0], atol=1e-5)
+    np.testing.assert_allclose(cache.keys[0][1, :, :4], alone.keys[0][0, :, :4], atol=1e-6)
+    assert np.abs(cache.keys[0][0, :, 15]).sum() > 0  # row 0's token was written in place

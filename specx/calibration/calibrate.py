@@ -339,14 +339,20 @@ def _candidates(
 
 
 def _batch_curve(target, spec, choice, prompts, options) -> list[dict[str, Any]]:
-    """Measured speedup of the chosen tree per batch size (prompts cycled to fill batches)."""
+    """Measured speedup of the chosen tree per batch size (prompts cycled to fill batches).
+
+    Batch 1 is the choice's own measurement on the prompts; larger batches are decoded
+    `batch` prompts at a time, plainly and speculatively, with the same token budget.
+    """
     curve = []
-    short = CalibrationOptions(**{**options.__dict__, "max_new_tokens": 24})
     for batch in options.batches:
+        if batch == 1:
+            curve.append({"batch": 1, "measured_speedup": choice["measured_speedup"]})
+            continue
         group = [prompts[i % len(prompts)] for i in range(max(batch, len(prompts)))]
-        plain = _run(target, None, group, short, batch=batch)
+        plain = _run(target, None, group, options, batch=batch)
         drafter = _drafter(spec, target, choice_shape(choice), options)
-        speculative = _run(target, drafter, group, short, batch=batch)
+        speculative = _run(target, drafter, group, options, batch=batch)
         curve.append(
             {
                 "batch": batch,

@@ -112,6 +112,9 @@ class DecoderBackend:
             The output and each row's index of its last real token (0 for an empty row).
         """
         width = max(1, max(len(s) for s in sequences))
+        starts = np.asarray(starts, dtype=np.int64)
+        if len(sequences) > 1 and int(starts.max()) + width > cache.capacity:
+            return self._feed_rows(cache, sequences, starts, features, width)
         ids = np.zeros((len(sequences), width), dtype=np.int64)
         for b, tokens in enumerate(sequences):
             ids[b, : len(tokens)] = tokens
@@ -120,8 +123,23 @@ class DecoderBackend:
             padded = np.zeros((len(sequences), width, self.tap_width), dtype=np.float32)
             for b, rows in enumerate(features):
                 padded[b, : len(rows)] = rows
-        starts = np.asarray(starts, dtype=np.int64)
         positions = starts[:, None] + np.arange(width)
         mask = causal_mask(starts, width, int(starts.max()) + width)
         output = self.forward(cache, ids, positions, mask, starts, padded)
         return output, np.array([max(len(s) - 1, 0) for s in sequences])
+
+    def _feed_rows(self, cache, sequences, starts, features, width):
+        """`feed` one row at a time: right-padding the batch would write past the cache's end."""
+        logits = np.zeros((len(sequences), width, self.vocab_size), dtype=np.float32)
+        taps = None
+        if self.has_taps:
+            taps = np.zeros((len(sequences), width, self.tap_width), dtype=np.float32)
+        for b, tokens in enumerate(sequences):
+            if not len(tokens):
+                continue
+            row_features = None if features is None else [features[b]]
+            output, _ = self.feed(cache.row(b), [tokens], starts[b : b + 1], row_features)
+            logits[b, : len(tokens)] = output.logits[0, : len(tokens)]
+            if taps is not None:
+                taps[b, : len(tokens)] = output.taps[0, : len(tokens)]
+        return StepOutput(logits, taps), np.array([max(len(s) - 1, 0) for s in sequences])

@@ -50,6 +50,14 @@ class KVCache:
         """Slots per sequence."""
         return self.keys[0].shape[2]
 
+    def row(self, b: int) -> KVCache:
+        """Sequence b alone, as views of the same buffers: writes land in this cache."""
+        return KVCache(
+            keys=[k[b : b + 1] for k in self.keys],
+            values=[v[b : b + 1] for v in self.values],
+            lengths=self.lengths[b : b + 1],
+        )
+
     def keep_path(self, row: int, start: int, nodes: np.ndarray) -> None:
         """Moves rows `start + nodes[i]` to `start + i` for sequence `row`, in every layer.
 
