@@ -163,10 +163,14 @@ def calibrate_artifact(
     candidates = _candidates(scored, chains, p, spec)
     progress(f"[5/5] measuring {len(candidates)} candidates, then the batch curve")
     for candidate in candidates:
-        run = _run(
-            target, _drafter(spec, target, choice_shape(candidate), options), prompts, options
+        # Plain decoding again right before each candidate: a speedup from adjacent runs
+        # does not drift with the machine's load over the calibration.
+        plain_run = _run(target, None, prompts, options)
+        drafter = _drafter(spec, target, choice_shape(candidate), options)
+        run = _run(target, drafter, prompts, options)
+        candidate["measured_speedup"] = (plain_run["decode_s"] / plain_run["tokens"]) / (
+            run["decode_s"] / run["tokens"]
         )
-        candidate["measured_speedup"] = plain_s / (run["decode_s"] / run["tokens"])
     choice = dict(max(candidates, key=lambda c: c["measured_speedup"]))
     choice["candidates"] = [
         {k: c[k] for k in ("label", "model_speedup", "measured_speedup")} for c in candidates
