@@ -254,7 +254,7 @@ def generate(
             if max_batch_spec is None:
                 max_batch_spec = calibrated.max_batch_spec
         options = DrafterOptions(
-            num_draft_tokens or 4,
+            4 if num_draft_tokens is None else num_draft_tokens,
             shape,
             ngram_min,
             ngram_max,

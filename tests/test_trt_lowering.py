@@ -16,6 +16,7 @@ from onnx_ir.passes import PassError
 from specx.artifact import load_manifest
 from specx.graphs.precision import ConvertPrecisionPass
 from specx.graphs.trt_lowering import CheckPluginNodesPass, lower_for_tensorrt
+from specx.runtime.ort_target import session_options
 
 CAPACITY = 128  # conftest.MAX_CONTEXT
 
@@ -31,9 +32,8 @@ def _save(model: ir.Model, path) -> str:
 
 
 def _session(path: str) -> ort.InferenceSession:
-    options = ort.SessionOptions()
-    options.log_severity_level = 3
-    return ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
+    # The runtime's options: other tests in this process create ORT's global thread pool.
+    return ort.InferenceSession(path, session_options(), providers=["CPUExecutionProvider"])
 
 
 def _two_steps(run, inputs, cache_dtype, positions_offset: int = 0):
