@@ -37,7 +37,7 @@ from specx.graphs.signature import graph_signature
 from specx.graphs.trt_lint import lint_for_tensorrt
 from specx.graphs.trt_lowering import lower_for_tensorrt
 
-__all__ = ["BuildOptions", "BuildOutput", "build_artifact", "publish_build"]
+__all__ = ["BuildOptions", "BuildOutput", "build_artifact", "exported_entries", "publish_build"]
 
 Progress = Callable[[str], None]
 BACKENDS = ("ort", "trt")
@@ -87,7 +87,7 @@ def build_artifact(
     manifest = load_manifest(artifact_dir)
     root = manifest.root
     staging = Path(tempfile.mkdtemp(prefix=".build-", dir=root))
-    output = BuildOutput.under(root, options.name, staging)
+    output = BuildOutput.fresh(options.name, staging)
     try:
         if options.backend == "ort":
             record = _build_ort(manifest, options, output, progress)
@@ -108,9 +108,18 @@ class BuildOutput:
     directory: str
 
     @classmethod
-    def under(cls, root: Path, name: str, staging: Path) -> BuildOutput:
-        """A fresh `builds/<name>.<id>` for a build staged in `staging` under the artifact."""
+    def fresh(cls, name: str, staging: Path) -> BuildOutput:
+        """A new `builds/<name>.<id>` for a build staged in `staging` under the artifact."""
         return cls(staging, f"builds/{name}.{uuid.uuid4().hex[:8]}")
+
+
+def exported_entries(manifest: Manifest) -> dict[str, dict[str, Any]]:
+    """The manifest entries of the exported graphs, as a build that keeps them records them."""
+    keys = ("file", "data_files", "inputs", "outputs")
+    return {
+        name: {k: entry[k] for k in keys if k in entry}
+        for name, entry in manifest.data["graphs"].items()
+    }
 
 
 def publish_build(manifest: Manifest, name: str, output: BuildOutput, record: dict) -> None:
@@ -143,21 +152,22 @@ def publish_build(manifest: Manifest, name: str, output: BuildOutput, record: di
 def _build_ort(manifest: Manifest, options: BuildOptions, output: BuildOutput, progress: Progress):
     import onnxruntime as ort
 
-    from specx.runtime.ort_target import session_options
+    from specx.runtime.ort_target import load_session
 
-    graphs = {}
-    for name, entry in manifest.data["graphs"].items():
-        if options.precision == "fp32":
-            graphs[name] = {k: entry[k] for k in ("file", "data_files", "inputs", "outputs")}
-            continue
-        progress(f"[ort] converting {name} to {options.precision}")
-        model = ConvertPrecisionPass(PRECISIONS[options.precision])(_load(manifest, name)).model
-        graphs[name] = _save(model, output, name)
-        try:
-            path = str(output.staging / f"{name}.onnx")
-            ort.InferenceSession(path, session_options(), providers=["CPUExecutionProvider"])
-        except Exception as e:  # onnxruntime raises untyped errors
-            raise BuildError(f"ONNX Runtime cannot load the {options.precision} {name}: {e}") from e
+    if options.precision == "fp32":
+        graphs = exported_entries(manifest)  # the exported graphs are the fp32 ORT build
+    else:
+        graphs = {}
+        for name in manifest.data["graphs"]:
+            progress(f"[ort] converting {name} to {options.precision}")
+            model = ConvertPrecisionPass(PRECISIONS[options.precision])(_load(manifest, name))
+            graphs[name] = _save(model.model, output, name)
+            try:
+                load_session(output.staging / f"{name}.onnx")
+            except Exception as e:  # onnxruntime raises untyped errors
+                raise BuildError(
+                    f"ONNX Runtime cannot load the {options.precision} {name}: {e}"
+                ) from e
     return {
         "backend": "ort",
         "precision": options.precision,

@@ -154,3 +154,33 @@ def test_tree_ranks_beyond_the_vocabulary(head_artifacts):
     drafter = make_drafter("medusa", target, DrafterOptions(tree=StaticTree.from_choices([[40]])))
     with pytest.raises(TreeError, match="rank 40 but the vocabulary has only 32"):
         generate_speculative(target, drafter, [[1, 2]], 4)
+
+
+def test_draft_model_batch_filling_the_cache_equals_plain(artifacts, draft_artifacts, monkeypatch):
+    """Rows of different lengths decoding up to the KV capacity: the draft model's catch-up
+    of a short row must not pad past the end of the cache for the longest one."""
+    from specx.runtime.decoder_backend import DecoderBackend
+
+    row_by_row = []
+    feed_rows = DecoderBackend._feed_rows
+
+    def spy(self, *args):
+        row_by_row.append(1)
+        return feed_rows(self, *args)
+
+    monkeypatch.setattr(DecoderBackend, "_feed_rows", spy)
+    target = OrtTarget(load_manifest(artifacts["llama"]), threads=2)
+    draft = OrtTarget(load_manifest(draft_artifacts["llama"]), threads=2)
+
+    # The long row is one the draft agrees with, so it finishes first and then sits at the
+    # last slots while the others still catch up two tokens at a time.
+    def tokens(seed: int, repeats: int) -> list[int]:
+        return [int(x) for x in np.random.default_rng(seed).integers(1, 500, 6)] * repeats
+
+    prompts = [tokens(1, 10), tokens(100, 2), tokens(101, 1)]
+    new_tokens = target.capacity - 60 + 1 - 2  # the longest row fills the cache (scratch 2)
+    plain = generate_plain(target, prompts, new_tokens)
+    drafter = DraftModelDrafter(draft, StaticTree.chain(1))
+    spec = generate_speculative(target, drafter, prompts, new_tokens)
+    assert spec.tokens == plain.tokens
+    assert spec.stats["accepted_tokens"] > 0 and row_by_row

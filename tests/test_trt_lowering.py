@@ -16,7 +16,7 @@ from onnx_ir.passes import PassError
 from specx.artifact import load_manifest
 from specx.graphs.precision import ConvertPrecisionPass
 from specx.graphs.trt_lowering import CheckPluginNodesPass, lower_for_tensorrt
-from specx.runtime.ort_target import session_options
+from specx.runtime.ort_target import load_session
 
 CAPACITY = 128  # conftest.MAX_CONTEXT
 
@@ -33,7 +33,7 @@ def _save(model: ir.Model, path) -> str:
 
 def _session(path: str) -> ort.InferenceSession:
     # The runtime's options: other tests in this process create ORT's global thread pool.
-    return ort.InferenceSession(path, session_options(), providers=["CPUExecutionProvider"])
+    return load_session(path)
 
 
 def _two_steps(run, inputs, cache_dtype, positions_offset: int = 0):

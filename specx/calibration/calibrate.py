@@ -101,8 +101,8 @@ def calibrate_artifact(
             "(eagle3|eagle|medusa|mtp), or pass --drafter ngram | draft-model:ARTIFACT"
         )
     target = open_decoder(manifest, options.threads)
-    depth = _probe_depth(manifest.data, spec, options, target)
     top_k = 1 if spec == "ngram" else options.probe_top_k
+    depth = _probe_depth(manifest.data, spec, options.probe_depth, top_k, target)
     for index, prompt in enumerate(prompts):
         try:
             check_prompts(
@@ -131,19 +131,23 @@ def calibrate_artifact(
     def observe(row, draft, verdict):
         counts.record(draft, probe.ranks, verdict)
 
-    runs = [_run(target, _drafter(spec, target, probe, options), prompts, options, observe)]
+    # (depth, nodes, run) for the draft-cost fit: the probe tree, then chains of 1 and D.
+    runs = [
+        (
+            depth,
+            probe.max_nodes,
+            _run(target, _drafter(spec, target, probe, options), prompts, options, observe),
+        )
+    ]
     progress("[3/5] draft-cost runs and the verify curve")
     for length in sorted({1, depth}):
-        runs.append(
-            _run(
-                target, _drafter(spec, target, StaticTree.chain(length), options), prompts, options
-            )
-        )
-    cost = fit_draft_cost([(r["depth"], r["nodes"], r["draft_s"] / r["rounds"]) for r in runs])
+        drafter = _drafter(spec, target, StaticTree.chain(length), options)
+        runs.append((length, length, _run(target, drafter, prompts, options)))
+    cost = fit_draft_cost([(d, n, r["draft_s"] / r["rounds"]) for d, n, r in runs])
     context = int(np.mean([len(p) for p in prompts])) + options.max_new_tokens // 2
     sizes = tuple(n for n in VERIFY_SIZES if n <= target.max_tree_tokens)
     curve = measure_verify_curve(target, sizes, context)
-    overhead = float(np.mean([r["verify_s"] / r["rounds"] - curve(r["nodes"] + 1) for r in runs]))
+    overhead = float(np.mean([r["verify_s"] / r["rounds"] - curve(n + 1) for _, n, r in runs]))
 
     progress("[4/5] choosing trees by predicted speedup")
     p = counts.probabilities()
@@ -232,13 +236,12 @@ def calibrate_artifact(
 
 
 def _probe_depth(
-    manifest_data: dict, spec: str, options: CalibrationOptions, target: DecoderBackend
+    manifest_data: dict, spec: str, depth: int, top_k: int, target: DecoderBackend
 ) -> int:
-    depth = options.probe_depth
+    """The probe depth: at most the Medusa heads there are, and the tree must fit a verify."""
     heads = (manifest_data.get("drafter") or {}).get("medusa_heads")
     if spec == "medusa" and heads:
         depth = min(depth, heads)
-    top_k = 1 if spec == "ngram" else options.probe_top_k
     if top_k * depth + 1 > target.max_tree_tokens:
         raise CalibrationError(
             f"a probe tree of {top_k} x {depth} nodes exceeds the artifact's "
@@ -273,20 +276,8 @@ def _run(target, drafter, prompts, options, observer=None, batch: int = 1) -> di
             total["rounds"] += max(r["rounds"] for r in stats["per_request"])
             total["decode_s"] += stats["total_s"] - stats["prefill_s"]
         total["tokens"] += max(stats["new_tokens"] - len(group), 1)
-    if drafter is not None:
-        total["rounds"] = max(total["rounds"], 1)
-        shape = getattr(drafter, "shape", None)
-        total["nodes"] = drafter.max_nodes
-        total["depth"] = drafter.max_nodes if shape is None else _depth_of(shape)
+    total["rounds"] = max(total["rounds"], 1)
     return total
-
-
-def _depth_of(shape) -> int:
-    from specx.runtime.trees import depths
-
-    if not hasattr(shape, "parents"):  # a dynamic tree
-        return shape.depth
-    return int(depths(shape.parents).max()) + 1
 
 
 def _candidates(

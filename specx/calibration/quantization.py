@@ -38,7 +38,7 @@ import numpy as np
 from onnxruntime.quantization import CalibrationDataReader
 
 from specx.artifact import Manifest, load_manifest
-from specx.build import BuildOutput, publish_build
+from specx.build import BuildOutput, exported_entries, publish_build
 from specx.errors import BuildError
 from specx.runtime.masks import causal_mask
 
@@ -62,7 +62,6 @@ METHOD = (
     "int8 weights, per-tensor symmetric int8 activations, MatMul inputs only; TreeAttention, "
     "RMSNormalization, RoPE, MatMul outputs and the KV cache stay float32"
 )
-_GRAPH_KEYS = ("file", "data_files", "inputs", "outputs")
 
 
 def quantize_artifact(
@@ -102,7 +101,7 @@ def quantize_artifact(
     _check_prompts(eval_prompts, manifest, "evaluation")
     root = manifest.root
     staging = Path(tempfile.mkdtemp(prefix=".quantize-", dir=root))
-    output_dir = BuildOutput.under(root, BUILD_NAME, staging)
+    output_dir = BuildOutput.fresh(BUILD_NAME, staging)
     directory = output_dir.directory
     try:
         source = _stage_source(manifest, staging / ".source")
@@ -398,14 +397,10 @@ def teacher_forced_accuracy(
 
 
 def _session(path: Path, threads: int | None):
-    import onnxruntime as ort
-
-    from specx.runtime.ort_target import session_options
+    from specx.runtime.ort_target import load_session
 
     try:
-        return ort.InferenceSession(
-            str(path), session_options(threads), providers=["CPUExecutionProvider"]
-        )
+        return load_session(path, threads)
     except Exception as e:  # onnxruntime raises untyped errors
         raise BuildError(f"ONNX Runtime cannot load {path}: {e}") from e
 
@@ -478,10 +473,7 @@ def _record(
 
     from specx.graphs.signature import graph_signature
 
-    graphs = {
-        name: {k: entry[k] for k in _GRAPH_KEYS if k in entry}
-        for name, entry in manifest.data["graphs"].items()
-    }
+    graphs = exported_entries(manifest)
     model = onnx.load(str(staging / "target.onnx"), load_external_data=False)
     data = ["target.onnx.data"] if (staging / "target.onnx.data").is_file() else []
     graphs["target"] = {

@@ -108,19 +108,14 @@ class ConvertPrecisionPass(InPlacePass):
 
     def _low_cast(self, graph: ir.Graph, value: ir.Value, cache: dict[int, ir.Value]):
         if id(value) not in cache:
-            suffix = self.dtype.name.lower()
-            cast = ir.node("Cast", [value], {"to": self.dtype}, name=f"{value.name}_to_{suffix}")
-            cast.outputs[0].name = f"{value.name}_{suffix}"
-            cast.outputs[0].dtype, cast.outputs[0].shape = self.dtype, value.shape
+            cast = _cast(value, self.dtype, f"{value.name}_{self.dtype.name.lower()}")
             graph.insert_after(value.producer(), cast)
             cache[id(value)] = cast.outputs[0]
         return cache[id(value)]
 
     def _cast_after_input(self, graph: ir.Graph, value: ir.Value) -> None:
         users = list(value.uses())
-        cast = ir.node("Cast", [value], {"to": self.dtype}, name=f"{value.name}_to_low")
-        cast.outputs[0].name = f"{value.name}_low"
-        cast.outputs[0].dtype, cast.outputs[0].shape = self.dtype, value.shape
+        cast = _cast(value, self.dtype, f"{value.name}_low")
         graph.insert_before(graph.node(0), cast)
         for user, index in users:
             user.replace_input_with(index, cast.outputs[0])
@@ -128,11 +123,17 @@ class ConvertPrecisionPass(InPlacePass):
     def _cast_before_output(self, graph: ir.Graph, value: ir.Value) -> ir.Value:
         name = value.name
         value.name = f"{name}_low"
-        cast = ir.node("Cast", [value], {"to": _FLOAT}, name=f"{name}_to_fp32")
-        cast.outputs[0].name = name
-        cast.outputs[0].dtype, cast.outputs[0].shape = _FLOAT, value.shape
+        cast = _cast(value, _FLOAT, name)
         graph.append(cast)
         return cast.outputs[0]
+
+
+def _cast(value: ir.Value, to: ir.DataType, output_name: str) -> ir.Node:
+    """A Cast node of `value` to `to` whose output, typed and shaped, is `output_name`."""
+    cast = ir.node("Cast", [value], {"to": to}, name=f"cast_{output_name}")
+    cast.outputs[0].name = output_name
+    cast.outputs[0].dtype, cast.outputs[0].shape = to, value.shape
+    return cast
 
 
 def _pinned_values(graph: ir.Graph) -> set[int]:

@@ -145,11 +145,10 @@ _REDUCE = OpSupport(NUMERIC, checks=(_constant_inputs(1),))
 _ELEMENTWISE = OpSupport(NUMERIC)
 _MOVE = OpSupport(ANY)
 _FLOAT_MATH = OpSupport(FLOATS)
-_COMPARE = OpSupport(NUMERIC, checks=())
 
 TRT_OPS: dict[str, OpSupport] = {
     **dict.fromkeys(("Add", "Sub", "Mul", "Div", "Mod", "Pow", "Neg", "Max", "Min"), _ELEMENTWISE),
-    **dict.fromkeys(("Equal", "Less", "LessOrEqual", "Greater", "GreaterOrEqual"), _COMPARE),
+    **dict.fromkeys(("Equal", "Less", "LessOrEqual", "Greater", "GreaterOrEqual"), _ELEMENTWISE),
     **dict.fromkeys(("And", "Or", "Not", "Xor"), OpSupport(frozenset({_D.BOOL}))),
     **dict.fromkeys(("Cos", "Sin", "Sqrt", "Reciprocal", "Sigmoid", "Exp", "Log"), _FLOAT_MATH),
     **dict.fromkeys(("Tanh", "Erf", "Relu", "Softmax", "MatMul", "Gemm"), _FLOAT_MATH),

@@ -17,6 +17,7 @@ __all__ = [
     "OrtTarget",
     "StepOutput",
     "configure_threads",
+    "load_session",
     "open_session",
     "session_options",
 ]
@@ -60,13 +61,18 @@ def session_options(threads: int | None = None) -> ort.SessionOptions:
     return options
 
 
+def load_session(path: str | os.PathLike[str], threads: int | None = None):
+    """An ONNX Runtime CPU session for an ONNX file, with `session_options`."""
+    return ort.InferenceSession(
+        str(path), session_options(threads), providers=["CPUExecutionProvider"]
+    )
+
+
 def open_session(manifest: Manifest, graph: str, threads: int | None) -> ort.InferenceSession:
     """An ONNX Runtime CPU session for one of the artifact's graphs, on the global pool."""
     path = manifest.path(manifest.runtime_graph(graph)["file"])
     try:
-        return ort.InferenceSession(
-            str(path), session_options(threads), providers=["CPUExecutionProvider"]
-        )
+        return load_session(path, threads)
     except Exception as e:  # onnxruntime raises its own untyped errors here
         raise ArtifactError(f"{path}: ONNX Runtime could not load the graph: {e}") from e
 
