@@ -32,7 +32,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from onnxruntime.quantization import CalibrationDataReader
@@ -41,6 +41,9 @@ from specx.artifact import Manifest, load_manifest
 from specx.build import BuildOutput, exported_entries, publish_build
 from specx.errors import BuildError
 from specx.runtime.masks import causal_mask
+
+if TYPE_CHECKING:
+    import onnx
 
 __all__ = [
     "BUILD_NAME",
@@ -111,7 +114,7 @@ def quantize_artifact(
         inputs = manifest.graph("target")["inputs"]
         quantized = staging / ".source" / "quantized.onnx"
         _quantize_static(source, quantized, inputs, prompts, threads)
-        _save_with_private_qdq_parameters(quantized, output)
+        _save_row_invariant(quantized, output)
         shutil.rmtree(staging / ".source")
         progress(f"[int8] comparing with float32 on {len(eval_prompts)} prompts, teacher-forced")
         accuracy = teacher_forced_accuracy(
@@ -317,7 +320,7 @@ def _quantize_static(
                     "OpTypesToExcludeOutputQuantization": ["MatMul"],
                     # One Q/DQ pair per MatMul (q/k/v, gate/up share an input): ONNX Runtime
                     # fuses DQ -> MatMul into an integer MatMul only when the DQ has one
-                    # consumer (see _save_with_private_qdq_parameters).
+                    # consumer (see _private_qdq_parameters).
                     "DedicatedQDQPair": True,
                 },
             )
@@ -405,8 +408,32 @@ def _session(path: Path, threads: int | None):
         raise BuildError(f"ONNX Runtime cannot load {path}: {e}") from e
 
 
-def _save_with_private_qdq_parameters(source: Path, output: Path) -> None:
-    """Saves the quantized graph with its own scale and zero point for every Q/DQ pair.
+def _save_row_invariant(source: Path, output: Path) -> None:
+    """Saves the quantized graph with private Q/DQ parameters and row-invariant kernels.
+
+    Row invariance (`specx.graphs.row_invariance`) keeps speculative decoding of the INT8
+    target identical to its plain decoding: without it a token's int8 activations can
+    differ by a quantization step between a one-token step and a verify chunk.
+    """
+    import onnx
+    import onnx_ir as ir
+
+    from specx.graphs.row_invariance import RowInvariantPass
+
+    model = onnx.load(str(source))
+    _private_qdq_parameters(model)
+    model = ir.to_proto(RowInvariantPass()(ir.from_proto(model)).model)
+    onnx.save(
+        model,
+        str(output),
+        save_as_external_data=True,
+        all_tensors_to_one_file=True,
+        location=f"{output.name}.data",
+    )
+
+
+def _private_qdq_parameters(model: onnx.ModelProto) -> None:
+    """Gives every Q/DQ pair its own scale and zero point (in place).
 
     The quantizer writes one Q/DQ pair per MatMul (`DedicatedQDQPair`) but lets pairs of
     the same tensor share their scale and zero-point initializers. ONNX Runtime's
@@ -418,7 +445,6 @@ def _save_with_private_qdq_parameters(source: Path, output: Path) -> None:
     """
     import onnx
 
-    model = onnx.load(str(source))
     graph = model.graph
     initializers = {t.name: t for t in graph.initializer}
     consumers: dict[str, list[onnx.NodeProto]] = {}
@@ -445,13 +471,6 @@ def _save_with_private_qdq_parameters(source: Path, output: Path) -> None:
             if dq.op_type == "DequantizeLinear" and list(dq.input[1:3]) == [scale, zero_point]:
                 dq.input[1], dq.input[2] = private
     graph.initializer.extend(copies)
-    onnx.save(
-        model,
-        str(output),
-        save_as_external_data=True,
-        all_tensors_to_one_file=True,
-        location=f"{output.name}.data",
-    )
 
 
 def _count_quantized_matmuls(path: Path) -> dict[str, int]:

@@ -64,11 +64,23 @@ def _ref_attr(name: str, attr_type: int) -> onnx.AttributeProto:
     return attr
 
 
-def function_proto() -> onnx.FunctionProto:
-    """The standard-op body of TreeAttention, as a model-local ONNX function."""
+def function_proto(row_invariant: bool = False) -> onnx.FunctionProto:
+    """The standard-op body of TreeAttention, as a model-local ONNX function.
+
+    With `row_invariant`, the body attends with one extra query row (a copy of the last,
+    under the last mask row) and drops its output. ONNX Runtime's CPU Attention computes
+    a single query row on another path than several, and the two differ in the last bits;
+    with the extra row every query takes the multi-row path, so a token's output is the
+    same whether it comes alone (plain decoding) or in a verify chunk. Where that matters
+    (`specx.graphs.row_invariance`) it costs one query row per layer.
+    """
     i64 = onnx.TensorProto.INT64
+    rows = "_rows" if row_invariant else ""
     attention = helper.make_node(
-        "Attention", ["q", "k_valid", "v_valid", "mask"], ["out"], name="attention"
+        "Attention",
+        [f"q{rows}", "k_valid", "v_valid", f"mask{rows}"],
+        [f"out{rows}"],
+        name="attention",
     )
     attention.attribute.append(_ref_attr("scale", onnx.AttributeProto.FLOAT))
     nodes = [
@@ -89,8 +101,17 @@ def function_proto() -> onnx.FunctionProto:
         helper.make_node(
             "Slice", ["v_cache_out", "zero", "kv_len", "seq_axis"], ["v_valid"], name="valid_v"
         ),
-        attention,
     ]
+    if row_invariant:
+        nodes += _extra_query_row()
+    nodes.append(attention)
+    if row_invariant:
+        nodes += [
+            helper.make_node("Shape", ["q"], ["num_rows"], start=2, end=3, name="num_rows"),
+            helper.make_node(
+                "Slice", ["out_rows", "zero", "num_rows", "seq_axis"], ["out"], name="real_rows"
+            ),
+        ]
     return helper.make_function(
         DOMAIN,
         OP_TYPE,
@@ -101,6 +122,27 @@ def function_proto() -> onnx.FunctionProto:
         attributes=list(ATTRIBUTES),
         doc_string="Tree attention over a fixed-capacity KV cache (specx.graphs.tree_attention)",
     )
+
+
+def _extra_query_row() -> list[onnx.NodeProto]:
+    """`q_rows`, `mask_rows`: q and mask with a copy of their last row appended (axis 2)."""
+    i64 = onnx.TensorProto.INT64
+    last = helper.make_tensor("last", i64, [1], [-1])
+    end = helper.make_tensor("end", i64, [1], [2**63 - 1])
+    nodes = [
+        helper.make_node("Constant", [], ["last"], value=last),
+        helper.make_node("Constant", [], ["end"], value=end),
+    ]
+    for name in ("q", "mask"):
+        nodes += [
+            helper.make_node(
+                "Slice", [name, "last", "end", "seq_axis"], [f"{name}_last"], name=f"{name}_last"
+            ),
+            helper.make_node(
+                "Concat", [name, f"{name}_last"], [f"{name}_rows"], axis=2, name=f"{name}_rows"
+            ),
+        ]
+    return nodes
 
 
 def attach_function(model: onnx.ModelProto) -> onnx.ModelProto:

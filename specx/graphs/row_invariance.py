@@ -1,0 +1,161 @@
+"""Row invariance on ONNX Runtime's CPU kernels: a token's result not depending on its chunk.
+
+Greedy speculative decoding is lossless when the target computes the same logits for a
+token whether it comes alone (a plain decoding step) or among the rows of a verify chunk.
+ONNX Runtime's CPU kernels do so for float MatMuls over constant weights and for
+multi-row Attention, but two take another path for a single row whose results differ in
+the last bits: Attention with one query, and the integer MatMul (`MatMulIntegerToFloat`,
+fused from QDQ) with one row. In a float graph such a difference moves a logit by about
+1e-6. After static INT8 quantization it does not stay small: one activation that sits on
+a rounding boundary of its QuantizeLinear flips by a whole quantization step, and the
+logits move by ~1e-2, enough to swap a near-tie and make speculative output differ from
+plain decoding of the same INT8 target (measured on pyref-7m: 1 prompt in 24).
+
+`RowInvariantPass` makes every such kernel see at least two rows: TreeAttention's
+fallback body attends with one extra query row (`tree_attention.function_proto(
+row_invariant=True)`), and every quantized MatMul gets a copy of its input's last row
+(before the QuantizeLinear, so ONNX Runtime still fuses the QDQ pattern) and drops that
+row of its output. Rows then come out bit-identical for chunks of any size, which
+`tests/test_row_invariance.py` checks. What it does not cover: a tree's accepted path
+sits at other cache slots than the same tokens in plain decoding, which changes the
+order of attention's sums (a chain's path does not move).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_ir as ir
+from onnx_ir.passes import InPlacePass, PassResult
+
+from specx.graphs import tree_attention as tree_op
+
+__all__ = ["RowInvariantPass"]
+
+_ROW_AXIS = -2  # [B, N, features]: the new tokens' axis of a MatMul input
+
+
+class RowInvariantPass(InPlacePass):
+    """Pads single rows to two where ONNX Runtime's CPU kernels would special-case them."""
+
+    def call(self, model: ir.Model) -> PassResult:
+        """Replaces the TreeAttention function and pads every quantized MatMul."""
+        graph = model.graph
+        key = (tree_op.DOMAIN, tree_op.OP_TYPE, "")
+        modified = False
+        if key in model.functions:
+            model.functions[key] = ir.serde.deserialize_function(
+                tree_op.function_proto(row_invariant=True)
+            )
+            modified = True
+        constants = _Constants(graph)
+        padded: dict[int, tuple[ir.Value, ir.Value]] = {}
+        for matmul in [n for n in graph if (n.domain, n.op_type) == ("", "MatMul")]:
+            quantize = _quantized_input(matmul)
+            if quantize is None:
+                continue
+            source = quantize.inputs[0]
+            _float_graph_output(graph, source, quantize)
+            if id(source) not in padded:
+                padded[id(source)] = _append_last_row(graph, source, constants)
+            rows, count = padded[id(source)]
+            quantize.replace_input_with(0, rows)
+            for value in (quantize.outputs[0], matmul.inputs[0]):
+                value.shape = None
+            _drop_last_row(graph, matmul, count, constants)
+            modified = True
+        return PassResult(model, modified=modified)
+
+
+def _quantized_input(matmul: ir.Node) -> ir.Node | None:
+    """The QuantizeLinear behind the MatMul's activation (Q -> DQ -> MatMul), if any."""
+    dequantize = matmul.inputs[0].producer() if matmul.inputs[0] is not None else None
+    if dequantize is None or dequantize.op_type != "DequantizeLinear":
+        return None
+    quantize = dequantize.inputs[0].producer()
+    if quantize is None or quantize.op_type != "QuantizeLinear":
+        return None
+    return quantize
+
+
+def _float_graph_output(graph: ir.Graph, source: ir.Value, quantize: ir.Node) -> None:
+    """Makes a graph output the quantizer routed through Q/DQ its float value again.
+
+    ONNX Runtime's quantizer renames a quantized tensor that is also a graph output (the
+    final hidden states, `hidden_taps`) so the output is the dequantized copy; draft heads
+    read the float value, and a padded copy could not be an output anyway.
+    """
+    for dequantize in [use.node for use in quantize.outputs[0].uses()]:
+        output = dequantize.outputs[0]
+        for index, value in enumerate(graph.outputs):
+            if value is output:
+                name, shape, dtype = output.name, output.shape, output.type
+                output.name = f"{name}_dequantized"
+                source.name, source.shape, source.type = name, shape, dtype
+                graph.outputs[index] = source
+
+
+def _append_last_row(
+    graph: ir.Graph, source: ir.Value, constants: _Constants
+) -> tuple[ir.Value, ir.Value]:
+    """`source` with a copy of its last row appended, and its own row count."""
+    name = source.name
+    last = ir.node(
+        "Slice",
+        [source, constants.get("last", -1), constants.get("end", 2**63 - 1), constants.axis],
+        name=f"{name}_last_row",
+    )
+    rows = ir.node("Concat", [source, last.outputs[0]], {"axis": _ROW_AXIS}, name=f"{name}_rows")
+    count = ir.node(
+        "Shape", [source], {"start": _ROW_AXIS, "end": _ROW_AXIS + 1}, name=f"{name}_row_count"
+    )
+    nodes = [last, rows, count]
+    anchor = source.producer()
+    if anchor is None:
+        graph.insert_before(graph.node(0), nodes)
+    else:
+        graph.insert_after(anchor, nodes)
+    rows.outputs[0].name = f"{name}_rows"
+    return rows.outputs[0], count.outputs[0]
+
+
+def _drop_last_row(graph: ir.Graph, matmul: ir.Node, count: ir.Value, constants: _Constants):
+    """Slices the MatMul's output back to its real rows, for every consumer and output."""
+    output = matmul.outputs[0]
+    uses = list(output.uses())
+    real = ir.node(
+        "Slice",
+        [output, constants.get("zero", 0), count, constants.axis],
+        name=f"{output.name}_real",
+    )
+    graph.insert_after(matmul, real)
+    for use in uses:
+        use.node.replace_input_with(use.idx, real.outputs[0])
+    name, shape, dtype = output.name, output.shape, output.type
+    output.name, output.shape = f"{name}_rows", None
+    real.outputs[0].name, real.outputs[0].shape, real.outputs[0].type = name, shape, dtype
+    for index, value in enumerate(graph.outputs):
+        if value is output:
+            graph.outputs[index] = real.outputs[0]
+
+
+class _Constants:
+    """One int64 initializer per value, created on first use."""
+
+    def __init__(self, graph: ir.Graph):
+        self._graph = graph
+        self._values: dict[str, ir.Value] = {}
+        self.axis = self.get("row_axis", _ROW_AXIS)
+
+    def get(self, name: str, value: int) -> ir.Value:
+        full = f"row_invariance_{name}"
+        if full not in self._values:
+            tensor = ir.tensor(np.array([value], dtype=np.int64), name=full)
+            constant = ir.Value(
+                name=full,
+                shape=ir.Shape([1]),
+                type=ir.TensorType(ir.DataType.INT64),
+                const_value=tensor,
+            )
+            self._graph.register_initializer(constant)
+            self._values[full] = constant
+        return self._values[full]
