@@ -221,7 +221,7 @@ def generate(
     """
     from specx.artifact import load_manifest
     from specx.runtime.backends import open_decoder
-    from specx.runtime.calibrated import calibrated_choice
+    from specx.runtime.calibrated import calibrated_choice, chains_only
     from specx.runtime.drafters import DrafterOptions, make_drafter
     from specx.runtime.drafters.tree_search import parse_tree_spec
     from specx.runtime.plain_decoding import generate_plain
@@ -261,9 +261,17 @@ def generate(
             ngram_matches,
             threads,
         )
+        drafting = make_drafter(drafter, target, options)
+        if not drafting.drafts_chains and chains_only(manifest):
+            click.echo(
+                f"warning: the {manifest.data.get('default_build')} build keeps greedy "
+                "speculation identical to its plain decoding for chain drafts only; a tree can "
+                "differ where int8 rounding flips a near-tie (pass a chain, or calibrate)",
+                err=True,
+            )
         result = generate_speculative(
             target,
-            make_drafter(drafter, target, options),
+            drafting,
             prompts,
             max_new_tokens,
             sampling,

@@ -15,10 +15,11 @@ from specx.artifact import load_manifest
 from specx.calibration.acceptance import AcceptanceCounts, probe_choices
 from specx.calibration.calibrate import CalibrationOptions, calibrate_artifact
 from specx.calibration.costs import VerifyCurve, fit_draft_cost
+from specx.calibration.quantization import quantize_artifact
 from specx.calibration.tree_selection import best_trees, chain_expected, expected_accepted
 from specx.cli import main
 from specx.errors import CalibrationError
-from specx.runtime.drafters.tree_search import StaticTree
+from specx.runtime.drafters.tree_search import DynamicTree, StaticTree, is_chain_shape
 from specx.runtime.trees import DraftTree
 from specx.runtime.verification import Verdict
 
@@ -202,3 +203,44 @@ def test_cli_calibrate_errors(artifact, tmp_path):
     assert result.exit_code == 2 and "has no prompts" in result.output
     result = CliRunner().invoke(main, ["calibrate", str(artifact)])
     assert result.exit_code == 2 and "no drafter to calibrate" in result.output
+
+
+@pytest.mark.parametrize(
+    ("shape", "chain"),
+    [
+        (StaticTree.chain(3), True),
+        (StaticTree.from_choices([[0], [0, 0], [0, 0, 0]]), True),
+        (StaticTree.from_choices([[0], [1], [0, 0]]), False),
+        (StaticTree.from_choices([[0], [0, 1]]), False),  # one child, but not the top rank
+        (DynamicTree(6, 6, 1), True),
+        (DynamicTree(12, 5, 3), False),
+    ],
+)
+def test_chain_shapes_are_recognised(shape, chain):
+    assert is_chain_shape(shape) is chain
+
+
+def test_on_an_int8_build_only_chains_are_candidates(artifact, draft_artifacts):
+    """An INT8 build keeps chains, not trees, identical to its plain decoding: the choice."""
+    quantize_artifact(artifact, PROMPTS)
+    drafter = f"draft-model:{draft_artifacts['llama']}"
+    entry = calibrate_artifact(
+        artifact, PROMPTS, CalibrationOptions(**{**FAST.__dict__, "drafter": drafter})
+    )
+    assert entry["chains_only"] and entry["trees_by_budget"] == []
+    labels = sorted(c["label"] for c in entry["choice"]["candidates"])
+    assert labels == [f"chain {n}" for n in (1, 2, 3)]  # every chain, no tree
+    assert entry["choice"]["tree"] == "chain"
+
+    def generate(*extra: str):
+        args = ["generate", str(artifact), "--prompt-ids", "5,9,5,9,5,9", "--max-new-tokens"]
+        args += ["12", "--ignore-eos", "--drafter", drafter, "--compare", "--json", *extra]
+        result = CliRunner().invoke(main, args)
+        assert result.exit_code == 0, result.output
+        return json.loads(result.stdout)["stats"], result.stderr
+
+    stats, warning = generate("--max-batch-spec", "1")
+    assert stats["backend"] == "ort-int8" and stats["compare"]["identical_tokens"]
+    assert "warning" not in warning
+    _, warning = generate("--tree", "dynamic:6,3,2")
+    assert "chain drafts only" in warning

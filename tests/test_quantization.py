@@ -76,6 +76,7 @@ def test_the_int8_build_is_recorded_and_becomes_the_default(quantized):
     assert record["calibration_tokens"] == sum(len(p) for p in prompts)
     assert record["quantized_matmuls"]["quantized"] == record["quantized_matmuls"]["total"] > 0
     assert record["accuracy"] == report["accuracy"]
+    assert record["greedy_identity"] == "chains"
     assert not [p.name for p in artifact.iterdir() if p.name.startswith(".")]  # no staging left
 
 

@@ -19,6 +19,9 @@ Steps, all on this machine and the artifact's default build:
 The model narrows hundreds of trees to a handful; measuring the handful keeps what the
 model misses (per-round bookkeeping, rank correlations across depths) out of the choice.
 
+On a build that keeps only chains identical to plain decoding (INT8, see
+`specx.runtime.calibrated.chains_only`), every chain is a candidate and no tree is.
+
 Greedy acceptance is what is measured (the probe tree relies on greedy verification's
 one accepted child per node). The result lands under `calibration[<drafter>]` in
 manifest.json, written atomically after everything succeeded: a failed calibration
@@ -43,7 +46,7 @@ from specx.calibration.costs import DraftCost, fit_draft_cost, measure_verify_cu
 from specx.calibration.tree_selection import RankedTree, best_trees, chain_expected
 from specx.errors import CalibrationError, SpecxError
 from specx.runtime.backends import open_decoder
-from specx.runtime.calibrated import choice_shape
+from specx.runtime.calibrated import chains_only, choice_shape
 from specx.runtime.decoder_backend import DecoderBackend
 from specx.runtime.drafters import DrafterOptions, make_drafter
 from specx.runtime.drafters.tree_search import StaticTree
@@ -155,7 +158,10 @@ def calibrate_artifact(
     def round_seconds(depth_: int, nodes: int) -> float:
         return curve(nodes + 1) + max(overhead, 0.0) + cost(depth_, nodes)
 
-    trees = best_trees(p, target.max_tree_tokens - 1) if top_k > 1 else []
+    # On a build that keeps only chains identical to plain decoding (INT8), trees are not
+    # candidates: the choice must stay lossless.
+    restricted = chains_only(manifest)
+    trees = best_trees(p, target.max_tree_tokens - 1) if top_k > 1 and not restricted else []
     scored = [
         (predicted_speedup(t.expected_accepted, round_seconds(t.depth, t.nodes), plain_s), t)
         for t in trees
@@ -164,7 +170,7 @@ def calibrate_artifact(
         (predicted_speedup(chain_expected(p, n), round_seconds(n, n), plain_s), n)
         for n in range(1, depth + 1)
     ]
-    candidates = _candidates(scored, chains, p, spec)
+    candidates = _candidates(scored, chains, p, spec, every_chain=restricted)
     progress(f"[5/5] measuring {len(candidates)} candidates, then the batch curve")
     for candidate in candidates:
         # Plain decoding again right before each candidate: a speedup from adjacent runs
@@ -218,6 +224,7 @@ def calibrate_artifact(
             for s, t in scored
         ],
         "chains": [{"length": n, "predicted_speedup": s} for s, n in chains],
+        "chains_only": restricted,
         "choice": choice,
         "expected_speedup": choice["measured_speedup"] if max_batch_spec else 1.0,
         "batch_curve": batch_curve,
@@ -285,11 +292,12 @@ def _candidates(
     chains: list[tuple[float, int]],
     p: np.ndarray,
     spec: str,
+    every_chain: bool = False,
 ) -> list[dict[str, Any]]:
     """The shapes the model ranks best, to be measured.
 
-    Three static trees, two chains (every chain for n-gram), and EAGLE-2 parameters from
-    the best tree where the drafter grows dynamic trees.
+    Three static trees, two chains (every chain for n-gram or `every_chain`), and EAGLE-2
+    parameters from the best tree where the drafter grows dynamic trees.
     """
     candidates = []
     for speedup, tree in sorted(scored, key=lambda item: -item[0])[:3]:
@@ -304,7 +312,8 @@ def _candidates(
                 "model_speedup": speedup,
             }
         )
-    for speedup, length in sorted(chains, reverse=True)[: len(chains) if spec == "ngram" else 2]:
+    count = len(chains) if spec == "ngram" or every_chain else 2
+    for speedup, length in sorted(chains, reverse=True)[:count]:
         candidates.append(
             {
                 "label": f"chain {length}",

@@ -134,6 +134,9 @@ def quantize_artifact(
             "calibration_prompts": len(prompts),
             "calibration_tokens": tokens,
             "accuracy": accuracy,
+            # Greedy speculation is bit-identical to plain decoding of this build for chain
+            # drafts (specx.graphs.row_invariance); trees are not covered.
+            "greedy_identity": "chains",
         }
         record = _record(manifest, staging, directory, quantization)
         publish_build(manifest, BUILD_NAME, output_dir, record)

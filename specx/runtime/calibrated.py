@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from specx.artifact import Manifest
 from specx.runtime.drafters.tree_search import DynamicTree, StaticTree, TreeShape
 
-__all__ = ["CalibratedChoice", "calibrated_choice", "choice_shape"]
+__all__ = ["CalibratedChoice", "calibrated_choice", "chains_only", "choice_shape"]
 
 
 @dataclass(frozen=True)
@@ -44,3 +44,15 @@ def calibrated_choice(manifest: Manifest, drafter: str) -> CalibratedChoice | No
     if entry["max_batch_spec"] == 0:
         description += " (calibration: speculation does not pay off here, decoding plainly)"
     return CalibratedChoice(shape, entry["max_batch_spec"], entry["expected_speedup"], description)
+
+
+def chains_only(manifest: Manifest) -> bool:
+    """True when the default build keeps greedy speculation identical to plain for chains only.
+
+    An INT8 build (`specx quantize`) computes a token's logits bit-identically whether it
+    comes alone or in a verify chunk, but a tree's accepted path sits at other cache slots
+    than the same tokens in plain decoding, and the attention sums it changes by a last bit
+    can flip an int8 activation (`specx.graphs.row_invariance`). Chains do not move.
+    """
+    build = manifest.build or {}
+    return (build.get("quantization") or {}).get("greedy_identity") == "chains"

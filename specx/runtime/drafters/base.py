@@ -24,6 +24,7 @@ class Drafter(Protocol):
     max_nodes: int  # the most draft nodes proposed for one sequence in one round
     taps: str  # the target taps it reads: "none", "last" or "eagle3"
     scratch_slots: int  # KV slots its own model writes past the history while drafting
+    drafts_chains: bool  # every proposal is a chain: at most one child per node
 
     def start(
         self, prompts: Sequence[Sequence[int]], capacity: int, taps: list[np.ndarray] | None

@@ -18,7 +18,7 @@ from specx.artifact import Manifest
 from specx.errors import ArtifactError
 from specx.runtime.backends import open_decoder, open_stateless
 from specx.runtime.drafters.node_slots import NodeSlots
-from specx.runtime.drafters.tree_search import DynamicTree, TreeShape, grow
+from specx.runtime.drafters.tree_search import DynamicTree, TreeShape, grow, is_chain_shape
 from specx.runtime.sampling import SamplingParams
 from specx.runtime.trees import DraftTree
 
@@ -43,6 +43,7 @@ class FeatureHeadDrafter:
         self.target_vocab: int = manifest.model["vocab_size"]
         self.shape = shape
         self.max_nodes = shape.max_nodes
+        self.drafts_chains = is_chain_shape(shape)
         self.scratch_slots = shape.forwarded_nodes
         if isinstance(shape, DynamicTree):
             self.pool_size = shape.top_k + (shape.depth - 1) * shape.top_k**2
