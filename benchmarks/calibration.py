@@ -5,12 +5,16 @@
 For each drafter of pyref-7m (trained heads from the suite's cache, rebuilt when missing):
 `specx calibrate` on 16 prompts (12 HumanEval, 4 stdlib training files), then, on held-out
 prompts of the same mix (the last 16 HumanEval prompts and 8 held-out stdlib files, none
-used for calibration), greedy at batch 1:
-plain decoding, the calibrated choice and the hand-picked defaults of the suite. Reports
-the predicted and measured speedup of the calibrated choice (and their relative error),
-whether it is at least as fast as every default, and the batch curve measured against
-the calibration's prediction. Then the INT8 target (`specx quantize`): accuracy against
-fp32 and the change in acceptance and speed. JSON to benchmarks/results/calibration.json.
+used for calibration), greedy at batch 1: the calibrated choice and the hand-picked
+defaults of the suite, each timed against plain decoding the way calibration times its
+candidates (`specx.calibration.timing`: each prompt plain and speculative back to back,
+fastest of `--repeats`). Reports the predicted and measured speedup of the calibrated
+choice (and their relative error), whether it is at least as fast as every default, and
+the batch curve measured against the calibration's prediction. Then the INT8 target
+(`specx quantize`, then `specx calibrate` on it): accuracy against fp32, the change in
+acceptance and speed, greedy identity of its calibrated chain, and how many prompts two
+trees decode differently from its plain decoding (INT8 keeps chains, not trees, identical).
+JSON to benchmarks/results/calibration.json.
 """
 
 from __future__ import annotations
@@ -19,7 +23,6 @@ import argparse
 import json
 import platform
 import shutil
-import statistics
 import sys
 import tempfile
 import time
@@ -56,30 +59,34 @@ def split_prompts(tokenizer) -> tuple[list[list[int]], list[list[int]]]:
     return calibration, [encode(x) for x in lines[-16:]] + [source(p) for p in held[:8]]
 
 
-def measure(target, spec, options, prompts, new_tokens, batch: int = 1) -> dict:
-    """ms/token (summed decode time over emitted tokens) and acceptance, greedy."""
+def held_out(target, spec, options, prompts, new_tokens, repeats, batch: int = 1) -> dict:
+    """Plain vs speculative on the same prompts, paired, fastest of `repeats` per prompt."""
+    from specx.calibration.timing import measure_speedup
+    from specx.runtime.drafters import make_drafter
+
+    drafter = make_drafter(spec, target, options)
+    timing = measure_speedup(target, drafter, prompts, new_tokens, repeats, batch)
+    return {
+        "plain_ms_per_token": timing.plain_ms_per_token,
+        "ms_per_token": timing.speculative_ms_per_token,
+        "acceptance_length": timing.acceptance_length,
+        "speedup": timing.speedup,
+        "identical_to_plain": timing.identical,
+    }
+
+
+def mismatching_prompts(target, spec, options, prompts, new_tokens) -> int:
+    """How many prompts' greedy speculative output differs from plain decoding."""
     from specx.runtime.drafters import make_drafter
     from specx.runtime.plain_decoding import generate_plain
     from specx.runtime.speculative_decoding import generate_speculative
 
-    decode_s = tokens = 0.0
-    lengths, outputs = [], []
-    for start in range(0, len(prompts), batch):
-        group = prompts[start : start + batch]
-        if spec is None:
-            result = generate_plain(target, group, new_tokens)
-            decode_s += result.stats["decode_s"]
-        else:
-            drafter = make_drafter(spec, target, options)
-            result = generate_speculative(target, drafter, group, new_tokens)
-            decode_s += result.stats["total_s"] - result.stats["prefill_s"]
-            lengths.append(result.stats["acceptance_length"])
-        tokens += result.stats["new_tokens"] - len(group)
-        outputs += result.tokens
-    out = {"ms_per_token": 1e3 * decode_s / tokens, "tokens": outputs}
-    if lengths:
-        out["acceptance_length"] = statistics.mean(lengths)
-    return out
+    drafter = make_drafter(spec, target, options)
+    return sum(
+        generate_speculative(target, drafter, [p], new_tokens).tokens
+        != generate_plain(target, [p], new_tokens).tokens
+        for p in prompts
+    )
 
 
 def main() -> None:
@@ -87,6 +94,7 @@ def main() -> None:
     parser.add_argument("--drafters", default="eagle,eagle3,medusa,mtp,ngram,draft-model")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3, help="paired runs per prompt")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/calibration.json"))
     args = parser.parse_args()
     model_dir = SHARED / "models" / "pyref-7m"
@@ -110,14 +118,14 @@ def main() -> None:
     drafters_dir = train_drafters(model_dir, 400, False)
     work = Path(tempfile.mkdtemp(prefix="specx-calibration-"))
     tokenizer = TextTokenizer(model_dir / "tokenizer.json")
-    calibration_prompts, held_out = split_prompts(tokenizer)
+    calibration_prompts, held = split_prompts(tokenizer)
     report = {
         "benchmark": "calibration",
         "target": "pyref-7m",
         "command": "python benchmarks/calibration.py",
         "machine": {"platform": platform.platform(), "threads": args.threads},
         "calibration_prompts": len(calibration_prompts),
-        "held_out_prompts": len(held_out),
+        "held_out_prompts": len(held),
         "new_tokens": args.new_tokens,
         "drafters": {},
     }
@@ -158,15 +166,11 @@ def main() -> None:
             configs["static 7"] = DrafterOptions(tree=StaticTree.from_choices(SMALL_TREE))
             if name != "draft-model":
                 configs["dynamic 12,5,3"] = DrafterOptions(tree=DynamicTree(12, 5, 3))
-        log(f"[{name}] held-out: plain + {len(configs)} configurations")
-        plain = measure(target, None, None, held_out, args.new_tokens)
-        results = {}
-        for label, options in configs.items():
-            again = measure(target, None, None, held_out, args.new_tokens)  # adjacent to the run
-            row = measure(target, spec, options, held_out, args.new_tokens)
-            row["speedup"] = again["ms_per_token"] / row["ms_per_token"]
-            row["identical_to_plain"] = row.pop("tokens") == plain["tokens"]
-            results[label] = row
+        log(f"[{name}] held-out: {len(configs)} configurations, each paired with plain")
+        results = {
+            label: held_out(target, spec, options, held, args.new_tokens, args.repeats)
+            for label, options in configs.items()
+        }
         # What `specx generate` does with the calibration: the chosen tree, or plain decoding
         # when calibration found that speculation does not pay (max_batch_spec 0).
         speculating = entry["max_batch_spec"] >= 1
@@ -179,7 +183,7 @@ def main() -> None:
             "choice": {k: v for k, v in entry["choice"].items() if k != "choices"},
             "acceptance_by_depth_and_rank": entry["acceptance"]["acceptance_by_depth_and_rank"],
             "draft_cost_c": entry["costs"]["draft_cost_c"],
-            "plain_ms_per_token": plain["ms_per_token"],
+            "plain_ms_per_token": results["calibrated"]["plain_ms_per_token"],
             "results": results,
             "speculation_on": speculating,
             "predicted_speedup": predicted,
@@ -203,35 +207,50 @@ def main() -> None:
             f"defaults {defaults}"
         )
         if name == "eagle":
-            report["batch_curve_measured"] = {}
-            for batch in (1, 2, 4, 8):
-                group = held_out[: 8 * batch]
-                base = measure(target, None, None, group, 32, batch)
-                spec_row = measure(target, spec, configs["calibrated"], group, 32, batch)
-                report["batch_curve_measured"][batch] = (
-                    base["ms_per_token"] / spec_row["ms_per_token"]
-                )
+            report["batch_curve_measured"] = {
+                batch: held_out(
+                    target, spec, configs["calibrated"], held[: 8 * batch], 32, args.repeats, batch
+                )["speedup"]
+                for batch in (1, 2, 4, 8)
+            }
             log("[int8] quantizing the eagle artifact on the calibration prompts")
             int8_dir = shutil.copytree(artifact, work / "eagle-int8")
-            quantized = quantize_artifact(int8_dir, calibration_prompts, eval_prompts=held_out)
-            int8_target = OrtTarget(load_manifest(int8_dir), args.threads)
-            int8_plain = measure(int8_target, None, None, held_out, args.new_tokens)
-            int8_spec = measure(int8_target, spec, configs["calibrated"], held_out, args.new_tokens)
+            quantized = quantize_artifact(int8_dir, calibration_prompts, eval_prompts=held)
+            int8_entry = calibrate_artifact(
+                int8_dir,
+                calibration_prompts,
+                CalibrationOptions(drafter=spec, threads=args.threads),
+            )
+            int8_manifest = load_manifest(int8_dir)
+            int8_target = OrtTarget(int8_manifest, args.threads)
+            int8_choice = calibrated_choice(int8_manifest, spec).shape
+            int8 = held_out(
+                int8_target,
+                spec,
+                DrafterOptions(tree=int8_choice, threads=args.threads),
+                held,
+                args.new_tokens,
+                args.repeats,
+            )
+            trees = {"static 7": configs["static 7"], "dynamic 12,5,3": configs["dynamic 12,5,3"]}
             report["int8"] = {
                 "accuracy": quantized["accuracy"],
                 "plain_ms_per_token": {
-                    "fp32": plain["ms_per_token"],
-                    "int8": int8_plain["ms_per_token"],
+                    "fp32": results["calibrated"]["plain_ms_per_token"],
+                    "int8": int8["plain_ms_per_token"],
                 },
-                "eagle_calibrated_ms_per_token": {
-                    "fp32": results["calibrated"]["ms_per_token"],
-                    "int8": int8_spec["ms_per_token"],
-                },
+                "calibrated_choice": int8_entry["choice"]["label"],
+                "calibrated_speedup": {"predicted": int8_entry["choice"]["measured_speedup"]}
+                | {"measured": int8["speedup"]},
                 "acceptance_length": {
                     "fp32": results["calibrated"]["acceptance_length"],
-                    "int8": int8_spec["acceptance_length"],
+                    "int8": int8["acceptance_length"],
                 },
-                "int8_speculative_equals_int8_plain": int8_spec["tokens"] == int8_plain["tokens"],
+                "int8_speculative_equals_int8_plain": int8["identical_to_plain"],
+                "tree_prompts_differing_from_plain": {
+                    label: mismatching_prompts(int8_target, spec, options, held, args.new_tokens)
+                    for label, options in trees.items()
+                },
             }
     report["wall_s"] = time.perf_counter() - started
     args.out.parent.mkdir(parents=True, exist_ok=True)

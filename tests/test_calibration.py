@@ -11,15 +11,21 @@ import pytest
 from click.testing import CliRunner
 
 import specx.calibration.calibrate as calibrate_module
+import specx.calibration.timing as timing_module
 from specx.artifact import load_manifest
 from specx.calibration.acceptance import AcceptanceCounts, probe_choices
 from specx.calibration.calibrate import CalibrationOptions, calibrate_artifact
 from specx.calibration.costs import VerifyCurve, fit_draft_cost
 from specx.calibration.quantization import quantize_artifact
+from specx.calibration.timing import measure_speedup
 from specx.calibration.tree_selection import best_trees, chain_expected, expected_accepted
 from specx.cli import main
 from specx.errors import CalibrationError
+from specx.runtime.backends import open_decoder
+from specx.runtime.drafters import DrafterOptions, make_drafter
 from specx.runtime.drafters.tree_search import DynamicTree, StaticTree, is_chain_shape
+from specx.runtime.plain_decoding import generate_plain
+from specx.runtime.speculative_decoding import generate_speculative
 from specx.runtime.trees import DraftTree
 from specx.runtime.verification import Verdict
 
@@ -117,7 +123,9 @@ def test_verify_curve_interpolates_and_extrapolates():
 
 
 PROMPTS = [[5, 9, 5, 9, 5, 9, 13, 5, 9], [7, 3, 11, 7, 3, 11], [2, 4, 6, 8, 2, 4]]
-FAST = CalibrationOptions(probe_top_k=3, probe_depth=3, max_new_tokens=12, batches=(1, 2))
+FAST = CalibrationOptions(
+    probe_top_k=3, probe_depth=3, max_new_tokens=12, batches=(1, 2), repeats=1
+)
 
 
 @pytest.fixture
@@ -244,3 +252,31 @@ def test_on_an_int8_build_only_chains_are_candidates(artifact, draft_artifacts):
     assert "warning" not in warning
     _, warning = generate("--tree", "dynamic:6,3,2")
     assert "chain drafts only" in warning
+
+
+def test_paired_timing_keeps_each_prompts_fastest_run(artifact, monkeypatch):
+    target = open_decoder(load_manifest(artifact), threads=2)
+    drafter = make_drafter("ngram", target, DrafterOptions(num_draft_tokens=3))
+    monkeypatch.setattr(timing_module, "generate_plain", _timed(generate_plain, [5, 2, 9]))
+    monkeypatch.setattr(
+        timing_module, "generate_speculative", _timed(generate_speculative, [4, 1, 3])
+    )
+    timing = measure_speedup(target, drafter, PROMPTS[:1], max_new_tokens=8, repeats=3)
+    assert (timing.plain_s, timing.speculative_s) == (2.0, 1.0)  # the fastest of 3 each
+    assert timing.speedup == 2.0 and timing.identical
+    assert timing.tokens == 7 and timing.acceptance_length >= 1.0
+    with pytest.raises(ValueError, match="repeats"):
+        measure_speedup(target, drafter, PROMPTS, 8, repeats=0)
+
+
+def _timed(generate, seconds: list[float]):
+    """`generate` whose decode time is the next entry of `seconds` (prefill 0)."""
+    times = iter(seconds)
+
+    def run(*args, **kwargs):
+        result = generate(*args, **kwargs)
+        decode = float(next(times))
+        result.stats.update(decode_s=decode, total_s=decode, prefill_s=0.0)
+        return result
+
+    return run

@@ -11,10 +11,12 @@ Steps, all on this machine and the artifact's default build:
 4. the optimal tree per node budget (`best_trees`) and every chain, each with its
    model-predicted speedup (`specx.calibration.costs`);
 5. the model's best candidates (3 static trees, 2 chains, EAGLE-2 parameters from the best
-   tree) decoded on the prompts: the fastest measured one is the choice, and its measured
-   speedup is the speedup expected on similar prompts; then the choice at batch 1, 2, 4,
-   8, measured, gives the largest batch where speculation still pays off
-   (`max_batch_spec`, 0 when it never does: generation then stays plain).
+   tree; a shape that is a chain measured once) decoded on the prompts, each prompt
+   plainly and speculatively back to back, fastest of `repeats` (`specx.calibration.
+   timing`): the fastest candidate is the choice, and its measured speedup is the speedup
+   expected on similar prompts; then the choice at batch 1, 2, 4, 8, measured the same
+   way, gives the largest batch where speculation still pays off (`max_batch_spec`, 0
+   when it never does: generation then stays plain).
 
 The model narrows hundreds of trees to a handful; measuring the handful keeps what the
 model misses (per-round bookkeeping, rank correlations across depths) out of the choice.
@@ -43,6 +45,7 @@ import numpy as np
 from specx.artifact import load_manifest, manifest_body, write_manifest
 from specx.calibration.acceptance import AcceptanceCounts, probe_choices
 from specx.calibration.costs import DraftCost, fit_draft_cost, measure_verify_curve
+from specx.calibration.timing import measure_speedup
 from specx.calibration.tree_selection import RankedTree, best_trees, chain_expected
 from specx.errors import CalibrationError, SpecxError
 from specx.runtime.backends import open_decoder
@@ -74,6 +77,7 @@ class CalibrationOptions:
     max_new_tokens: int = 48
     batches: tuple[int, ...] = (1, 2, 4, 8)
     threads: int | None = None
+    repeats: int = 3  # candidate timings: fastest of this many paired runs per prompt
 
 
 def predicted_speedup(expected_accepted: float, round_seconds: float, plain_seconds: float):
@@ -173,14 +177,9 @@ def calibrate_artifact(
     candidates = _candidates(scored, chains, p, spec, every_chain=restricted)
     progress(f"[5/5] measuring {len(candidates)} candidates, then the batch curve")
     for candidate in candidates:
-        # Plain decoding again right before each candidate: a speedup from adjacent runs
-        # does not drift with the machine's load over the calibration.
-        plain_run = _run(target, None, prompts, options)
         drafter = _drafter(spec, target, choice_shape(candidate), options)
-        run = _run(target, drafter, prompts, options)
-        candidate["measured_speedup"] = (plain_run["decode_s"] / plain_run["tokens"]) / (
-            run["decode_s"] / run["tokens"]
-        )
+        timing = measure_speedup(target, drafter, prompts, options.max_new_tokens, options.repeats)
+        candidate["measured_speedup"] = timing.speedup
     choice = dict(max(candidates, key=lambda c: c["measured_speedup"]))
     choice["candidates"] = [
         {k: c[k] for k in ("label", "model_speedup", "measured_speedup")} for c in candidates
@@ -199,6 +198,7 @@ def calibrate_artifact(
             "prompts": len(prompts),
             "prompts_sha256": hashlib.sha256(json.dumps(prompts).encode()).hexdigest(),
             "max_new_tokens": options.max_new_tokens,
+            "repeats": options.repeats,
             "threads": options.threads,
             "seconds": None,
         },
@@ -265,24 +265,22 @@ def _drafter(spec: str, target: DecoderBackend, shape: StaticTree, options: Cali
     return make_drafter(spec, target, DrafterOptions(tree=shape, threads=options.threads))
 
 
-def _run(target, drafter, prompts, options, observer=None, batch: int = 1) -> dict[str, Any]:
-    """Decodes the prompts `batch` at a time; returns summed times, tokens and rounds."""
+def _run(target, drafter, prompts, options, observer=None) -> dict[str, Any]:
+    """Decodes the prompts one at a time; returns summed times, tokens and rounds."""
     total = {"decode_s": 0.0, "tokens": 0, "draft_s": 0.0, "verify_s": 0.0, "rounds": 0}
-    for start in range(0, len(prompts), batch):
-        group = prompts[start : start + batch]
+    for prompt in prompts:
         if drafter is None:
-            stats = generate_plain(target, group, options.max_new_tokens).stats
+            stats = generate_plain(target, [prompt], options.max_new_tokens).stats
             total["decode_s"] += stats["decode_s"]
         else:
             stats = generate_speculative(
-                target, drafter, group, options.max_new_tokens, observer=observer
+                target, drafter, [prompt], options.max_new_tokens, observer=observer
             ).stats
             total["draft_s"] += stats["draft_s"]
             total["verify_s"] += stats["verify_s"]
-            # Loop iterations, not rows x iterations: a batched round costs one draft + verify.
-            total["rounds"] += max(r["rounds"] for r in stats["per_request"])
+            total["rounds"] += stats["rounds"]
             total["decode_s"] += stats["total_s"] - stats["prefill_s"]
-        total["tokens"] += max(stats["new_tokens"] - len(group), 1)
+        total["tokens"] += max(stats["new_tokens"] - 1, 1)
     total["rounds"] = max(total["rounds"], 1)
     return total
 
@@ -296,11 +294,17 @@ def _candidates(
 ) -> list[dict[str, Any]]:
     """The shapes the model ranks best, to be measured.
 
-    Three static trees, two chains (every chain for n-gram or `every_chain`), and EAGLE-2
-    parameters from the best tree where the drafter grows dynamic trees.
+    The three best static trees, the two best chains (every chain for n-gram or
+    `every_chain`), and EAGLE-2 parameters from the best tree where the drafter grows
+    dynamic trees. A shape that is a chain is measured once, as a chain.
     """
     candidates = []
+    chain_lengths = [n for _, n in sorted(chains, reverse=True)]
+    lengths = set(chain_lengths if spec == "ngram" or every_chain else chain_lengths[:2])
     for speedup, tree in sorted(scored, key=lambda item: -item[0])[:3]:
+        if tree.nodes == tree.depth:  # a chain: measured once, as one
+            lengths.add(tree.nodes)
+            continue
         candidates.append(
             {
                 "label": f"static {tree.nodes} nodes, depth {tree.depth}",
@@ -312,8 +316,9 @@ def _candidates(
                 "model_speedup": speedup,
             }
         )
-    count = len(chains) if spec == "ngram" or every_chain else 2
-    for speedup, length in sorted(chains, reverse=True)[:count]:
+    for speedup, length in sorted(chains, reverse=True):
+        if length not in lengths:
+            continue
         candidates.append(
             {
                 "label": f"chain {length}",
@@ -328,17 +333,18 @@ def _candidates(
     if scored and spec.partition(":")[0] in DYNAMIC_DRAFTERS:
         speedup, tree = max(scored, key=lambda item: item[0])
         top_k = 1 + max(max(c) for c in tree.choices)
-        candidates.append(
-            {
-                "label": f"dynamic {tree.nodes},{tree.depth},{top_k}",
-                "tree": "dynamic",
-                "dynamic": {"total_tokens": tree.nodes, "depth": tree.depth, "top_k": top_k},
-                "nodes": tree.nodes,
-                "depth": tree.depth,
-                "expected_accepted": tree.expected_accepted,
-                "model_speedup": speedup,
-            }
-        )
+        if top_k > 1:  # top-1 growth is a chain, measured above
+            candidates.append(
+                {
+                    "label": f"dynamic {tree.nodes},{tree.depth},{top_k}",
+                    "tree": "dynamic",
+                    "dynamic": {"total_tokens": tree.nodes, "depth": tree.depth, "top_k": top_k},
+                    "nodes": tree.nodes,
+                    "depth": tree.depth,
+                    "expected_accepted": tree.expected_accepted,
+                    "model_speedup": speedup,
+                }
+            )
     return candidates
 
 
@@ -354,16 +360,16 @@ def _batch_curve(target, spec, choice, prompts, options) -> list[dict[str, Any]]
             curve.append({"batch": 1, "measured_speedup": choice["measured_speedup"]})
             continue
         group = [prompts[i % len(prompts)] for i in range(max(batch, len(prompts)))]
-        plain = _run(target, None, group, options, batch=batch)
         drafter = _drafter(spec, target, choice_shape(choice), options)
-        speculative = _run(target, drafter, group, options, batch=batch)
+        timing = measure_speedup(
+            target, drafter, group, options.max_new_tokens, options.repeats, batch
+        )
         curve.append(
             {
                 "batch": batch,
-                "plain_ms_per_token": 1e3 * plain["decode_s"] / plain["tokens"],
-                "speculative_ms_per_token": 1e3 * speculative["decode_s"] / speculative["tokens"],
-                "measured_speedup": (plain["decode_s"] / plain["tokens"])
-                / (speculative["decode_s"] / speculative["tokens"]),
+                "plain_ms_per_token": timing.plain_ms_per_token,
+                "speculative_ms_per_token": timing.speculative_ms_per_token,
+                "measured_speedup": timing.speedup,
             }
         )
     return curve
