@@ -143,9 +143,12 @@ def main() -> None:
                 )
                 spec = f"draft-model:{draft_artifact}"
         log(f"[{name}] calibrating on {len(calibration_prompts)} prompts")
-        entry = calibrate_artifact(
-            artifact, calibration_prompts, CalibrationOptions(drafter=spec, threads=args.threads)
+        # Calibrated at the generation length it is evaluated at (n-gram's best chain grows
+        # with it: repetition accumulates over the output).
+        calibration = CalibrationOptions(
+            drafter=spec, threads=args.threads, max_new_tokens=args.new_tokens
         )
+        entry = calibrate_artifact(artifact, calibration_prompts, calibration)
         manifest = load_manifest(artifact)
         target = OrtTarget(manifest, args.threads)
         choice = calibrated_choice(manifest, spec)
@@ -216,11 +219,7 @@ def main() -> None:
             log("[int8] quantizing the eagle artifact on the calibration prompts")
             int8_dir = shutil.copytree(artifact, work / "eagle-int8")
             quantized = quantize_artifact(int8_dir, calibration_prompts, eval_prompts=held)
-            int8_entry = calibrate_artifact(
-                int8_dir,
-                calibration_prompts,
-                CalibrationOptions(drafter=spec, threads=args.threads),
-            )
+            int8_entry = calibrate_artifact(int8_dir, calibration_prompts, calibration)
             int8_manifest = load_manifest(int8_dir)
             int8_target = OrtTarget(int8_manifest, args.threads)
             int8_choice = calibrated_choice(int8_manifest, spec).shape

@@ -26,7 +26,18 @@ def _progress(message: str) -> None:
 )
 @click.option("--drafter", help="ngram | draft-model:ARTIFACT [default: the artifact's head].")
 @click.option("--max-prompts", default=16, show_default=True)
-@click.option("--max-new-tokens", default=48, show_default=True)
+@click.option(
+    "--max-new-tokens",
+    default=48,
+    show_default=True,
+    help="Tokens per prompt: calibrate with the generation length you deploy with.",
+)
+@click.option(
+    "--repeats",
+    default=3,
+    show_default=True,
+    help="Paired plain/speculative runs per prompt and candidate; the fastest counts.",
+)
 @click.option("--probe-top-k", default=4, show_default=True, help="Ranks measured per depth.")
 @click.option("--probe-depth", default=6, show_default=True, help="Depths measured.")
 @click.option("--threads", type=int, default=None)
@@ -37,6 +48,7 @@ def calibrate(
     drafter: str | None,
     max_prompts: int,
     max_new_tokens: int,
+    repeats: int,
     probe_top_k: int,
     probe_depth: int,
     threads: int | None,
@@ -78,6 +90,7 @@ def calibrate(
         probe_depth=probe_depth,
         max_new_tokens=max_new_tokens,
         threads=threads,
+        repeats=repeats,
     )
     entry = calibrate_artifact(artifact_dir, prompts[:max_prompts], options, _progress)
     if as_json:
