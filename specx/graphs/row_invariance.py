@@ -78,7 +78,7 @@ def _quantized_input(matmul: ir.Node) -> ir.Node | None:
 
 
 def _float_graph_output(graph: ir.Graph, source: ir.Value, quantize: ir.Node) -> None:
-    """Makes a graph output the quantizer routed through Q/DQ its float value again.
+    """Gives a graph output that the quantizer routed through Q/DQ its float value back.
 
     ONNX Runtime's quantizer renames a quantized tensor that is also a graph output (the
     final hidden states, `hidden_taps`) so the output is the dequantized copy; draft heads
@@ -144,9 +144,14 @@ class _Constants:
     def __init__(self, graph: ir.Graph):
         self._graph = graph
         self._values: dict[str, ir.Value] = {}
-        self.axis = self.get("row_axis", _ROW_AXIS)
+
+    @property
+    def axis(self) -> ir.Value:
+        """The row axis, as Slice's `axes` input."""
+        return self.get("row_axis", _ROW_AXIS)
 
     def get(self, name: str, value: int) -> ir.Value:
+        """The [1]-shaped int64 initializer `row_invariance_<name>` holding `value`."""
         full = f"row_invariance_{name}"
         if full not in self._values:
             tensor = ir.tensor(np.array([value], dtype=np.int64), name=full)
