@@ -5,12 +5,11 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import onnx_ir as ir
-import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
 from specx.artifact import load_manifest
 from specx.graphs.packed_matmuls import PackSiblingMatMulsPass
-from specx.runtime.ort_target import session_options
+from specx.runtime.ort_target import load_session
 
 
 def _graph() -> onnx.ModelProto:
@@ -44,10 +43,7 @@ def _graph() -> onnx.ModelProto:
 
 
 def _run(model: onnx.ModelProto, x: np.ndarray) -> list[np.ndarray]:
-    session = ort.InferenceSession(
-        model.SerializeToString(), session_options(), providers=["CPUExecutionProvider"]
-    )
-    return session.run(None, {"x": x})
+    return load_session(model.SerializeToString()).run(None, {"x": x})
 
 
 def test_siblings_are_packed_into_one_matmul_with_the_same_values():

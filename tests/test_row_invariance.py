@@ -13,7 +13,7 @@ from specx.artifact import load_manifest
 from specx.graphs import tree_attention as tree_op
 from specx.graphs.row_invariance import RowInvariantPass
 from specx.runtime.masks import causal_mask
-from specx.runtime.ort_target import session_options
+from specx.runtime.ort_target import load_session
 
 WIDTH = 8
 
@@ -62,13 +62,6 @@ def _qdq_graph() -> onnx.ModelProto:
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
 
 
-def _session(model: onnx.ModelProto) -> ort.InferenceSession:
-    """A session on specx's shared thread pool (the suite creates it; then every session must)."""
-    return ort.InferenceSession(
-        model.SerializeToString(), session_options(), providers=["CPUExecutionProvider"]
-    )
-
-
 def _padded(model: onnx.ModelProto) -> onnx.ModelProto:
     result = RowInvariantPass()(ir.from_proto(model))
     assert result.modified
@@ -78,7 +71,7 @@ def _padded(model: onnx.ModelProto) -> onnx.ModelProto:
 
 
 def _run(model: onnx.ModelProto, x: np.ndarray) -> dict[str, np.ndarray]:
-    session = _session(model)
+    session = load_session(model.SerializeToString())
     names = [o.name for o in session.get_outputs()]
     return dict(zip(names, session.run(None, {"x": x}), strict=True))
 
@@ -167,7 +160,7 @@ def test_tree_attention_rows_are_bit_identical_for_any_chunk(artifacts):
     function = next(f for f in padded.functions if f.name == tree_op.OP_TYPE)
     assert function == tree_op.function_proto(row_invariant=True)
     assert len(padded.graph.initializer) == len(model.graph.initializer)  # nothing else added
-    session = _session(padded)
+    session = load_session(padded.SerializeToString())
     rng = np.random.default_rng(0)
     vocab = manifest.model["vocab_size"]
     for _ in range(3):
@@ -177,7 +170,7 @@ def test_tree_attention_rows_are_bit_identical_for_any_chunk(artifacts):
             chunked = _chunked_logits(session, prompt, continuation.tolist(), chunk)
             np.testing.assert_array_equal(chunked, one, err_msg=f"chunk {chunk}")
     # Same values as the exported body, to float rounding.
-    original = _session(model)
+    original = load_session(model.SerializeToString())
     np.testing.assert_allclose(
         _chunked_logits(original, prompt, continuation.tolist(), 3), one, rtol=1e-5, atol=1e-5
     )
@@ -220,7 +213,7 @@ def test_the_function_body_computes_the_reference_attention(row_invariant):
     caches = [rng.standard_normal((1, kv_heads, capacity, dim)).astype(np.float32) for _ in "kv"]
     mask = causal_mask(np.array([start]), n, start + n)
     mask[0, 0, 2, start + 1] = False  # a tree: node 2 does not see node 1
-    session = _session(model)
+    session = load_session(model.SerializeToString())
     feed = dict(q=q, k=k, v=v, k_cache=caches[0], v_cache=caches[1])
     out, *_ = session.run(None, {**feed, "write_pos": np.array([start]), "mask": mask})
     keys, values = (c.copy() for c in caches)

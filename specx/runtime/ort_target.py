@@ -61,10 +61,11 @@ def session_options(threads: int | None = None) -> ort.SessionOptions:
     return options
 
 
-def load_session(path: str | os.PathLike[str], threads: int | None = None):
-    """An ONNX Runtime CPU session for an ONNX file, with `session_options`."""
+def load_session(model: str | os.PathLike[str] | bytes, threads: int | None = None):
+    """An ONNX Runtime CPU session for an ONNX file (or serialized model), `session_options`."""
+    source = model if isinstance(model, bytes) else str(model)
     return ort.InferenceSession(
-        str(path), session_options(threads), providers=["CPUExecutionProvider"]
+        source, session_options(threads), providers=["CPUExecutionProvider"]
     )
 
 
