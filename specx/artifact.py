@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from specx import __version__
+from specx.artifact_schema import check_manifest_types
 from specx.errors import ArtifactError
 
 __all__ = [
@@ -36,6 +37,10 @@ __all__ = [
     "atomic_output_dir",
     "atomic_write_bytes",
     "atomic_write_text",
+    "apply_umask",
+    "check_output_dir",
+    "check_parents",
+    "is_specx_artifact",
     "load_manifest",
     "manifest_body",
     "parse_manifest",
@@ -68,7 +73,7 @@ def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
     path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
-        os.chmod(tmp, 0o644)
+        os.chmod(tmp, 0o666 & ~_umask())
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
@@ -80,21 +85,142 @@ def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
         raise
 
 
-@contextlib.contextmanager
-def atomic_output_dir(path: str | os.PathLike[str], overwrite: bool = False) -> Iterator[Path]:
-    """Yields a temporary sibling directory that becomes `path` only if the block succeeds.
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def apply_umask(path: str | os.PathLike[str]) -> None:
+    """Gives `path` and everything under it the permissions the umask gives new files.
+
+    Temporary files and directories (`tempfile`, ONNX's external-data writer) are created
+    owner-only; an artifact must be readable like the rest of a checkout, e.g. by a
+    service account that did not export it.
+    """
+    mask = _umask()
+    root = Path(path)
+    for p in [root, *root.rglob("*")] if root.is_dir() else [root]:
+        if not p.is_symlink():
+            p.chmod((0o777 if p.is_dir() else 0o666) & ~mask)
+
+
+def is_specx_artifact(path: str | os.PathLike[str]) -> bool:
+    """True when `path` is a directory whose manifest.json parses as a specx manifest."""
+    manifest = Path(path) / MANIFEST_NAME
+    if not manifest.is_file():
+        return False
+    try:
+        parse_manifest(manifest.read_bytes(), str(manifest))
+    except (ArtifactError, OSError):
+        return False
+    return True
+
+
+def check_parents(path: str | os.PathLike[str]) -> Path:
+    """Checks that `path`'s missing parents can be created; returns `path` made absolute.
 
     Raises:
-        ArtifactError: `path` exists and `overwrite` is false.
+        ArtifactError: the nearest existing ancestor is not a directory.
     """
-    path = Path(path).absolute()
-    if path.exists() and not overwrite:
-        raise ArtifactError(f"{path} already exists; pass --overwrite to replace it")
+    # `..` and symlinked parents resolved now: `new/../existing` must not be taken for new.
+    path = Path(os.path.abspath(path))
+    path = path.parent.resolve() / path.name
+    for ancestor in path.parents:
+        if ancestor.exists():
+            if not ancestor.is_dir():
+                raise ArtifactError(f"cannot create {path}: {ancestor} is not a directory")
+            break
+    return path
+
+
+def check_output_dir(
+    path: str | os.PathLike[str],
+    overwrite: bool = False,
+    protected: tuple[str | os.PathLike[str], ...] = (),
+) -> Path:
+    """Checks that an artifact may be written at `path`, before any work is done.
+
+    A new path is always fine (its parents are created). An existing one is replaced only
+    with `overwrite`, and only if it is a specx artifact holding nothing but what its
+    manifest pins (plus specx's own dot-named staging leftovers): never a plain file, a
+    symlink, a directory of other data, the current directory or one above it, or a
+    directory that is or holds one of the `protected` paths (the export's sources).
+
+    Returns:
+        The absolute path.
+
+    Raises:
+        ArtifactError: naming the path and the reason it is refused.
+    """
+    path = check_parents(path)
+    if not (path.exists() or path.is_symlink()):
+        return path
+    if not overwrite:
+        if path.is_dir() and is_specx_artifact(path):
+            raise ArtifactError(f"{path} already exists; pass --overwrite to replace it")
+        raise ArtifactError(
+            f"{path} already exists and is not a specx artifact: choose another output path "
+            "(specx replaces only artifacts it wrote)"
+        )
+    reason = _why_not_replaceable(path, tuple(Path(p) for p in protected))
+    if reason:
+        raise ArtifactError(f"refusing to replace {path}: {reason}")
+    return path
+
+
+def _why_not_replaceable(path: Path, protected: tuple[Path, ...]) -> str | None:
+    if path.is_symlink():
+        return "it is a symbolic link"
+    if not path.is_dir():
+        return "it is a file, not an artifact directory"
+    resolved = path.resolve()
+    cwd = Path.cwd().resolve()
+    if cwd == resolved or resolved in cwd.parents:
+        return "it is the current directory or one above it"
+    for source in protected:
+        source = source.resolve()
+        if source == resolved:
+            return "it is a source of this export"
+        if resolved in source.parents:
+            return f"it holds {source}, a source of this export"
+    if not is_specx_artifact(path):
+        return "it is not a specx artifact (no valid manifest.json); specx replaces only its own"
+    pinned = set(json.loads((path / MANIFEST_NAME).read_text(encoding="utf-8"))["files"])
+    foreign = sorted(
+        relative
+        for p in path.rglob("*")
+        if not p.is_dir()
+        and (relative := p.relative_to(path).as_posix()) not in pinned
+        and relative != MANIFEST_NAME
+        and not any(part.startswith(".") for part in p.relative_to(path).parts)
+    )
+    if foreign:
+        return f"it holds files its manifest does not pin, which specx did not write: {foreign[:5]}"
+    return None
+
+
+@contextlib.contextmanager
+def atomic_output_dir(
+    path: str | os.PathLike[str],
+    overwrite: bool = False,
+    protected: tuple[str | os.PathLike[str], ...] = (),
+) -> Iterator[Path]:
+    """Yields a temporary sibling directory that becomes `path` only if the block succeeds.
+
+    `path` is checked first (`check_output_dir`): an existing path is replaced only when
+    it is a specx artifact and `overwrite` is set. The result gets the umask's permissions.
+
+    Raises:
+        ArtifactError: `path` may not be written or replaced.
+    """
+    path = check_output_dir(path, overwrite, protected)
     path.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{path.name}.staging-", dir=path.parent))
-    staging.chmod(0o755)
     try:
         yield staging
+        apply_umask(staging)
+        check_output_dir(path, overwrite, protected)  # again: the work may have taken minutes
         if path.exists():
             retired = Path(tempfile.mkdtemp(prefix=f".{path.name}.old-", dir=path.parent))
             os.replace(path, retired / path.name)
@@ -248,6 +374,7 @@ def parse_manifest(raw: bytes, where: str) -> dict[str, Any]:
     for key in ("graphs", "model", "files"):
         if not isinstance(data.get(key), dict):
             raise ArtifactError(f"{where} lacks the {key!r} section")
+    check_manifest_types(where, data)
     _check_references(Path(where), data)
     return data
 

@@ -30,7 +30,13 @@ from typing import Any
 
 import onnx_ir as ir
 
-from specx.artifact import Manifest, load_manifest, manifest_body, write_manifest
+from specx.artifact import (
+    Manifest,
+    apply_umask,
+    load_manifest,
+    manifest_body,
+    write_manifest,
+)
 from specx.errors import BuildError
 from specx.graphs.precision import PRECISIONS, ConvertPrecisionPass
 from specx.graphs.signature import graph_signature
@@ -134,6 +140,7 @@ def publish_build(manifest: Manifest, name: str, output: BuildOutput, record: di
     record["directory"] = None
     if any(output.staging.iterdir()):
         (root / "builds").mkdir(exist_ok=True)
+        apply_umask(output.staging)
         os.replace(output.staging, root / output.directory)
         record["directory"] = output.directory
     body.setdefault("builds", {})[name] = record

@@ -20,7 +20,13 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
 from specx import __version__
-from specx.artifact import MANIFEST_NAME, load_manifest, parse_manifest
+from specx.artifact import (
+    MANIFEST_NAME,
+    apply_umask,
+    check_parents,
+    load_manifest,
+    parse_manifest,
+)
 from specx.errors import ArtifactError
 from specx.runtime.engine_compat import engine_mismatches
 
@@ -40,14 +46,21 @@ class VerifyReport:
     notes: list[str] = field(default_factory=list)
 
 
-def pack_artifact(artifact_dir: str | os.PathLike[str], output: str | os.PathLike[str]) -> Path:
+def pack_artifact(
+    artifact_dir: str | os.PathLike[str], output: str | os.PathLike[str], overwrite: bool = False
+) -> Path:
     """Verifies the artifact, then writes it as one tar at `output` (atomically).
 
+    An existing `output` is replaced only with `overwrite` and only if it is a tar
+    `specx pack` wrote (one artifact directory with a specx manifest); missing parent
+    directories are created.
+
     Raises:
-        ArtifactError: the artifact does not verify.
+        ArtifactError: `output` may not be written, or the artifact does not verify.
     """
+    output = _check_pack_output(output, overwrite)
     manifest = load_manifest(artifact_dir)
-    output = Path(output).absolute()
+    output.parent.mkdir(parents=True, exist_ok=True)
     top = manifest.root.name
     names = [MANIFEST_NAME, *sorted(manifest.data["files"])]
     fd, tmp = tempfile.mkstemp(prefix=f".{output.name}.", suffix=".tmp", dir=output.parent)
@@ -63,11 +76,41 @@ def pack_artifact(artifact_dir: str | os.PathLike[str], output: str | os.PathLik
                     tar.addfile(info, f)
             raw.flush()
             os.fsync(raw.fileno())
+        apply_umask(tmp)
         os.replace(tmp, output)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
     return output
+
+
+def _check_pack_output(output: str | os.PathLike[str], overwrite: bool) -> Path:
+    output = check_parents(output)
+    if not (output.exists() or output.is_symlink()):
+        return output
+    if output.is_dir() or output.is_symlink():
+        raise ArtifactError(f"{output} is a directory or a link: give the path of a .tar file")
+    if not _is_specx_pack(output):
+        raise ArtifactError(
+            f"{output} already exists and is not a tar written by specx pack: choose another "
+            "output path (specx replaces only files it wrote)"
+        )
+    if not overwrite:
+        raise ArtifactError(f"{output} already exists; pass --overwrite to replace it")
+    return output
+
+
+def _is_specx_pack(path: Path) -> bool:
+    try:
+        with tarfile.open(path, mode="r:") as tar:
+            members = [m for m in tar.getmembers() if m.isfile()]
+            manifests = [m for m in members if PurePosixPath(m.name).parts[1:] == (MANIFEST_NAME,)]
+            if len(manifests) != 1:
+                return False
+            parse_manifest(_read(tar, manifests[0], path), str(path))
+    except (tarfile.TarError, EOFError, OSError, ArtifactError):
+        return False
+    return True
 
 
 def verify_artifact(source: str | os.PathLike[str]) -> VerifyReport:

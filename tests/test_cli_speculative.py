@@ -71,8 +71,8 @@ def test_draft_model_with_static_tree(artifacts, draft_artifacts, tmp_path):
         (["--drafter", "hydra"], "unknown drafter 'hydra'"),
         (["--drafter", "ngram", "--tree", "[[0]]"], "--tree does not apply to ngram"),
         (["--drafter", "draft-model"], "draft-model needs an artifact"),
-        (["--drafter", "ngram", "--num-draft-tokens", "0"], "num_draft_tokens >= 1"),
-        (["--compare"], "--compare needs --drafter"),
+        (["--drafter", "ngram", "--num-draft-tokens", "0"], "0 is not in the range x>=1"),
+        (["--compare"], "--compare applies only to speculative decoding: add --drafter"),
     ],
 )
 def test_bad_speculative_options(artifacts, args, message):

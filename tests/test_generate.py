@@ -153,9 +153,9 @@ def test_cli_batch_from_jsonl(artifacts, tmp_path):
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--prompt-ids", "1,2,x"], "comma-separated integers"),
+        (["--prompt-ids", "1,2,x"], "comma-separated non-negative integers"),
         (["--prompt-ids", ",".join(["1"] * MAX_CONTEXT)], "KV slots"),
-        (["--prompt-ids", "1", "--temperature", "-1"], "temperature must be >= 0"),
+        (["--prompt-ids", "1", "--temperature", "-1"], "'--temperature': -1.0 is not in"),
         (["--prompt-ids", "1", "--prompt", "a"], "exactly one of"),
     ],
 )

@@ -19,7 +19,7 @@ import specx.calibration.quantization as quantization
 from conftest import SHARED
 from specx.artifact import load_manifest
 from specx.calibration.quantization import BUILD_NAME, quantize_artifact
-from specx.cli_quantize import quantize
+from specx.cli.calibrate import quantize
 from specx.errors import BuildError, SpecxError
 from specx.graphs import tree_attention as tree_op
 from specx.runtime.backends import open_decoder

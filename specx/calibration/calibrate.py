@@ -234,10 +234,14 @@ def calibrate_artifact(
     body = manifest_body(manifest)
     body.setdefault("calibration", {})[spec.partition(":")[0]] = entry
     write_manifest(manifest.root, body)
+    batches = (
+        f"speculation up to batch {max_batch_spec}"
+        if max_batch_spec
+        else "speculation off (it paid at no batch size measured; generate decodes plainly)"
+    )
     progress(
         f"calibrated {spec}: {choice['label']} ({choice['measured_speedup']:.2f}x on the "
-        f"calibration prompts), speculation up to batch {max_batch_spec}, in "
-        f"{entry['measured_on']['seconds']:.0f}s"
+        f"calibration prompts), {batches}, in {entry['measured_on']['seconds']:.0f}s"
     )
     return entry
 

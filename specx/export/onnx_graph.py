@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +24,24 @@ __all__ = ["EXPORT_OPSET", "export_module", "graph_entry", "graph_signature", "s
 EXPORT_OPSET = 23  # torch emits Attention/RMSNormalization at 23; the function raises it to 24
 
 
+@contextlib.contextmanager
+def _quiet_exporter() -> Iterator[None]:
+    """Silences the exporter's chatter on every export, keeping its errors.
+
+    torch logs one "torchvision is not installed" warning per torchvision op it could
+    translate, which says nothing about the model being exported.
+    """
+    logger = logging.getLogger("torch.onnx")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        logger.setLevel(level)
+
+
 def export_module(
     module: torch.nn.Module,
     example_inputs: tuple[Any, ...],
@@ -36,8 +57,7 @@ def export_module(
     Raises:
         ExportError: the tracer failed (its message is kept).
     """
-    with warnings.catch_warnings(), torch.no_grad():
-        warnings.simplefilter("ignore")
+    with _quiet_exporter(), torch.no_grad():
         try:
             program = torch.onnx.export(
                 module,

@@ -12,7 +12,7 @@ from typing import Any
 import onnx
 import torch
 
-from specx.artifact import atomic_output_dir, sha256_file, write_manifest
+from specx.artifact import atomic_output_dir, check_output_dir, sha256_file, write_manifest
 from specx.errors import ExportError
 from specx.export.checkpoint import Checkpoint, load_checkpoint
 from specx.export.decoder import TargetDecoder
@@ -75,10 +75,43 @@ def _export_graph(decoder: TargetDecoder) -> onnx.ModelProto:
     )
 
 
-def _check_capacity(checkpoint: Checkpoint, max_context: int) -> None:
-    config = checkpoint.config
+def _check_request(
+    checkpoint_dir: Path,
+    output_dir: Path,
+    max_context: int,
+    max_tree_tokens: int,
+    taps: str | None,
+    drafter: str | None,
+    overwrite: bool,
+) -> tuple[Path, ...]:
+    """The checks that need no weights, run before anything is loaded or traced.
+
+    Returns:
+        The source directories (checkpoint, head), which the export may never replace.
+    """
+    from specx.export.heads import HEAD_TAPS
+
     if max_context < 2:
         raise ExportError(f"--max-context must be at least 2, got {max_context}")
+    if not 1 <= max_tree_tokens <= max_context:
+        raise ExportError(
+            f"--max-tree-tokens must be in [1, --max-context={max_context}], got {max_tree_tokens}"
+        )
+    sources = [checkpoint_dir]
+    if drafter is not None:
+        kind, _, directory = drafter.partition(":")
+        if kind not in HEAD_TAPS:
+            raise ExportError(f"unknown drafter {kind!r}; export supports {', '.join(HEAD_TAPS)}")
+        if taps not in (None, HEAD_TAPS[kind]):
+            raise ExportError(f"the {kind} head reads --taps {HEAD_TAPS[kind]}, not {taps}")
+        if directory:
+            sources.append(Path(directory))
+    check_output_dir(output_dir, overwrite, tuple(sources))
+    return tuple(sources)
+
+
+def _check_capacity(checkpoint: Checkpoint, max_context: int) -> None:
+    config = checkpoint.config
     if config.sliding_window is not None and max_context > config.sliding_window:
         raise ExportError(
             f"{checkpoint.directory}: the target uses sliding-window attention "
@@ -91,6 +124,18 @@ def _check_capacity(checkpoint: Checkpoint, max_context: int) -> None:
             max_context,
             config.max_position_embeddings,
             checkpoint.directory,
+        )
+
+
+def _warn_on_shared_taps(decoder: TargetDecoder) -> None:
+    layers = decoder.tap_layers
+    if len(set(layers)) < len(layers):
+        log.warning(
+            "--taps eagle3 on a %d-layer target reads layers %s: EAGLE-3's layers 2, N//2, N-3 "
+            "coincide below 7 layers, so its head sees fewer distinct states than it was "
+            "designed for",
+            decoder.config.num_layers,
+            list(layers),
         )
 
 
@@ -108,7 +153,10 @@ def export_target(
     """Exports an HF target checkpoint (and optionally a draft head) to an artifact directory.
 
     `drafter` is `eagle3:DIR`, `eagle:DIR`, `medusa:DIR`, `mtp` or `mtp:DIR`; the target
-    then exports the taps that head reads (`taps` None picks them).
+    then exports the taps that head reads (`taps` None picks them). An existing
+    `output_dir` is replaced only with `overwrite`, and only if it is a specx artifact
+    (`specx.artifact.check_output_dir`); that and the option ranges are checked before
+    anything is loaded.
 
     Returns:
         The artifact directory. It appears only when the export completed.
@@ -117,31 +165,28 @@ def export_target(
 
     started = time.perf_counter()
     checkpoint_dir, output_dir = Path(checkpoint_dir), Path(output_dir)
+    if max_tree_tokens is None:
+        max_tree_tokens = min(DEFAULT_MAX_TREE_TOKENS, max_context)
+    sources = _check_request(
+        checkpoint_dir, output_dir, max_context, max_tree_tokens, taps, drafter, overwrite
+    )
     progress(f"[1/5] loading {checkpoint_dir}")
     checkpoint = load_checkpoint(checkpoint_dir)
     _check_capacity(checkpoint, max_context)
-    if max_tree_tokens is None:
-        max_tree_tokens = min(DEFAULT_MAX_TREE_TOKENS, max_context)
-    if not 1 <= max_tree_tokens <= max_context:
-        raise ExportError(
-            f"--max-tree-tokens must be in [1, --max-context={max_context}], got {max_tree_tokens}"
-        )
     head = None
     if drafter is not None:
         head = load_head(drafter, checkpoint)
-        needed = HEAD_TAPS[head.kind]
-        if taps not in (None, needed):
-            raise ExportError(f"the {head.kind} head reads --taps {needed}, not {taps}")
-        taps = needed
+        taps = HEAD_TAPS[head.kind]
     taps = taps or "none"
     decoder = TargetDecoder.from_state_dict(checkpoint.config, checkpoint.state_dict, taps)
+    _warn_on_shared_taps(decoder)
     n_params = sum(p.numel() for p in decoder.parameters())
     progress(
         f"[2/5] tracing {checkpoint.config.family} target "
         f"({n_params / 1e6:.1f}M parameters, {checkpoint.config.num_layers} layers)"
     )
     model = _export_graph(decoder)
-    with atomic_output_dir(output_dir, overwrite=overwrite) as staging:
+    with atomic_output_dir(output_dir, overwrite, sources) as staging:
         progress("[3/5] writing target.onnx")
         body = _manifest_body(checkpoint, decoder, model, max_context)
         body["graphs"]["target"] = graph_entry(model, *save_graph(model, staging, "target"))

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from specx.artifact import Manifest
+from specx.artifact import MANIFEST_NAME, Manifest
+from specx.errors import ArtifactError, SpecxError
 from specx.runtime.drafters.tree_search import DynamicTree, StaticTree, TreeShape
 
 __all__ = ["CalibratedChoice", "calibrated_choice", "chains_only", "choice_shape"]
@@ -35,15 +36,23 @@ def choice_shape(choice: dict) -> TreeShape:
 
 def calibrated_choice(manifest: Manifest, drafter: str) -> CalibratedChoice | None:
     """The recorded choice for `drafter` (its name before any `:`), or None."""
-    entry = manifest.data.get("calibration", {}).get(drafter.partition(":")[0])
+    name = drafter.partition(":")[0]
+    entry = (manifest.data.get("calibration") or {}).get(name)
     if entry is None:
         return None
-    choice = entry["choice"]
-    shape = choice_shape(choice)
-    description = choice["label"]
-    if entry["max_batch_spec"] == 0:
-        description += " (calibration: speculation does not pay off here, decoding plainly)"
-    return CalibratedChoice(shape, entry["max_batch_spec"], entry["expected_speedup"], description)
+    try:
+        choice = entry["choice"]
+        shape = choice_shape(choice)
+        label, max_batch_spec = str(choice["label"]), int(entry["max_batch_spec"])
+        predicted = float(entry["expected_speedup"])
+    except (KeyError, TypeError, ValueError, SpecxError) as e:
+        raise ArtifactError(
+            f"{manifest.root / MANIFEST_NAME}: calibration.{name} is malformed ({e!r}); "
+            f"run specx calibrate again"
+        ) from e
+    if max_batch_spec == 0:
+        label += " (calibration: speculation does not pay off here, decoding plainly)"
+    return CalibratedChoice(shape, max_batch_spec, predicted, label)
 
 
 def chains_only(manifest: Manifest) -> bool:

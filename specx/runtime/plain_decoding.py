@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -14,7 +14,17 @@ from specx.runtime.decoder_backend import DecoderBackend
 from specx.runtime.masks import causal_mask
 from specx.runtime.sampling import SamplingParams, sample, sampling_probs
 
-__all__ = ["GenerationResult", "check_prompts", "generate_plain", "prefill"]
+__all__ = [
+    "GenerationResult",
+    "Progress",
+    "check_prompts",
+    "decode_rates",
+    "generate_plain",
+    "prefill",
+]
+
+# progress(tokens emitted so far, sequences finished), called after every target forward.
+Progress = Callable[[int, int], None]
 
 
 @dataclass
@@ -84,6 +94,7 @@ def generate_plain(
     max_new_tokens: int,
     sampling: SamplingParams | None = None,
     eos_token_ids: Sequence[int] = (),
+    progress: Progress | None = None,
 ) -> GenerationResult:
     """Decodes one token per target forward for each prompt, batched.
 
@@ -100,7 +111,7 @@ def generate_plain(
     prefill_s = time.perf_counter() - started
     generated = np.zeros((len(prompts), max_new_tokens), dtype=np.int64)
     done = np.zeros(len(prompts), dtype=bool)
-    steps = 0
+    steps = emitted = 0
     for step in range(max_new_tokens):
         if sampling.greedy:
             tokens = logits.argmax(-1)
@@ -108,7 +119,10 @@ def generate_plain(
             tokens = sample(sampling_probs(logits, sampling), rng)
         generated[:, step] = tokens
         steps = step + 1
+        emitted += int((~done).sum())
         done |= np.isin(tokens, eos)
+        if progress is not None:
+            progress(emitted, int(done.sum()))
         if done.all() or step == max_new_tokens - 1:
             break
         write_pos = cache.lengths.copy()
@@ -127,17 +141,32 @@ def generate_plain(
             "batch": len(prompts),
             "prompt_tokens": sum(len(p) for p in prompts),
             "new_tokens": new_tokens,
-            "target_forwards": steps,
             "prefill_s": prefill_s,
-            "decode_s": total_s - prefill_s,
-            "total_s": total_s,
-            "tokens_per_s": new_tokens / total_s,
-            "ms_per_token": 1e3
-            * (total_s - prefill_s)
-            * len(prompts)
-            / max(new_tokens - len(prompts), 1),
+            **decode_rates(total_s, prefill_s, new_tokens, len(prompts), steps - 1),
         },
     )
+
+
+def decode_rates(
+    total_s: float, prefill_s: float, new_tokens: int, batch: int, decode_forwards: int
+) -> dict[str, float | int]:
+    """The timing stats of a run, the same rule for plain and speculative decoding.
+
+    The prefill emits each sequence's first token; every later token is a decoded one.
+    `ms_per_token` = decode time / decoded tokens over the whole batch (so at batch 1 the
+    time per token one user waits, and at batch B its batch-wide rate); `ms_per_step` =
+    decode time / target forwards after the prefill (one token per sequence for plain
+    decoding, one verified tree per sequence for speculative decoding).
+    """
+    decode_s = total_s - prefill_s
+    return {
+        "target_forwards": decode_forwards,
+        "decode_s": decode_s,
+        "total_s": total_s,
+        "tokens_per_s": new_tokens / total_s,
+        "ms_per_token": 1e3 * decode_s / max(new_tokens - batch, 1),
+        "ms_per_step": 1e3 * decode_s / max(decode_forwards, 1),
+    }
 
 
 def _until_eos(row: np.ndarray, eos: np.ndarray) -> list[int]:

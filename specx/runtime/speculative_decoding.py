@@ -21,7 +21,14 @@ from specx.errors import GenerationError
 from specx.runtime.decoder_backend import DecoderBackend
 from specx.runtime.drafters.base import Drafter
 from specx.runtime.metrics import AcceptanceStats
-from specx.runtime.plain_decoding import GenerationResult, check_prompts, generate_plain, prefill
+from specx.runtime.plain_decoding import (
+    GenerationResult,
+    Progress,
+    check_prompts,
+    decode_rates,
+    generate_plain,
+    prefill,
+)
 from specx.runtime.sampling import SamplingParams, sample, sampling_probs
 from specx.runtime.trees import (
     DraftTree,
@@ -82,6 +89,7 @@ def generate_speculative(
     max_batch_spec: int | None = None,
     verifier: Verifier = verify,
     observer: RoundObserver | None = None,
+    progress: Progress | None = None,
 ) -> GenerationResult:
     """Decodes speculatively; output equals `generate_plain`'s (greedy: token for token).
 
@@ -91,10 +99,8 @@ def generate_speculative(
     """
     sampling = sampling or SamplingParams()
     if max_batch_spec is not None and len(prompts) > max_batch_spec:
-        result = generate_plain(target, prompts, max_new_tokens, sampling, eos_token_ids)
-        result.stats["speculation"] = (
-            f"off: batch {len(prompts)} > --max-batch-spec {max_batch_spec}"
-        )
+        result = generate_plain(target, prompts, max_new_tokens, sampling, eos_token_ids, progress)
+        result.stats["speculation"] = f"off: batch {len(prompts)} > max_batch_spec {max_batch_spec}"
         return result
     if drafter.max_nodes + 1 > target.max_tree_tokens:
         raise TreeError(
@@ -129,6 +135,7 @@ def generate_speculative(
     histories = [list(p) + e for p, e in zip(prompts, emitted, strict=True)]
     active = np.array([not (e[-1] in eos or max_new_tokens <= 1) for e in emitted])
     draft_s = verify_s = 0.0
+    forwards = 0
     while active.any():
         tick = time.perf_counter()
         drafts = drafter.propose(histories, active, sampling, rng)
@@ -163,6 +170,9 @@ def generate_speculative(
             stats[b].record(_depth(draft), min(len(verdict.accepted), count - 1))
         draft_s += tock - tick
         verify_s += time.perf_counter() - tock
+        forwards += 1
+        if progress is not None:
+            progress(sum(len(e) for e in emitted), int((~active).sum()))
     total_s = time.perf_counter() - started
     tokens_out = [e[:max_new_tokens] for e in emitted]
     new_tokens = sum(len(t) for t in tokens_out)
@@ -177,9 +187,7 @@ def generate_speculative(
             "prefill_s": prefill_s,
             "draft_s": draft_s,
             "verify_s": verify_s,
-            "total_s": total_s,
-            "tokens_per_s": new_tokens / total_s,
-            "ms_per_token": 1e3 * (total_s - prefill_s) * batch / max(new_tokens - batch, 1),
+            **decode_rates(total_s, prefill_s, new_tokens, batch, forwards),
             **AcceptanceStats.merge(stats).summary(),
             "per_request": [s.summary() for s in stats],
         },

@@ -17,19 +17,21 @@ from typing import Any
 import numpy as np
 import torch
 
-from specx.artifact import atomic_write_text
+from specx.artifact import atomic_write_text, check_parents
 from specx.errors import SpecxError
 from specx.export.checkpoint import load_checkpoint
+from specx.export.config import load_target_config
 from specx.export.heads.eagle3 import Eagle3Head
 from specx.training.corpus import read_texts, token_windows
 from specx.training.heads import HEAD_KINDS, new_head, save_head
 from specx.training.objectives import draft_model_loss, eagle_loss, medusa_loss, unrolled_loss
 from specx.training.teacher import Teacher, TeacherOutput
 
-__all__ = ["DRAFTER_KINDS", "TrainConfig", "TrainResult", "train_drafter"]
+__all__ = ["DRAFTER_KINDS", "TrainConfig", "TrainResult", "check_output", "train_drafter"]
 
 DRAFTER_KINDS = (*HEAD_KINDS, "draft-model")
 STATE_FILE = "train_state.pt"
+REPORT_FILE = "train_report.json"
 
 
 @dataclass(frozen=True)
@@ -178,6 +180,57 @@ def _acceptance(kind, model, windows: np.ndarray, teacher: Teacher, batch: int) 
     return float(np.mean(rates))
 
 
+def check_output(output_dir: Path, sources: Sequence[Path]) -> None:
+    """Refuses an output directory whose files training could overwrite but did not write.
+
+    Training writes config.json, weights and a report into `output_dir`: it must be new,
+    empty, or an earlier training output (holding its state or report), and must not be or
+    hold the target checkpoint or a corpus path.
+
+    Raises:
+        SpecxError: naming the directory and the reason.
+    """
+    check_parents(output_dir)
+    resolved = output_dir.resolve()
+    for source in sources:
+        source = source.resolve()
+        if source == resolved or resolved in source.parents:
+            raise SpecxError(f"-o {output_dir} is or holds {source}, an input of this training")
+    if not output_dir.exists():
+        return
+    if not output_dir.is_dir():
+        raise SpecxError(f"-o {output_dir} is a file, not a directory")
+    ours = (output_dir / STATE_FILE).is_file() or (output_dir / REPORT_FILE).is_file()
+    if any(output_dir.iterdir()) and not ours:
+        raise SpecxError(
+            f"-o {output_dir} is not empty and is not an earlier training output: give a new "
+            "or empty directory (training would overwrite its config.json and weights)"
+        )
+
+
+def _check_request(
+    target_dir: Path, corpus: Sequence[str | Path], output_dir: Path, cfg: TrainConfig
+) -> Path:
+    """The checks that need no weights; returns the target's tokenizer.json."""
+    if cfg.kind not in DRAFTER_KINDS:
+        raise SpecxError(f"unknown drafter {cfg.kind!r}; choose one of {', '.join(DRAFTER_KINDS)}")
+    tokenizer_path = target_dir / "tokenizer.json"
+    if not tokenizer_path.is_file():
+        raise SpecxError(f"{target_dir} has no tokenizer.json to tokenize the corpus with")
+    config, _ = load_target_config(target_dir)
+    if cfg.kind == "eagle3" and config.num_layers < 3:
+        raise SpecxError(
+            f"EAGLE-3 needs a target with at least 3 layers; it has {config.num_layers}"
+        )
+    if cfg.draft_vocab is not None and not 1 <= cfg.draft_vocab <= config.vocab_size:
+        raise SpecxError(
+            f"--draft-vocab {cfg.draft_vocab} must be in [1, {config.vocab_size}], the "
+            "target's vocabulary"
+        )
+    check_output(output_dir, [target_dir, *map(Path, corpus)])
+    return tokenizer_path
+
+
 def train_drafter(
     target_dir: str | Path,
     corpus: Sequence[str | Path],
@@ -188,22 +241,16 @@ def train_drafter(
     """Trains and saves a drafter in its public format (resuming a saved state).
 
     Raises:
-        SpecxError: unknown kind, a target without tokenizer.json, or too little text.
+        SpecxError: unknown kind, a target without tokenizer.json, a draft vocabulary
+            larger than the target's, an output directory that holds other data or the
+            inputs (`check_output`), or too little text.
     """
     from specx.runtime.tokenizer import TextTokenizer
 
-    if cfg.kind not in DRAFTER_KINDS:
-        raise SpecxError(f"unknown drafter {cfg.kind!r}; choose one of {', '.join(DRAFTER_KINDS)}")
     target_dir, output_dir = Path(target_dir), Path(output_dir)
-    tokenizer_path = target_dir / "tokenizer.json"
-    if not tokenizer_path.is_file():
-        raise SpecxError(f"{target_dir} has no tokenizer.json to tokenize the corpus with")
+    tokenizer_path = _check_request(target_dir, corpus, output_dir, cfg)
     checkpoint = load_checkpoint(target_dir)
     config = checkpoint.config
-    if cfg.kind == "eagle3" and config.num_layers < 3:
-        raise SpecxError(
-            f"EAGLE-3 needs a target with at least 3 layers; it has {config.num_layers}"
-        )
     tokenizer = TextTokenizer(tokenizer_path)
     windows = token_windows([tokenizer.encode(t) for t in read_texts(corpus)], cfg.seq_len)
     held = max(1, int(len(windows) * cfg.held_out_fraction))
@@ -286,7 +333,7 @@ def train_drafter(
         "held_out_acceptance_before": before,
         "held_out_acceptance_after": after,
     }
-    atomic_write_text(output_dir / "train_report.json", json.dumps(report, indent=2) + "\n")
+    atomic_write_text(output_dir / REPORT_FILE, json.dumps(report, indent=2) + "\n")
     state_path.unlink(missing_ok=True)
     progress(f"saved {output_dir}: held-out acceptance {before} -> {after:.3f}")
     return TrainResult(model, report)

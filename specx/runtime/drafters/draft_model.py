@@ -25,7 +25,8 @@ def check_same_vocabulary(target: DecoderBackend, draft: DecoderBackend) -> None
     """Refuses a draft model whose token ids cannot mean the same as the target's.
 
     Raises:
-        VocabMismatchError: different vocabulary sizes, or different tokenizer files.
+        VocabMismatchError: different vocabulary sizes, different tokenizer files, or a
+            tokenizer on one side only.
     """
     if target.vocab_size != draft.vocab_size:
         raise VocabMismatchError(
@@ -34,12 +35,18 @@ def check_same_vocabulary(target: DecoderBackend, draft: DecoderBackend) -> None
             "target's vocabulary"
         )
     ours, theirs = target.manifest.data["files"], draft.manifest.data["files"]
-    if "tokenizer.json" in ours and "tokenizer.json" in theirs:
-        if ours["tokenizer.json"] != theirs["tokenizer.json"]:
-            raise VocabMismatchError(
-                f"draft model {draft.manifest.root} has a different tokenizer.json than the "
-                f"target {target.manifest.root} (sha256 differs)"
-            )
+    if ("tokenizer.json" in ours) != ("tokenizer.json" in theirs):
+        has, lacks = (target, draft) if "tokenizer.json" in ours else (draft, target)
+        raise VocabMismatchError(
+            f"{has.manifest.root} has a tokenizer.json and {lacks.manifest.root} has none, so "
+            "specx cannot check that draft and target ids mean the same tokens: export both "
+            "from checkpoints with their tokenizer.json"
+        )
+    if ours.get("tokenizer.json") != theirs.get("tokenizer.json"):
+        raise VocabMismatchError(
+            f"draft model {draft.manifest.root} has a different tokenizer.json than the "
+            f"target {target.manifest.root} (sha256 differs)"
+        )
 
 
 class DraftModelDrafter:

@@ -7,16 +7,13 @@ from pathlib import Path
 
 import click
 
+from specx.cli.common import POSITIVE, only_applies, passed, progress, require_extra
 from specx.errors import BuildError
 
-__all__ = ["build", "lint", "pack", "verify"]
+__all__ = ["COMMANDS", "build", "lint", "pack", "verify"]
 
 _ARTIFACT = click.Path(exists=True, file_okay=False, path_type=Path)
 _PRECISION = click.Choice(["fp32", "fp16", "bf16"])
-
-
-def _progress(message: str) -> None:
-    click.echo(message, err=True)
 
 
 @click.command()
@@ -33,6 +30,7 @@ def lint(artifact_dir: Path, lint_target: str, precision: str, as_json: bool) ->
     and checked twice: with the TreeAttention plugin registered, and with its standard-op
     fallback inlined. Exits 1 when any node would be rejected.
     """
+    require_extra("lint")
     import onnx_ir as ir
 
     from specx.artifact import load_manifest
@@ -63,9 +61,15 @@ def lint(artifact_dir: Path, lint_target: str, precision: str, as_json: bool) ->
 @click.argument("artifact_dir", type=_ARTIFACT)
 @click.option("--backend", type=click.Choice(["ort", "trt"]), default="ort", show_default=True)
 @click.option("--precision", type=_PRECISION, default="fp32", show_default=True)
-@click.option("--max-batch", default=8, show_default=True, help="TensorRT: largest batch.")
 @click.option(
-    "--optimization-level", default=3, show_default=True, help="TensorRT builder effort (0-5)."
+    "--max-batch", type=POSITIVE, default=8, show_default=True, help="TensorRT: largest batch."
+)
+@click.option(
+    "--optimization-level",
+    type=click.IntRange(0, 5),
+    default=3,
+    show_default=True,
+    help="TensorRT builder effort (0-5).",
 )
 @click.option(
     "--timing-cache",
@@ -73,7 +77,9 @@ def lint(artifact_dir: Path, lint_target: str, precision: str, as_json: bool) ->
     default=None,
     help="TensorRT timing cache file, reused and updated across builds.",
 )
+@click.pass_context
 def build(
+    ctx: click.Context,
     artifact_dir: Path,
     backend: str,
     precision: str,
@@ -86,23 +92,28 @@ def build(
     ort (CPU default): fp32 records the exported graphs, fp16 writes converted graphs.
     trt: lowers, lints and builds one TensorRT engine per graph (needs TensorRT and a GPU).
     """
+    trt_only = passed(ctx, "max_batch", "optimization_level", "timing_cache")
+    if backend != "trt" and trt_only:
+        raise BuildError(only_applies(trt_only, "--backend trt"))
+    require_extra("build")
     from specx.build import BuildOptions, build_artifact
 
-    if not 0 <= optimization_level <= 5:
-        raise BuildError("--optimization-level must be in 0..5")
     options = BuildOptions(backend, precision, max_batch, optimization_level, timing_cache)
-    build_artifact(artifact_dir, options, progress=_progress)
+    build_artifact(artifact_dir, options, progress=progress)
 
 
 @click.command()
 @click.argument("artifact_dir", type=_ARTIFACT)
-@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False, path_type=Path))
-def pack(artifact_dir: Path, output: Path) -> None:
+@click.option("-o", "--output", required=True, type=click.Path(path_type=Path))
+@click.option(
+    "--overwrite", is_flag=True, help="Replace an existing tar written by specx pack (only that)."
+)
+def pack(artifact_dir: Path, output: Path, overwrite: bool) -> None:
     """Verify ARTIFACT_DIR and write it as one tar (manifest + every pinned file)."""
     from specx.publish import pack_artifact
 
-    path = pack_artifact(artifact_dir, output)
-    _progress(f"packed {artifact_dir} -> {path} ({path.stat().st_size / 1e6:.1f} MB)")
+    path = pack_artifact(artifact_dir, output, overwrite)
+    progress(f"packed {artifact_dir} -> {path} ({path.stat().st_size / 1e6:.1f} MB)")
 
 
 @click.command()
@@ -120,3 +131,6 @@ def verify(source: Path, as_json: bool) -> None:
     click.echo(f"ok: {report.source}: {report.files} files verified; builds: {builds}")
     for note in report.notes:
         click.echo(f"note: {note}")
+
+
+COMMANDS = (lint, build, pack, verify)

@@ -1,0 +1,140 @@
+"""The types of the manifest fields the runtime trusts, checked once when a manifest is parsed.
+
+A manifest is JSON that a person can edit, so every field the runtime reads is checked
+here by type and range, and a bad one is named (`model.kv_capacity must be a positive
+integer, got 'lots'`) instead of failing later as a TypeError deep in decoding. File
+names must be relative paths inside the artifact: the loader hashes what they name.
+
+Standard library only: the runtime imports this module.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from pathlib import PurePosixPath
+from typing import Any
+
+from specx.errors import ArtifactError
+
+__all__ = ["check_manifest_types"]
+
+Check = Callable[[Any], bool]
+
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+_TAP_KINDS = ("none", "last", "eagle3")
+
+
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _natural(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _relative_file(value: Any) -> bool:
+    if not isinstance(value, str) or not value or "\\" in value:
+        return False
+    path = PurePosixPath(value)
+    return not path.is_absolute() and ".." not in path.parts
+
+
+def _list_of(check: Check) -> Check:
+    return lambda value: isinstance(value, list) and all(check(v) for v in value)
+
+
+def _is(*types: type) -> Check:
+    return lambda value: isinstance(value, types) and not isinstance(value, bool)
+
+
+_MODEL: dict[str, tuple[Check, str]] = {
+    "vocab_size": (_positive_int, "a positive integer"),
+    "hidden_size": (_positive_int, "a positive integer"),
+    "num_layers": (_positive_int, "a positive integer"),
+    "num_heads": (_positive_int, "a positive integer"),
+    "num_kv_heads": (_positive_int, "a positive integer"),
+    "head_dim": (_positive_int, "a positive integer"),
+    "kv_capacity": (_positive_int, "a positive integer"),
+    "max_tree_tokens": (_positive_int, "a positive integer"),
+    "eos_token_ids": (_list_of(_natural), "a list of non-negative integers"),
+    "taps": (lambda v: isinstance(v, dict), "an object"),
+}
+_TAPS: dict[str, tuple[Check, str]] = {
+    "kind": (lambda v: v in _TAP_KINDS, f"one of {', '.join(_TAP_KINDS)}"),
+    "width": (_natural, "a non-negative integer"),
+    "layers": (_list_of(_natural), "a list of non-negative integers"),
+}
+_DECODER = {
+    name: (_positive_int, "a positive integer")
+    for name in ("num_layers", "num_kv_heads", "head_dim", "hidden_size", "vocab_size")
+}
+_IO = {
+    "name": (_is(str), "a string"),
+    "dtype": (_is(str), "a string"),
+    "shape": (_list_of(_is(int, str)), "a list of integers and names"),
+}
+
+
+def _fields(where: str, data: dict, schema: dict[str, tuple[Check, str]]) -> None:
+    for key, (check, expected) in schema.items():
+        if key not in data:
+            raise ArtifactError(f"{where}: {key} is missing")
+        if not check(data[key]):
+            raise ArtifactError(f"{where}: {key} must be {expected}, got {data[key]!r:.60}")
+
+
+def _object(where: str, value: Any) -> dict:
+    if not isinstance(value, dict):
+        raise ArtifactError(f"{where} must be an object, got {value!r:.60}")
+    return value
+
+
+def _graph(where: str, entry: Any) -> None:
+    entry = _object(where, entry)
+    if not _relative_file(entry.get("file")):
+        raise ArtifactError(f"{where}.file must be a relative path inside the artifact")
+    if "data_files" in entry and not _list_of(_relative_file)(entry["data_files"]):
+        raise ArtifactError(f"{where}.data_files must be a list of relative paths")
+    if "engine" in entry and not _relative_file(entry["engine"]):
+        raise ArtifactError(f"{where}.engine must be a relative path inside the artifact")
+    for side in ("inputs", "outputs"):
+        values = entry.get(side)
+        if not isinstance(values, list):
+            raise ArtifactError(f"{where}.{side} must be a list")
+        for i, value in enumerate(values):
+            _fields(f"{where}.{side}[{i}]", _object(f"{where}.{side}[{i}]", value), _IO)
+    if "decoder" in entry:
+        _fields(f"{where}.decoder", _object(f"{where}.decoder", entry["decoder"]), _DECODER)
+
+
+def check_manifest_types(where: str, data: dict[str, Any]) -> None:
+    """Checks the types of every field the runtime reads.
+
+    Raises:
+        ArtifactError: naming `where` and the first field at fault.
+    """
+    for name, digest in data["files"].items():
+        if not _relative_file(name):
+            raise ArtifactError(f"{where}: files lists {name!r}, not a path inside the artifact")
+        if not isinstance(digest, str) or not _SHA256.fullmatch(digest):
+            raise ArtifactError(f"{where}: files[{name!r}] is not a sha256 hex digest")
+    _fields(f"{where}: model", data["model"], _MODEL)
+    _fields(f"{where}: model.taps", data["model"]["taps"], _TAPS)
+    for name, entry in data["graphs"].items():
+        _graph(f"{where}: graphs.{name}", entry)
+    for name, build in _object(f"{where}: builds", data.get("builds", {})).items():
+        build = _object(f"{where}: builds.{name}", build)
+        for key in ("backend", "precision"):
+            if not isinstance(build.get(key), str):
+                raise ArtifactError(f"{where}: builds.{name}.{key} must be a string")
+        for graph, entry in _object(f"{where}: builds.{name}.graphs", build.get("graphs")).items():
+            _graph(f"{where}: builds.{name}.graphs.{graph}", entry)
+    for key in ("default_build", "tokenizer"):
+        if data.get(key) is not None and not isinstance(data[key], str):
+            raise ArtifactError(f"{where}: {key} must be a string or null")
+    if data.get("tokenizer") is not None and not _relative_file(data["tokenizer"]):
+        raise ArtifactError(f"{where}: tokenizer must be a relative path inside the artifact")
+    for key in ("drafter", "calibration"):
+        if data.get(key) is not None:
+            _object(f"{where}: {key}", data[key])

@@ -1,0 +1,356 @@
+"""`specx generate`: plain or speculative decoding of an artifact (runtime only: no torch)."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import click
+
+from specx.cli.common import (
+    NATURAL,
+    POSITIVE,
+    FiniteFloat,
+    only_applies,
+    passed,
+    progress,
+    warn,
+)
+from specx.errors import GenerationError
+
+if TYPE_CHECKING:
+    from specx.runtime.drafters.tree_search import TreeShape
+    from specx.runtime.sampling import SamplingParams
+
+__all__ = ["COMMANDS", "DecodeProgress", "generate", "print_stats"]
+
+_SPECULATIVE_OPTIONS = (
+    "num_draft_tokens",
+    "tree",
+    "ngram_min",
+    "ngram_max",
+    "ngram_matches",
+    "max_batch_spec",
+    "compare",
+)
+_NGRAM_OPTIONS = ("ngram_min", "ngram_max", "ngram_matches")
+
+
+class DecodeProgress:
+    """Progress of a batched decode on stderr: the first step, then at most every `interval_s`.
+
+    Called by the decoding loops with (tokens emitted so far, sequences finished).
+    """
+
+    def __init__(self, label: str, sequences: int, max_new_tokens: int, interval_s: float = 2.0):
+        self.label, self.sequences = label, sequences
+        self.total = sequences * max_new_tokens
+        self.interval_s = interval_s
+        self.started = time.perf_counter()
+        self.shown_at: float | None = None
+
+    def __call__(self, tokens: int, finished: int) -> None:  # noqa: D102
+        now = time.perf_counter()
+        last = finished == self.sequences or tokens >= self.total
+        if self.shown_at is None or last or now - self.shown_at >= self.interval_s:
+            self.shown_at = now
+            progress(
+                f"{self.label}: {tokens}/{self.total} tokens, {finished}/{self.sequences} "
+                f"sequences done, {now - self.started:.1f}s"
+            )
+
+
+def _check_options(ctx: click.Context, drafter: str | None, temperature: float) -> None:
+    """Refuses options that would be ignored; warns where the result is still what was asked."""
+    speculative = passed(ctx, *_SPECULATIVE_OPTIONS)
+    if drafter is None and speculative:
+        raise GenerationError(
+            only_applies(speculative, "speculative decoding")
+            + ": add --drafter (ngram, draft-model:ARTIFACT, or the artifact's head)"
+        )
+    ngram = passed(ctx, *_NGRAM_OPTIONS)
+    if drafter is not None and not drafter.startswith("ngram") and ngram:
+        raise GenerationError(only_applies(ngram, "--drafter ngram"))
+    if ctx.params["ngram_min"] > ctx.params["ngram_max"]:
+        raise GenerationError(
+            f"--ngram-min {ctx.params['ngram_min']} is larger than --ngram-max "
+            f"{ctx.params['ngram_max']}"
+        )
+    truncation = passed(ctx, "top_k", "top_p")
+    if temperature == 0 and truncation:
+        raise GenerationError(
+            only_applies(truncation, "sampling")
+            + ": --temperature is 0 (greedy); pass --temperature > 0 to sample"
+        )
+    if temperature == 0 and passed(ctx, "seed"):
+        warn("--seed has no effect: --temperature 0 decodes greedily, which is deterministic")
+
+
+@click.command()
+@click.argument("artifact_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--prompt", help="Prompt text (needs the artifact's tokenizer).")
+@click.option("--prompt-ids", help="Prompt as comma-separated token ids, e.g. 1,2,3.")
+@click.option(
+    "--prompts-file",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="JSONL batch: one object per line with 'prompt', 'prompt_ids' or 'turns'.",
+)
+@click.option("--max-new-tokens", type=POSITIVE, default=64, show_default=True)
+@click.option(
+    "--temperature", type=FiniteFloat(min=0), default=0.0, show_default=True, help="0 = greedy."
+)
+@click.option(
+    "--top-k", type=NATURAL, default=0, show_default=True, help="0 = no top-k truncation."
+)
+@click.option(
+    "--top-p",
+    type=FiniteFloat(min=0, max=1, min_open=True),
+    default=1.0,
+    show_default=True,
+    help="1.0 = no nucleus truncation.",
+)
+@click.option("--seed", type=NATURAL, default=None, help="Seed for sampling (reproducible runs).")
+@click.option("--ignore-eos", is_flag=True, help="Do not stop at the end-of-sequence token.")
+@click.option(
+    "--drafter",
+    help="Decode speculatively: ngram | draft-model:ARTIFACT | eagle3 | eagle | mtp | medusa "
+    "(the last four use the head exported into ARTIFACT_DIR).",
+)
+@click.option(
+    "--num-draft-tokens",
+    type=POSITIVE,
+    default=None,
+    help="Draft tokens per round (chain length; node budget for ngram trees) "
+    "[default: the calibrated choice (specx calibrate), else 4].",
+)
+@click.option(
+    "--tree",
+    help="Draft tree for model drafters: chain:K, dynamic:TOTAL,DEPTH,TOPK (EAGLE-2), "
+    "static:FILE or a JSON choice list such as [[0],[1],[0,0]].",
+)
+@click.option("--ngram-min", type=POSITIVE, default=1, show_default=True, help="Shortest n-gram.")
+@click.option("--ngram-max", type=POSITIVE, default=3, show_default=True, help="Longest n-gram.")
+@click.option(
+    "--ngram-matches",
+    type=POSITIVE,
+    default=1,
+    show_default=True,
+    help="Matches merged into the ngram draft tree (1 = chain).",
+)
+@click.option(
+    "--max-batch-spec",
+    type=NATURAL,
+    default=None,
+    help="Decode plainly when the batch is larger than this (0 = never speculate).",
+)
+@click.option(
+    "--compare",
+    is_flag=True,
+    help="Also run plain decoding in the same process and report the speedup.",
+)
+@click.option("--threads", type=POSITIVE, default=None, help="ONNX Runtime threads (default: all).")
+@click.option("--json", "as_json", is_flag=True, help="Print tokens, text and stats as JSON.")
+@click.pass_context
+def generate(
+    ctx: click.Context,
+    artifact_dir: Path,
+    prompt: str | None,
+    prompt_ids: str | None,
+    prompts_file: Path | None,
+    max_new_tokens: int,
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    seed: int | None,
+    ignore_eos: bool,
+    drafter: str | None,
+    num_draft_tokens: int | None,
+    tree: str | None,
+    ngram_min: int,
+    ngram_max: int,
+    ngram_matches: int,
+    max_batch_spec: int | None,
+    compare: bool,
+    threads: int | None,
+    as_json: bool,
+) -> None:
+    """Generate from the target in ARTIFACT_DIR, plainly or speculatively.
+
+    Runs the artifact's default build (`specx build`); without one, the exported graphs on
+    ONNX Runtime (CPU).
+    """
+    from specx.artifact import load_manifest
+    from specx.runtime.backends import open_decoder
+    from specx.runtime.drafters.tree_search import parse_tree_spec
+    from specx.runtime.prompts import read_prompts
+    from specx.runtime.sampling import SamplingParams
+    from specx.runtime.tokenizer import TextTokenizer
+
+    _check_options(ctx, drafter, temperature)
+    sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    shape = parse_tree_spec(tree) if tree else None
+    manifest = load_manifest(artifact_dir)
+    tokenizer = TextTokenizer(manifest.tokenizer_file) if manifest.tokenizer_file else None
+    encode = tokenizer.encode if tokenizer else None
+    prompts = read_prompts(prompt, prompt_ids, prompts_file, encode)
+    target = open_decoder(manifest, threads=threads)
+    eos = () if ignore_eos else manifest.model["eos_token_ids"]
+    request = _Request(prompts, max_new_tokens, sampling, eos, prompts_file is not None)
+    if drafter is None:
+        result = _plain(target, request)
+    else:
+        options = _SpeculativeOptions(
+            drafter, num_draft_tokens, shape, (ngram_min, ngram_max, ngram_matches)
+        )
+        result = _speculative(target, manifest, request, options, max_batch_spec, threads)
+        if compare:
+            plain = _plain(target, request)
+            result.stats["compare"] = {
+                "plain": plain.stats,
+                "speedup": plain.stats["ms_per_token"] / result.stats["ms_per_token"],
+                "identical_tokens": plain.tokens == result.tokens,
+            }
+    result.stats["backend"] = manifest.data.get("default_build", "ort")
+    texts = [tokenizer.decode(t) if tokenizer else None for t in result.tokens]
+    if as_json:
+        click.echo(json.dumps({"tokens": result.tokens, "text": texts, "stats": result.stats}))
+        return
+    for i, (tokens, text) in enumerate(zip(result.tokens, texts, strict=True)):
+        if len(texts) > 1:
+            click.echo(f"--- completion {i + 1}/{len(texts)} ---")
+        click.echo(text if text is not None else " ".join(map(str, tokens)))
+    print_stats(result.stats)
+
+
+@dataclass(frozen=True)
+class _Request:
+    """One generate call's prompts, budget, sampling and stop tokens."""
+
+    prompts: list[list[int]]
+    max_new_tokens: int
+    sampling: SamplingParams
+    eos: Sequence[int]
+    from_file: bool
+
+    def progress(self, label: str) -> DecodeProgress | None:
+        """Progress lines for a prompts file or a batch; None for a single prompt."""
+        if not self.from_file and len(self.prompts) == 1:
+            return None
+        return DecodeProgress(label, len(self.prompts), self.max_new_tokens)
+
+
+@dataclass(frozen=True)
+class _SpeculativeOptions:
+    drafter: str
+    num_draft_tokens: int | None
+    shape: TreeShape | None
+    ngram: tuple[int, int, int]  # min, max, matches
+
+
+def _plain(target, request: _Request):
+    from specx.runtime.plain_decoding import generate_plain
+
+    return generate_plain(
+        target,
+        request.prompts,
+        request.max_new_tokens,
+        request.sampling,
+        request.eos,
+        request.progress("decoding plainly"),
+    )
+
+
+def _speculative(target, manifest, request: _Request, options, max_batch_spec, threads):
+    from specx.runtime.calibrated import calibrated_choice, chains_only
+    from specx.runtime.drafters import DrafterOptions, make_drafter
+    from specx.runtime.speculative_decoding import generate_speculative
+
+    shape, num_draft_tokens = options.shape, options.num_draft_tokens
+    calibrated = calibrated_choice(manifest, options.drafter)
+    use_calibration = calibrated is not None and shape is None and num_draft_tokens is None
+    from_calibration = use_calibration and max_batch_spec is None
+    if use_calibration:
+        if options.drafter.startswith("ngram"):
+            num_draft_tokens = calibrated.shape.max_nodes  # a chain
+        else:
+            shape = calibrated.shape
+        if max_batch_spec is None:
+            max_batch_spec = calibrated.max_batch_spec
+    drafter_options = DrafterOptions(
+        4 if num_draft_tokens is None else num_draft_tokens, shape, *options.ngram, threads
+    )
+    drafting = make_drafter(options.drafter, target, drafter_options)
+    if not drafting.drafts_chains and chains_only(manifest):
+        warn(
+            f"the {manifest.data.get('default_build')} build keeps greedy speculation "
+            "identical to its plain decoding for chain drafts only; a tree can differ where "
+            "int8 rounding flips a near-tie (pass a chain, or calibrate)"
+        )
+    result = generate_speculative(
+        target,
+        drafting,
+        request.prompts,
+        request.max_new_tokens,
+        request.sampling,
+        request.eos,
+        max_batch_spec,
+        progress=request.progress(f"decoding with {drafting.name}"),
+    )
+    if use_calibration:
+        result.stats["calibration"] = {
+            "tree": calibrated.description,
+            "max_batch_spec": calibrated.max_batch_spec,
+            "predicted_speedup": calibrated.predicted_speedup,
+        }
+    if from_calibration and "speculation" in result.stats:
+        result.stats["speculation"] = _calibrated_off(calibrated.max_batch_spec, request)
+    return result
+
+
+def _calibrated_off(max_batch_spec: int, request: _Request) -> str:
+    if max_batch_spec == 0:
+        return (
+            "off: the calibration (specx calibrate) found no batch size where speculation "
+            "pays on this machine; --max-batch-spec overrides it"
+        )
+    return (
+        f"off: the calibration (specx calibrate) found that speculation pays up to batch "
+        f"{max_batch_spec}, and this batch is {len(request.prompts)}; --max-batch-spec "
+        "overrides it"
+    )
+
+
+def print_stats(stats: dict[str, Any]) -> None:
+    """One line of stats on stderr: totals, decode ms/token and ms/step, acceptance."""
+    line = (
+        f"[{stats['mode']}] {stats['new_tokens']} tokens in {stats['total_s']:.3f}s "
+        f"(prefill {stats['prefill_s']:.3f}s): {stats['tokens_per_s']:.1f} tokens/s; decode "
+        f"{stats['ms_per_token']:.2f} ms/token, {stats['ms_per_step']:.2f} ms/step "
+        f"(batch {stats['batch']})"
+    )
+    if "acceptance_length" in stats:
+        line += (
+            f", acceptance length {stats['acceptance_length']:.2f} over {stats['rounds']} rounds"
+        )
+    if "compare" in stats:
+        compare = stats["compare"]
+        line += (
+            f"; plain {compare['plain']['ms_per_token']:.2f} ms/token, speedup "
+            f"{compare['speedup']:.2f}x, identical tokens: {compare['identical_tokens']}"
+        )
+    if "calibration" in stats:
+        calibration = stats["calibration"]
+        line += (
+            f"; calibrated {calibration['tree']}, predicted speedup "
+            f"{calibration['predicted_speedup']:.2f}x"
+        )
+    if "speculation" in stats:
+        line += f"; speculation {stats['speculation']}"
+    click.echo(line, err=True)
+
+
+COMMANDS = (generate,)
