@@ -58,6 +58,7 @@ from specx.runtime.speculative_decoding import generate_speculative
 
 __all__ = [
     "CalibrationOptions",
+    "batch_summary",
     "calibrate_artifact",
     "predicted_speedup",
 ]
@@ -234,16 +235,19 @@ def calibrate_artifact(
     body = manifest_body(manifest)
     body.setdefault("calibration", {})[spec.partition(":")[0]] = entry
     write_manifest(manifest.root, body)
-    batches = (
-        f"speculation up to batch {max_batch_spec}"
-        if max_batch_spec
-        else "speculation off (it paid at no batch size measured; generate decodes plainly)"
-    )
     progress(
         f"calibrated {spec}: {choice['label']} ({choice['measured_speedup']:.2f}x on the "
-        f"calibration prompts), {batches}, in {entry['measured_on']['seconds']:.0f}s"
+        f"calibration prompts), {batch_summary(max_batch_spec)}, in "
+        f"{entry['measured_on']['seconds']:.0f}s"
     )
     return entry
+
+
+def batch_summary(max_batch_spec: int) -> str:
+    """What a batch threshold means for `specx generate`, in words."""
+    if max_batch_spec == 0:
+        return "speculation off: it paid at no batch size measured, so generate decodes plainly"
+    return f"speculation up to batch {max_batch_spec}"
 
 
 def _probe_depth(

@@ -17,9 +17,11 @@ from specx.cli.common import SpecxGroup
 __all__ = ["main"]
 
 
-class _LevelFormatter(logging.Formatter):
-    def format(self, record: logging.LogRecord) -> str:
-        return f"{record.levelname.lower()}: {record.getMessage()}"
+class _StderrHandler(logging.Handler):
+    """specx's log records as `warning: ...` lines on the current stderr (click's)."""
+
+    def emit(self, record: logging.LogRecord) -> None:  # noqa: D102
+        click.echo(f"{record.levelname.lower()}: {record.getMessage()}", err=True)
 
 
 @click.group(cls=SpecxGroup)
@@ -27,9 +29,11 @@ class _LevelFormatter(logging.Formatter):
 @click.option("-v", "--verbose", is_flag=True, help="Log debug details to stderr.")
 def main(verbose: bool) -> None:
     """Compile lossless speculative decoding: HF checkpoint -> ONNX artifact -> runtime."""
-    handler = logging.StreamHandler()
-    handler.setFormatter(_LevelFormatter())
-    logging.basicConfig(level=logging.DEBUG if verbose else logging.WARNING, handlers=[handler])
+    logger = logging.getLogger("specx")
+    logger.setLevel(logging.DEBUG if verbose else logging.WARNING)
+    if not any(isinstance(h, _StderrHandler) for h in logger.handlers):
+        logger.addHandler(_StderrHandler())
+    logger.propagate = False
 
 
 for _module in (export, generate, calibrate, build):

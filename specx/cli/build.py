@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from specx.cli.common import POSITIVE, only_applies, passed, progress, require_extra
+from specx.cli.common import POSITIVE, IntRange, only_applies, passed, progress, require_extra
 from specx.errors import BuildError
 
 __all__ = ["COMMANDS", "build", "lint", "pack", "verify"]
@@ -66,7 +66,7 @@ def lint(artifact_dir: Path, lint_target: str, precision: str, as_json: bool) ->
 )
 @click.option(
     "--optimization-level",
-    type=click.IntRange(0, 5),
+    type=IntRange(0, 5),
     default=3,
     show_default=True,
     help="TensorRT builder effort (0-5).",

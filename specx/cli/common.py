@@ -21,6 +21,7 @@ __all__ = [
     "NATURAL",
     "POSITIVE",
     "FiniteFloat",
+    "IntRange",
     "SpecxGroup",
     "only_applies",
     "passed",
@@ -29,8 +30,15 @@ __all__ = [
     "warn",
 ]
 
-POSITIVE = click.IntRange(min=1)
-NATURAL = click.IntRange(min=0)
+
+class IntRange(click.IntRange):
+    """click's IntRange, named "integer" in messages ("'1.5' is not a valid integer")."""
+
+    name = "integer"
+
+
+POSITIVE = IntRange(min=1)
+NATURAL = IntRange(min=0)
 
 # Top-level modules of the optional extras (pyproject.toml), for "install this" messages.
 EXTRA_MODULES = {
@@ -52,7 +60,7 @@ def warn(message: str) -> None:
 class FiniteFloat(click.FloatRange):
     """A float in a range that is also finite: click's FloatRange lets `nan` through."""
 
-    name = "finite float"
+    name = "number"
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None):  # noqa: D102
         result = super().convert(value, param, ctx)

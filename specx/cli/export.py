@@ -13,6 +13,7 @@ from specx.cli.common import (
     NATURAL,
     POSITIVE,
     FiniteFloat,
+    IntRange,
     only_applies,
     passed,
     progress,
@@ -36,7 +37,7 @@ __all__ = ["COMMANDS", "demo", "export", "train"]
 )
 @click.option(
     "--max-context",
-    type=click.IntRange(min=2),
+    type=IntRange(min=2),
     default=2048,
     show_default=True,
     help="KV-cache capacity in tokens (prompt + generated + tree scratch).",
@@ -116,7 +117,7 @@ _TRAIN_ONLY = {
 )
 @click.option("--steps", type=POSITIVE, default=300, show_default=True)
 @click.option("--batch", type=POSITIVE, default=8, show_default=True)
-@click.option("--seq-len", type=click.IntRange(min=2), default=128, show_default=True)
+@click.option("--seq-len", type=IntRange(min=2), default=128, show_default=True)
 @click.option("--lr", type=FiniteFloat(min=0, min_open=True), default=1e-3, show_default=True)
 @click.option("--seed", type=NATURAL, default=0, show_default=True)
 @click.option(

@@ -104,6 +104,8 @@ def _check_request(
             raise ExportError(f"unknown drafter {kind!r}; export supports {', '.join(HEAD_TAPS)}")
         if taps not in (None, HEAD_TAPS[kind]):
             raise ExportError(f"the {kind} head reads --taps {HEAD_TAPS[kind]}, not {taps}")
+        if not directory and kind != "mtp":
+            raise ExportError(f"--drafter {kind} needs a checkpoint directory: {kind}:DIR")
         if directory:
             sources.append(Path(directory))
     check_output_dir(output_dir, overwrite, tuple(sources))

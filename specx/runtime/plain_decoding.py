@@ -121,9 +121,10 @@ def generate_plain(
         steps = step + 1
         emitted += int((~done).sum())
         done |= np.isin(tokens, eos)
+        last = done.all() or step == max_new_tokens - 1
         if progress is not None:
-            progress(emitted, int(done.sum()))
-        if done.all() or step == max_new_tokens - 1:
+            progress(emitted, len(prompts) if last else int(done.sum()))
+        if last:
             break
         write_pos = cache.lengths.copy()
         mask = causal_mask(write_pos, 1, int(write_pos.max()) + 1)
