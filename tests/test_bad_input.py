@@ -118,10 +118,23 @@ def test_overwrite_replaces_an_artifact_and_keeps_the_umask(checkpoint_copy, art
     finally:
         os.umask(old)
     assert result.code == 0, result.err
-    assert "torchvision" not in result.err  # the exporter's chatter stays quiet
     assert load_manifest(artifact).model["kv_capacity"] == 64
     for p in [artifact, *artifact.rglob("*")]:
         assert stat.S_IMODE(p.stat().st_mode) == (0o755 if p.is_dir() else 0o644), p
+
+
+def test_the_exporters_chatter_is_silenced():
+    """torch logs a "torchvision is not installed" warning per torchvision op, every export."""
+    import logging
+
+    from specx.export.onnx_graph import _quiet_exporter
+
+    registration = logging.getLogger("torch.onnx._internal.exporter._registration")
+    assert registration.isEnabledFor(logging.WARNING)
+    with _quiet_exporter():
+        assert not registration.isEnabledFor(logging.WARNING)
+        assert registration.isEnabledFor(logging.ERROR)
+    assert registration.isEnabledFor(logging.WARNING)
 
 
 def test_interrupted_replacement_is_rechecked(artifacts, tmp_path):
