@@ -5,11 +5,11 @@ from __future__ import annotations
 import json
 import shutil
 
-import onnx
 import pytest
 
 from specx.artifact import FORMAT_VERSION, load_manifest, sha256_file
 from specx.errors import ArtifactError
+from specx.export import target_export
 from specx.export.target_export import export_target
 
 
@@ -88,7 +88,7 @@ def test_interrupted_export_leaves_nothing(checkpoints, tmp_path, monkeypatch):
     def crash(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(onnx, "save_model", crash)
+    monkeypatch.setattr(target_export, "save_graph_streamed", crash)
     with pytest.raises(KeyboardInterrupt):
         export_target(checkpoints["llama"], tmp_path / "out", max_context=32)
     assert list(tmp_path.iterdir()) == []
@@ -97,7 +97,9 @@ def test_interrupted_export_leaves_nothing(checkpoints, tmp_path, monkeypatch):
 def test_interrupted_overwrite_keeps_old_artifact(checkpoints, artifact_copy, monkeypatch):
     before = (artifact_copy / "manifest.json").read_text()
     monkeypatch.setattr(
-        onnx, "save_model", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt)
+        target_export,
+        "save_graph_streamed",
+        lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt),
     )
     with pytest.raises(KeyboardInterrupt):
         export_target(checkpoints["llama"], artifact_copy, max_context=32, overwrite=True)

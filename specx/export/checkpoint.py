@@ -3,13 +3,17 @@
 Checkpoints are untrusted input. Safetensors files are preferred; `.bin`/`.pt` files are
 read only through `torch.load(weights_only=True)`, which refuses any pickle that would
 construct objects other than tensors and plain containers (i.e. run code).
+
+Opening a checkpoint reads its indexes only: every expected tensor is checked by name,
+shape and dtype, and no weight is read until it is used (`CheckpointTensors`), so an
+export can stream a model larger than memory one tensor at a time.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import pickle
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,8 +23,15 @@ import torch
 from specx.errors import CheckpointError
 from specx.export.config import TargetConfig, load_target_config
 from specx.export.decoder import TargetDecoder
+from specx.export.tensor_files import RawTensor, TensorFile, open_tensor_file
 
-__all__ = ["Checkpoint", "load_checkpoint", "load_tensor_file", "weight_files"]
+__all__ = [
+    "Checkpoint",
+    "CheckpointTensors",
+    "load_checkpoint",
+    "load_tensor_file",
+    "weight_files",
+]
 
 log = logging.getLogger(__name__)
 
@@ -30,14 +41,51 @@ _INDEX_NAMES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 _SINGLE_NAMES = ("model.safetensors", "pytorch_model.bin", "model.pt")
 
 
+class CheckpointTensors(Mapping[str, torch.Tensor]):
+    """The checked weights of a checkpoint, read from disk when used.
+
+    As a mapping it gives float32 torch tensors (what training and the torch modules
+    use); `raw(key)` gives the stored values, which exports convert piece by piece.
+    `aliases` maps a key to the stored tensor it shares (a tied lm_head).
+    """
+
+    def __init__(self, files: dict[str, TensorFile], aliases: dict[str, str] | None = None):
+        self._files = files  # key -> the file holding it
+        self._aliases = aliases or {}
+
+    def source_key(self, key: str) -> str:
+        """The stored tensor behind `key`."""
+        return self._aliases.get(key, key)
+
+    def raw(self, key: str) -> RawTensor:
+        """The tensor in its stored dtype."""
+        stored = self.source_key(key)
+        return self._files[stored].read(stored)
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        if key not in self:
+            raise KeyError(key)
+        return torch.from_numpy(self.raw(key).float32())
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._files or key in self._aliases
+
+    def __iter__(self) -> Iterator[str]:
+        yield from self._files
+        yield from self._aliases
+
+    def __len__(self) -> int:
+        return len(self._files) + len(self._aliases)
+
+
 @dataclass(frozen=True)
 class Checkpoint:
-    """A loaded target checkpoint: parsed config, raw config.json, fp32 weights, source files."""
+    """An opened target checkpoint: parsed config, raw config.json, lazy weights, files."""
 
     directory: Path
     config: TargetConfig
     raw_config: dict[str, Any]
-    state_dict: dict[str, torch.Tensor]
+    state_dict: CheckpointTensors
     files: tuple[Path, ...]
 
 
@@ -68,40 +116,18 @@ def weight_files(checkpoint_dir: Path) -> list[Path]:
 
 
 def load_tensor_file(path: Path) -> dict[str, torch.Tensor]:
-    """Reads one weight file into a dict of tensors without running any code from it.
+    """Reads one (small) weight file into a dict of tensors of their stored dtypes.
 
     Raises:
         CheckpointError: the file is unreadable, not a tensor dict, or a pickle that
             tries to construct arbitrary objects.
     """
-    if path.suffix == ".safetensors":
-        from safetensors import SafetensorError
-        from safetensors.torch import load_file
-
-        try:
-            return load_file(path)
-        except (SafetensorError, OSError) as e:
-            raise CheckpointError(f"{path}: not a readable safetensors file: {e}") from e
-    if path.suffix not in (".bin", ".pt", ".pth"):
-        raise CheckpointError(f"{path}: unknown weight file type {path.suffix!r}")
-    try:
-        loaded = torch.load(path, map_location="cpu", weights_only=True, mmap=False)
-    except pickle.UnpicklingError as e:
-        raise CheckpointError(
-            f"refused to load {path}: it is a pickle that constructs objects other than "
-            f"tensors (it could run code). Convert it to safetensors. Detail: {e}"
-        ) from e
-    except (RuntimeError, EOFError, OSError) as e:
-        raise CheckpointError(f"{path}: not a readable torch weight file: {e}") from e
-    if not isinstance(loaded, dict) or not all(
-        isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in loaded.items()
-    ):
-        raise CheckpointError(f"{path}: expected a dict of name -> tensor")
-    return loaded
+    tensors = open_tensor_file(path)
+    return {key: tensors.read(key).torch() for key in tensors.keys()}
 
 
 def load_checkpoint(checkpoint_dir: str | Path) -> Checkpoint:
-    """Loads and checks a supported HF target checkpoint; weights come back as fp32.
+    """Opens and checks a supported HF target checkpoint; weights are read when used.
 
     Raises:
         CheckpointError: unsupported config, missing files, or a tensor that is missing,
@@ -110,18 +136,16 @@ def load_checkpoint(checkpoint_dir: str | Path) -> Checkpoint:
     checkpoint_dir = Path(checkpoint_dir)
     config, raw_config = load_target_config(checkpoint_dir)
     files = weight_files(checkpoint_dir)
-    tensors: dict[str, torch.Tensor] = {}
-    origin: dict[str, Path] = {}
+    holder: dict[str, TensorFile] = {}
     for path in files:
-        for key, tensor in load_tensor_file(path).items():
-            tensors[key] = tensor
-            origin[key] = path
-    if config.tie_word_embeddings and "lm_head.weight" not in tensors:
-        key = "model.embed_tokens.weight"
-        if key in tensors:
-            tensors["lm_head.weight"], origin["lm_head.weight"] = tensors[key], origin[key]
+        opened = open_tensor_file(path)
+        holder.update(dict.fromkeys(opened.keys(), opened))
+    aliases = {}
+    if config.tie_word_embeddings and "lm_head.weight" not in holder:
+        if "model.embed_tokens.weight" in holder:
+            aliases["lm_head.weight"] = "model.embed_tokens.weight"
     expected = TargetDecoder.parameter_shapes(config)
-    missing = [key for key in expected if key not in tensors]
+    missing = [key for key in expected if key not in holder and key not in aliases]
     if missing:
         shown = ", ".join(missing[:5]) + (
             f" and {len(missing) - 5} more" if len(missing) > 5 else ""
@@ -129,20 +153,22 @@ def load_checkpoint(checkpoint_dir: str | Path) -> Checkpoint:
         raise CheckpointError(
             f"{checkpoint_dir}: missing tensors {shown} (read {', '.join(p.name for p in files)})"
         )
-    state_dict = {}
     for key, shape in expected.items():
-        tensor = tensors[key]
-        if tuple(tensor.shape) != shape:
+        stored = aliases.get(key, key)
+        source = holder[stored]
+        if source.shape(stored) != shape:
             raise CheckpointError(
-                f"{origin[key]}: tensor {key} has shape {tuple(tensor.shape)}, expected {shape} "
-                "from config.json"
+                f"{source.path}: tensor {stored} has shape {source.shape(stored)}, expected "
+                f"{shape} from config.json"
             )
-        if not tensor.is_floating_point():
-            raise CheckpointError(f"{origin[key]}: tensor {key} has dtype {tensor.dtype}")
-        state_dict[key] = tensor.to(torch.float32)
-    unused = [k for k in tensors if k not in expected and not k.endswith(_IGNORED_SUFFIXES)]
+        if source.dtype(stored) not in ("F16", "BF16", "F32", "F64"):
+            raise CheckpointError(
+                f"{source.path}: tensor {stored} has dtype {source.dtype(stored)}"
+            )
+    unused = [k for k in holder if k not in expected and not k.endswith(_IGNORED_SUFFIXES)]
     if unused:
         log.warning(
             "%s: ignoring %d unused tensors, e.g. %s", checkpoint_dir, len(unused), unused[0]
         )
-    return Checkpoint(checkpoint_dir, config, raw_config, state_dict, tuple(files))
+    tensors = CheckpointTensors({k: holder[k] for k in expected if k in holder}, aliases)
+    return Checkpoint(checkpoint_dir, config, raw_config, tensors, tuple(files))

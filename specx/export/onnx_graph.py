@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -14,12 +14,26 @@ import onnx_ir as ir
 import torch
 
 from specx.errors import ExportError
+from specx.export.checkpoint import CheckpointTensors
+from specx.export.streamed_weights import (
+    FoldWeightTransposesPass,
+    bind_checkpoint_weights,
+    save_streamed,
+)
 from specx.export.tree_attention_op import ONNX_TRANSLATIONS
 from specx.graphs.packed_matmuls import PackSiblingMatMulsPass
 from specx.graphs.signature import graph_signature
-from specx.graphs.tree_attention import attach_function
+from specx.graphs.tree_attention import attach_function, attach_function_ir
 
-__all__ = ["EXPORT_OPSET", "export_module", "graph_entry", "graph_signature", "save_graph"]
+__all__ = [
+    "EXPORT_OPSET",
+    "export_module",
+    "export_streamed",
+    "graph_entry",
+    "graph_signature",
+    "save_graph",
+    "save_graph_streamed",
+]
 
 EXPORT_OPSET = 23  # torch emits Attention/RMSNormalization at 23; the function raises it to 24
 
@@ -42,21 +56,15 @@ def _quiet_exporter() -> Iterator[None]:
         logger.setLevel(level)
 
 
-def export_module(
+def _trace(
     module: torch.nn.Module,
     example_inputs: tuple[Any, ...],
     dynamic_shapes: tuple[Any, ...],
     input_names: list[str],
     output_names: list[str],
     what: str,
-) -> onnx.ModelProto:
-    """`torch.onnx.export(dynamo=True)` with the TreeAttention translation attached.
-
-    Sibling MatMuls (q/k/v, gate/up) come out packed (`specx.graphs.packed_matmuls`).
-
-    Raises:
-        ExportError: the tracer failed (its message is kept).
-    """
+    optimize: bool,
+) -> ir.Model:
     with _quiet_exporter(), torch.no_grad():
         try:
             program = torch.onnx.export(
@@ -69,11 +77,74 @@ def export_module(
                 input_names=input_names,
                 output_names=output_names,
                 verbose=False,
+                optimize=optimize,
             )
         except Exception as e:  # torch raises many unrelated types from deep in the tracer
             raise ExportError(f"torch.onnx.export of {what} failed: {e}") from e
-    model = ir.from_proto(attach_function(program.model_proto))
+    return program.model
+
+
+def export_module(
+    module: torch.nn.Module,
+    example_inputs: tuple[Any, ...],
+    dynamic_shapes: tuple[Any, ...],
+    input_names: list[str],
+    output_names: list[str],
+    what: str,
+) -> onnx.ModelProto:
+    """`torch.onnx.export(dynamo=True)` with the TreeAttention translation attached.
+
+    Sibling MatMuls (q/k/v, gate/up) come out packed (`specx.graphs.packed_matmuls`).
+    The weights are the module's, in memory: for draft heads; targets stream theirs
+    (`export_streamed`).
+
+    Raises:
+        ExportError: the tracer failed (its message is kept).
+    """
+    model = _trace(module, example_inputs, dynamic_shapes, input_names, output_names, what, True)
+    model = ir.from_proto(attach_function(ir.to_proto(model)))
     return ir.to_proto(PackSiblingMatMulsPass()(model).model)
+
+
+def export_streamed(
+    module: torch.nn.Module,
+    example_inputs: tuple[Any, ...],
+    dynamic_shapes: tuple[Any, ...],
+    input_names: list[str],
+    output_names: list[str],
+    what: str,
+    tensors: CheckpointTensors,
+) -> ir.Model:
+    """Like `export_module`, for a module with placeholder parameters named like `tensors`.
+
+    The graph's weights are `StreamedTensor`s of the checkpoint, read when the model is
+    saved (`save_graph_streamed`): the export never holds the weights in memory. The
+    exporter's constant folding is off (it would compute every transposed weight in
+    memory); weight transposes are folded lazily, then the usual optimizer runs.
+
+    Raises:
+        ExportError: the tracer failed, or a parameter has no checkpoint tensor.
+    """
+    import onnxscript
+
+    model = _trace(module, example_inputs, dynamic_shapes, input_names, output_names, what, False)
+    unbound = [name for name, _ in module.named_parameters() if name not in tensors]
+    if unbound:
+        raise ExportError(f"{what}: no checkpoint tensor for parameters {unbound[:5]}")
+    bind_checkpoint_weights(model, tensors)
+    FoldWeightTransposesPass()(model)
+    onnxscript.optimizer.optimize(model)
+    attach_function_ir(model)
+    return PackSiblingMatMulsPass()(model).model
+
+
+def save_graph_streamed(
+    model: ir.Model, directory: Path, name: str, progress: Callable[[str], None]
+) -> tuple[onnx.ModelProto, str, str]:
+    """Saves `name.onnx` + `name.onnx.data` tensor by tensor; returns the graph (no weights)."""
+    graph_file, data_file = f"{name}.onnx", f"{name}.onnx.data"
+    save_streamed(model, directory / graph_file, data_file, progress)
+    return onnx.load(directory / graph_file, load_external_data=False), graph_file, data_file
 
 
 def save_graph(model: onnx.ModelProto, directory: Path, name: str) -> tuple[str, str]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import shutil
 import time
 from collections.abc import Callable
@@ -10,13 +11,15 @@ from pathlib import Path
 from typing import Any
 
 import onnx
+import onnx_ir as ir
 import torch
 
 from specx.artifact import atomic_output_dir, check_output_dir, sha256_file, write_manifest
 from specx.errors import ExportError
 from specx.export.checkpoint import Checkpoint, load_checkpoint
-from specx.export.decoder import TargetDecoder
-from specx.export.onnx_graph import export_module, graph_entry, save_graph
+from specx.export.config import TargetConfig
+from specx.export.decoder import RotaryEmbedding, TargetDecoder
+from specx.export.onnx_graph import export_streamed, graph_entry, save_graph_streamed
 
 __all__ = ["DEFAULT_MAX_CONTEXT", "export_target", "io_names"]
 
@@ -63,16 +66,31 @@ def _dynamic_shapes(num_layers: int) -> tuple[Any, ...]:
     return ({0: batch, 1: n}, {0: batch, 1: n}, {0: batch, 2: n, 3: kv_len}, {0: batch}, cache)
 
 
-def _export_graph(decoder: TargetDecoder) -> onnx.ModelProto:
+def _placeholder_decoder(config: TargetConfig, taps: str) -> TargetDecoder:
+    """The decoder with uninitialised parameters: address space, no resident memory.
+
+    The export traces this; the weights come from the checkpoint when the graph is saved.
+    """
+    with torch.device("meta"):
+        decoder = TargetDecoder(config, taps)
+    decoder = decoder.to_empty(device="cpu")
+    decoder.rotary = RotaryEmbedding(config)  # computed from the config, not a weight
+    return decoder.eval()
+
+
+def _export_graph(checkpoint: Checkpoint, taps: str) -> tuple[ir.Model, TargetDecoder]:
+    decoder = _placeholder_decoder(checkpoint.config, taps)
     inputs, outputs = io_names(decoder.config.num_layers, decoder.taps)
-    return export_module(
+    model = export_streamed(
         decoder,
         _example_inputs(decoder),
         _dynamic_shapes(decoder.config.num_layers),
         inputs,
         outputs,
         f"the {decoder.config.family} target",
+        checkpoint.state_dict,
     )
+    return model, decoder
 
 
 def _check_request(
@@ -180,18 +198,19 @@ def export_target(
         head = load_head(drafter, checkpoint)
         taps = HEAD_TAPS[head.kind]
     taps = taps or "none"
-    decoder = TargetDecoder.from_state_dict(checkpoint.config, checkpoint.state_dict, taps)
-    _warn_on_shared_taps(decoder)
-    n_params = sum(p.numel() for p in decoder.parameters())
+    n_params = sum(math.prod(s) for s in TargetDecoder.parameter_shapes(checkpoint.config).values())
     progress(
         f"[2/5] tracing {checkpoint.config.family} target "
         f"({n_params / 1e6:.1f}M parameters, {checkpoint.config.num_layers} layers)"
     )
-    model = _export_graph(decoder)
+    model, decoder = _export_graph(checkpoint, taps)
+    _warn_on_shared_taps(decoder)
     with atomic_output_dir(output_dir, overwrite, sources) as staging:
-        progress("[3/5] writing target.onnx")
-        body = _manifest_body(checkpoint, decoder, model, max_context)
-        body["graphs"]["target"] = graph_entry(model, *save_graph(model, staging, "target"))
+        progress("[3/5] writing target.onnx, its weights streamed from the checkpoint")
+        saved = save_graph_streamed(model, staging, "target", progress)
+        del model  # the placeholder parameters' address space goes with it
+        body = _manifest_body(checkpoint, decoder, saved[0], max_context)
+        body["graphs"]["target"] = graph_entry(*saved)
         body["model"]["max_tree_tokens"] = max_tree_tokens
         if head is not None:
             from specx.export.head_export import export_head

@@ -11,6 +11,8 @@ the packed form (`specx.export.onnx_graph.export_module`).
 
 from __future__ import annotations
 
+from typing import Protocol, runtime_checkable
+
 import numpy as np
 import onnx_ir as ir
 from onnx_ir.passes import InPlacePass, PassResult
@@ -51,17 +53,35 @@ def _packable(node: ir.Node) -> bool:
     )
 
 
+@runtime_checkable
+class Concatenable(Protocol):
+    """A lazy weight that can stand for itself and others side by side, still unread."""
+
+    def concatenated(self, others: list[ir.TensorProtocol], name: str) -> ir.TensorProtocol:
+        """The weights [self, *others] along axis 1, or NotImplemented."""
+
+
+def _concatenated(tensors: list[ir.TensorProtocol], name: str) -> ir.TensorProtocol:
+    """The weights side by side; a streamed export's stay on disk until they are written."""
+    first, others = tensors[0], tensors[1:]
+    if isinstance(first, Concatenable):
+        packed = first.concatenated(others, name)
+        if packed is not NotImplemented:
+            return packed
+    return ir.tensor(np.concatenate([t.numpy() for t in tensors], axis=1), name=name)
+
+
 def _pack(graph: ir.Graph, nodes: list[ir.Node]) -> None:
-    weights = [node.inputs[1].const_value.numpy() for node in nodes]
+    tensors = [node.inputs[1].const_value for node in nodes]
     first = nodes[0]
     name = first.outputs[0].name
     packed_weight = ir.Value(
         name=f"{name}_packed_weight",
-        const_value=ir.tensor(np.concatenate(weights, axis=1), name=f"{name}_packed_weight"),
+        const_value=_concatenated(tensors, f"{name}_packed_weight"),
     )
     packed_weight.shape = packed_weight.const_value.shape
     packed_weight.type = ir.TensorType(packed_weight.const_value.dtype)
-    sizes = np.array([w.shape[1] for w in weights], dtype=np.int64)
+    sizes = np.array([t.shape[1] for t in tensors], dtype=np.int64)
     split_sizes = ir.Value(
         name=f"{name}_packed_split",
         shape=ir.Shape([len(nodes)]),

@@ -25,6 +25,7 @@ Slice, Attention; opset 24).
 from __future__ import annotations
 
 import onnx
+import onnx_ir as ir
 from onnx import helper
 
 __all__ = [
@@ -35,6 +36,7 @@ __all__ = [
     "OUTPUTS",
     "PLUGIN_VERSION",
     "attach_function",
+    "attach_function_ir",
     "function_proto",
     "node_attributes",
 ]
@@ -162,4 +164,17 @@ def attach_function(model: onnx.ModelProto) -> onnx.ModelProto:
         model.opset_import.append(helper.make_opsetid("", FUNCTION_OPSET))
     if DOMAIN not in versions:
         model.opset_import.append(helper.make_opsetid(DOMAIN, 1))
+    return model
+
+
+def attach_function_ir(model: ir.Model) -> ir.Model:
+    """`attach_function` for an onnx-ir model (one whose weights are not in memory)."""
+    function = ir.serde.deserialize_function(function_proto())
+    for key in [k for k in model.functions if k[:2] == (DOMAIN, OP_TYPE)]:
+        del model.functions[key]
+    model.functions[function.identifier()] = function
+    model.opset_imports[""] = max(model.opset_imports.get("", 0), FUNCTION_OPSET)
+    model.opset_imports.setdefault(DOMAIN, 1)
+    model.graph.opset_imports[""] = model.opset_imports[""]
+    model.graph.opset_imports.setdefault(DOMAIN, 1)
     return model
