@@ -6,8 +6,10 @@ TensorRT the version, GPU compute capability, optimization profiles and engine s
 The newest build becomes `default_build`, which the runtime opens.
 
 - `--backend ort` (the CPU default): fp32 records the exported graphs as they are; fp16
-  writes converted graphs (KV caches in fp16, logits in fp32) and checks ONNX Runtime
-  loads them.
+  writes converted graphs (KV caches in fp16, logits in fp32); int4 / int8 store every
+  MatMul weight of every graph block-quantized (`specx.graphs.weight_only`, MatMulNBits),
+  one weight at a time, so a model larger than memory builds. Each is checked to load in
+  ONNX Runtime.
 - `--backend trt`: lowers every graph to the TensorRT form, lints it against the parser's
   operator table, then builds one engine per graph with TensorRT (imported only here).
 
@@ -28,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import onnx
 import onnx_ir as ir
 
 from specx.artifact import (
@@ -38,15 +41,19 @@ from specx.artifact import (
     write_manifest,
 )
 from specx.errors import BuildError
+from specx.graphs.model_io import save_streamed
 from specx.graphs.precision import PRECISIONS, ConvertPrecisionPass
+from specx.graphs.row_invariance import RowInvariantPass
 from specx.graphs.signature import graph_signature
 from specx.graphs.trt_lint import lint_for_tensorrt
 from specx.graphs.trt_lowering import lower_for_tensorrt
+from specx.graphs.weight_only import WeightOnlyConfig, WeightOnlyQuantizePass, quantized_matmuls
 
 __all__ = ["BuildOptions", "BuildOutput", "build_artifact", "exported_entries", "publish_build"]
 
 Progress = Callable[[str], None]
 BACKENDS = ("ort", "trt")
+WEIGHT_ONLY = {"int4": 4, "int8": 8}  # ORT weight-only builds: precision -> weight bits
 
 
 @dataclass(frozen=True)
@@ -58,6 +65,7 @@ class BuildOptions:
     max_batch: int = 8
     optimization_level: int = 3
     timing_cache: Path | None = None  # TensorRT timing cache, read and updated across builds
+    weight_only: WeightOnlyConfig | None = None  # int4 / int8: how weights are quantized
 
     @property
     def name(self) -> str:
@@ -82,8 +90,13 @@ def build_artifact(
     """
     if options.backend not in BACKENDS:
         raise BuildError(f"--backend must be one of {BACKENDS}, got {options.backend!r}")
-    if options.precision not in PRECISIONS:
-        raise BuildError(f"--precision must be one of {sorted(PRECISIONS)}")
+    if options.precision not in (*PRECISIONS, *WEIGHT_ONLY):
+        raise BuildError(f"--precision must be one of {sorted(PRECISIONS) + list(WEIGHT_ONLY)}")
+    if options.precision in WEIGHT_ONLY and options.backend != "ort":
+        raise BuildError(
+            f"--precision {options.precision} is an ONNX Runtime weight-only build (MatMulNBits); "
+            "TensorRT int4/int8 goes through NVIDIA ModelOpt, which is not installed here"
+        )
     if options.backend == "ort" and options.precision == "bf16":
         raise BuildError(
             "ONNX Runtime's CPU provider has no bfloat16 kernels (MatMul, Attention); "
@@ -161,14 +174,15 @@ def _build_ort(manifest: Manifest, options: BuildOptions, output: BuildOutput, p
 
     from specx.runtime.ort_target import load_session
 
+    record: dict[str, Any] = {}
     if options.precision == "fp32":
         graphs = exported_entries(manifest)  # the exported graphs are the fp32 ORT build
     else:
         graphs = {}
         for name in manifest.data["graphs"]:
             progress(f"[ort] converting {name} to {options.precision}")
-            model = ConvertPrecisionPass(PRECISIONS[options.precision])(_load(manifest, name))
-            graphs[name] = _save(model.model, output, name)
+            model = _convert(_load(manifest, name), name, options, record)
+            graphs[name] = _save(model, output, name, progress)
             try:
                 load_session(output.staging / f"{name}.onnx")
             except Exception as e:  # onnxruntime raises untyped errors
@@ -180,7 +194,23 @@ def _build_ort(manifest: Manifest, options: BuildOptions, output: BuildOutput, p
         "precision": options.precision,
         "onnxruntime_version": ort.__version__,
         "graphs": graphs,
+        **record,
     }
+
+
+def _convert(model: ir.Model, name: str, options: BuildOptions, record: dict) -> ir.Model:
+    """The graph at the build's precision; weight-only builds add `quantization` to `record`."""
+    if options.precision in PRECISIONS:
+        return ConvertPrecisionPass(PRECISIONS[options.precision])(model).model
+    config = options.weight_only or WeightOnlyConfig(bits=WEIGHT_ONLY[options.precision])
+    WeightOnlyQuantizePass(config)(model)
+    quantization = record.setdefault("quantization", config.record())
+    quantization.setdefault("quantized_matmuls", {})[name] = quantized_matmuls(model)
+    if name == "target" and config.accuracy_level == 4:
+        # int8 activations amplify last-bit differences, as static INT8 does: the same remedy.
+        RowInvariantPass()(model)
+        quantization["greedy_identity"] = "chains"
+    return model
 
 
 def _build_trt(manifest: Manifest, options: BuildOptions, output: BuildOutput, progress: Progress):
@@ -224,11 +254,17 @@ def _load(manifest: Manifest, name: str) -> ir.Model:
     return ir.load(manifest.path(manifest.graph(name)["file"]))
 
 
-def _save(model: ir.Model, output: BuildOutput, name: str) -> dict[str, Any]:
-    """Saves `name.onnx` (+ `.data`) to the staging directory; returns its manifest entry."""
-    ir.save(model, output.staging / f"{name}.onnx", external_data=f"{name}.onnx.data")
+def _save(
+    model: ir.Model, output: BuildOutput, name: str, progress: Progress = lambda m: None
+) -> dict[str, Any]:
+    """Saves `name.onnx` (+ `.data`) to the staging directory; returns its manifest entry.
+
+    Weights are written one at a time (lazy ones, e.g. quantized, computed as they go).
+    """
+    path = output.staging / f"{name}.onnx"
+    save_streamed(model, path, f"{name}.onnx.data", progress)
     return {
         "file": f"{output.directory}/{name}.onnx",
         "data_files": [f"{output.directory}/{name}.onnx.data"],
-        **graph_signature(ir.to_proto(model)),
+        **graph_signature(onnx.load(path, load_external_data=False)),
     }

@@ -15,12 +15,9 @@ import torch
 
 from specx.errors import ExportError
 from specx.export.checkpoint import CheckpointTensors
-from specx.export.streamed_weights import (
-    FoldWeightTransposesPass,
-    bind_checkpoint_weights,
-    save_streamed,
-)
+from specx.export.streamed_weights import FoldWeightTransposesPass, bind_checkpoint_weights
 from specx.export.tree_attention_op import ONNX_TRANSLATIONS
+from specx.graphs.model_io import save_streamed
 from specx.graphs.packed_matmuls import PackSiblingMatMulsPass
 from specx.graphs.signature import graph_signature
 from specx.graphs.tree_attention import attach_function, attach_function_ir

@@ -5,30 +5,27 @@ resident memory), without the exporter's constant folding, so every weight in th
 an initializer named after its parameter. `bind_checkpoint_weights` then makes each of
 those initializers a `StreamedTensor` that knows which checkpoint tensor(s) it is computed
 from (`FoldWeightTransposesPass` turns `Transpose(weight)` into a transposed source, and
-`specx.graphs.packed_matmuls` a concatenated one), and `onnx_ir.save` writes them one at a
-time: a StreamedTensor reads its source in the stored dtype, transposes or concatenates
-there, and widens to float32 in row blocks as it writes. Peak memory is the graph plus
-about twice the largest tensor in its stored dtype, whatever the model's size.
+`specx.graphs.packed_matmuls` a concatenated one), and `specx.graphs.model_io` writes them
+one at a time: a StreamedTensor reads its source in the stored dtype, transposes or
+concatenates there, and widens to float32 in row blocks as it writes. Peak memory is the
+graph plus about twice the largest tensor in its stored dtype, whatever the model's size.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import BinaryIO
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, BinaryIO
 
 import numpy as np
 import onnx_ir as ir
 from onnx_ir.passes import InPlacePass, PassResult
 
-from specx.export.checkpoint import CheckpointTensors
 from specx.export.tensor_files import RawTensor
 
-__all__ = [
-    "FoldWeightTransposesPass",
-    "StreamedTensor",
-    "bind_checkpoint_weights",
-    "save_streamed",
-]
+if TYPE_CHECKING:
+    from specx.export.checkpoint import CheckpointTensors
+
+__all__ = ["FoldWeightTransposesPass", "StreamedTensor", "bind_checkpoint_weights"]
 
 _BLOCK_BYTES = 64 << 20
 
@@ -150,25 +147,3 @@ def _is_weight_transpose(node: ir.Node, source: ir.Value | None) -> bool:
         return False
     perm = node.attributes.get_ints("perm", None)
     return perm is None or list(perm) == [1, 0]
-
-
-def save_streamed(
-    model: ir.Model, path, data_file: str, progress: Callable[[str], None] = lambda m: None
-) -> None:
-    """Saves the graph with every initializer over 1 KiB in `data_file`, one tensor at a time."""
-    written = [0]
-
-    def report(tensor: ir.TensorProtocol, info) -> None:
-        written[0] += 1
-        if written[0] == 1 or written[0] % 20 == 0 or written[0] == info.total:
-            progress(f"  writing weights: {written[0]}/{info.total} tensors ({tensor.name})")
-
-    ir.save(
-        model,
-        path,
-        external_data=data_file,
-        size_threshold_bytes=1024,
-        callback=report,
-        max_workers=1,
-        max_in_flight_bytes=_BLOCK_BYTES,
-    )

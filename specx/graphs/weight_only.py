@@ -71,7 +71,12 @@ class _Quantized:
     """One weight's (packed, scales, zero points), computed on first use, dropped when taken."""
 
     def __init__(self, source: ir.TensorProtocol, bits: int, block_size: int, symmetric: bool):
-        self.source, self.bits, self.block_size, self.symmetric = source, bits, block_size, symmetric
+        self.source, self.bits, self.block_size, self.symmetric = (
+            source,
+            bits,
+            block_size,
+            symmetric,
+        )
         k, n = source.shape
         self.k, self.n = int(k), int(n)
         self.blocks = -(-self.k // block_size)
@@ -80,9 +85,13 @@ class _Quantized:
 
     def shapes(self) -> tuple[tuple[int, ...], ...]:
         per_byte = 8 // self.bits
-        return (self.n, self.blocks, self.blob), (self.n, self.blocks), (
-            self.n,
-            -(-self.blocks // per_byte),
+        return (
+            (self.n, self.blocks, self.blob),
+            (self.n, self.blocks),
+            (
+                self.n,
+                -(-self.blocks // per_byte),
+            ),
         )
 
     def part(self, index: int) -> np.ndarray:
@@ -102,9 +111,10 @@ class _Quantized:
         if padded != self.k:
             weight = np.pad(weight, ((0, padded - self.k), (0, 0)))
         weight = np.ascontiguousarray(weight)
-        packed, scales, zeros = (np.zeros(s, dtype=d) for s, d in zip(
-            self.shapes(), (np.uint8, np.float32, np.uint8), strict=True
-        ))
+        packed, scales, zeros = (
+            np.zeros(s, dtype=d)
+            for s, d in zip(self.shapes(), (np.uint8, np.float32, np.uint8), strict=True)
+        )
         quantize = quantize_matmul_4bits if self.bits == 4 else quantize_matmul_8bits
         quantize(packed, weight, scales, zeros, self.block_size, self.n, padded, self.symmetric)
         del weight  # a view of the source's memory map, which release() closes
