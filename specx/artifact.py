@@ -268,6 +268,15 @@ class Manifest:
         name = self.data.get("default_build")
         return None if name is None else self.data["builds"][name]
 
+    def with_build(self, name: str | None) -> Manifest:
+        """This artifact with build `name` as the default (None: the exported graphs)."""
+        if name is not None and name not in self.data.get("builds", {}):
+            raise ArtifactError(
+                f"{self.root / MANIFEST_NAME}: no build {name!r} "
+                f"(has {sorted(self.data.get('builds', {}))})"
+            )
+        return Manifest(self.root, {**self.data, "default_build": name})
+
     def runtime_graph(self, name: str) -> dict[str, Any]:
         """The entry of graph `name` in the default build, else the exported graph's."""
         build = self.build
@@ -294,20 +303,25 @@ def manifest_body(manifest: Manifest) -> dict[str, Any]:
 
 
 def write_manifest(
-    root: str | os.PathLike[str], body: dict[str, Any], exclude: tuple[str, ...] = ()
+    root: str | os.PathLike[str],
+    body: dict[str, Any],
+    exclude: tuple[str, ...] = (),
+    known: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """Hashes every file under `root` into `body["files"]` and writes `manifest.json` atomically.
 
     Files under the directories in `exclude` (relative paths) are left out: a build being
-    replaced, which is deleted once the new manifest is in place.
+    replaced, which is deleted once the new manifest is in place. `known` gives digests
+    computed while the files were written (relative path -> sha256), not read again.
 
     Returns:
         The full manifest as written.
     """
     root = Path(root)
     excluded = tuple(root / e for e in exclude)
+    known = known or {}
     files = {
-        p.relative_to(root).as_posix(): sha256_file(p)
+        p.relative_to(root).as_posix(): known.get(p.relative_to(root).as_posix()) or sha256_file(p)
         for p in sorted(root.rglob("*"))
         if p.is_file()
         and p.name != MANIFEST_NAME

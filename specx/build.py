@@ -25,7 +25,7 @@ import shutil
 import tempfile
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -47,7 +47,13 @@ from specx.graphs.row_invariance import RowInvariantPass
 from specx.graphs.signature import graph_signature
 from specx.graphs.trt_lint import lint_for_tensorrt
 from specx.graphs.trt_lowering import lower_for_tensorrt
-from specx.graphs.weight_only import WeightOnlyConfig, WeightOnlyQuantizePass, quantized_matmuls
+from specx.graphs.weight_only import (
+    Quantizer,
+    WeightOnlyConfig,
+    WeightOnlyQuantizePass,
+    quantized_matmuls,
+    rtn,
+)
 
 __all__ = ["BuildOptions", "BuildOutput", "build_artifact", "exported_entries", "publish_build"]
 
@@ -77,21 +83,28 @@ def build_artifact(
     artifact_dir: str | os.PathLike[str],
     options: BuildOptions,
     progress: Progress = lambda message: None,
+    prompts: Sequence[Sequence[int]] = (),
 ) -> str:
     """Builds `options.backend` for the artifact and makes it the default build.
 
     Returns:
         The build's name.
 
+    `prompts` are calibration prompts (token ids) for a GPTQ weight-only build.
+
     Raises:
         BuildError: unknown backend or precision, a precision the backend cannot run,
-            lint failures, or TensorRT / a GPU missing for `--backend trt`.
+            GPTQ without prompts, lint failures, or TensorRT / a GPU missing for
+            `--backend trt`.
         ArtifactError: the artifact does not verify.
     """
     if options.backend not in BACKENDS:
         raise BuildError(f"--backend must be one of {BACKENDS}, got {options.backend!r}")
     if options.precision not in (*PRECISIONS, *WEIGHT_ONLY):
         raise BuildError(f"--precision must be one of {sorted(PRECISIONS) + list(WEIGHT_ONLY)}")
+    method = options.weight_only.method if options.weight_only else "rtn"
+    if method == "gptq" and not prompts:
+        raise BuildError("a GPTQ build needs calibration prompts (--prompts FILE)")
     if options.precision in WEIGHT_ONLY and options.backend != "ort":
         raise BuildError(
             f"--precision {options.precision} is an ONNX Runtime weight-only build (MatMulNBits); "
@@ -109,7 +122,7 @@ def build_artifact(
     output = BuildOutput.fresh(options.name, staging)
     try:
         if options.backend == "ort":
-            record = _build_ort(manifest, options, output, progress)
+            record = _build_ort(manifest, options, output, progress, prompts)
         else:
             record = _build_trt(manifest, options, output, progress)
         publish_build(manifest, options.name, output, record)
@@ -169,7 +182,13 @@ def publish_build(manifest: Manifest, name: str, output: BuildOutput, record: di
         shutil.rmtree(root / previous, ignore_errors=True)
 
 
-def _build_ort(manifest: Manifest, options: BuildOptions, output: BuildOutput, progress: Progress):
+def _build_ort(
+    manifest: Manifest,
+    options: BuildOptions,
+    output: BuildOutput,
+    progress: Progress,
+    prompts: Sequence[Sequence[int]],
+):
     import onnxruntime as ort
 
     from specx.runtime.ort_target import load_session
@@ -181,7 +200,8 @@ def _build_ort(manifest: Manifest, options: BuildOptions, output: BuildOutput, p
         graphs = {}
         for name in manifest.data["graphs"]:
             progress(f"[ort] converting {name} to {options.precision}")
-            model = _convert(_load(manifest, name), name, options, record)
+            quantizer = _quantizer(manifest, name, options, prompts, progress)
+            model = _convert(_load(manifest, name), name, options, record, quantizer)
             graphs[name] = _save(model, output, name, progress)
             try:
                 load_session(output.staging / f"{name}.onnx")
@@ -198,12 +218,32 @@ def _build_ort(manifest: Manifest, options: BuildOptions, output: BuildOutput, p
     }
 
 
-def _convert(model: ir.Model, name: str, options: BuildOptions, record: dict) -> ir.Model:
+def _quantizer(
+    manifest: Manifest,
+    name: str,
+    options: BuildOptions,
+    prompts: Sequence[Sequence[int]],
+    progress: Progress,
+) -> Quantizer:
+    """RTN, or GPTQ on the target with Hessians from the prompts' prefill (heads: RTN)."""
+    if options.weight_only is None or options.weight_only.method != "gptq" or name != "target":
+        return rtn
+    from specx.calibration.gptq import collect_hessians, gptq_quantizer
+
+    progress(f"[ort] collecting GPTQ input statistics on {len(prompts)} prompts")
+    entry = manifest.graph(name)
+    hessians = collect_hessians(manifest.path(entry["file"]), entry["inputs"], prompts)
+    return gptq_quantizer(hessians)
+
+
+def _convert(
+    model: ir.Model, name: str, options: BuildOptions, record: dict, quantizer: Quantizer
+) -> ir.Model:
     """The graph at the build's precision; weight-only builds add `quantization` to `record`."""
     if options.precision in PRECISIONS:
         return ConvertPrecisionPass(PRECISIONS[options.precision])(model).model
     config = options.weight_only or WeightOnlyConfig(bits=WEIGHT_ONLY[options.precision])
-    WeightOnlyQuantizePass(config)(model)
+    WeightOnlyQuantizePass(config, quantizer)(model)
     quantization = record.setdefault("quantization", config.record())
     quantization.setdefault("quantized_matmuls", {})[name] = quantized_matmuls(model)
     if name == "target" and config.accuracy_level == 4:

@@ -13,7 +13,8 @@ from specx.errors import BuildError
 __all__ = ["COMMANDS", "build", "lint", "pack", "verify"]
 
 _ARTIFACT = click.Path(exists=True, file_okay=False, path_type=Path)
-_PRECISION = click.Choice(["fp32", "fp16", "bf16"])
+_PRECISION = click.Choice(["fp32", "fp16", "bf16"])  # what lint lowers to
+_WEIGHT_OPTIONS = ("block_size", "asymmetric", "accuracy_level", "lm_head_bits")
 
 
 @click.command()
@@ -60,7 +61,36 @@ def lint(artifact_dir: Path, lint_target: str, precision: str, as_json: bool) ->
 @click.command()
 @click.argument("artifact_dir", type=_ARTIFACT)
 @click.option("--backend", type=click.Choice(["ort", "trt"]), default="ort", show_default=True)
-@click.option("--precision", type=_PRECISION, default="fp32", show_default=True)
+@click.option(
+    "--precision",
+    type=click.Choice(["fp32", "fp16", "bf16", "int4", "int8"]),
+    default="fp32",
+    show_default=True,
+    help="int4/int8: weight-only MatMulNBits (ONNX Runtime), activations stay float.",
+)
+@click.option(
+    "--block-size",
+    type=click.Choice(["16", "32", "64", "128", "256"]),
+    default="32",
+    show_default=True,
+    help="int4/int8: weights per quantization block (along the input dimension).",
+)
+@click.option("--asymmetric", is_flag=True, help="int4/int8: a zero point per block too.")
+@click.option(
+    "--accuracy-level",
+    type=click.Choice(["0", "4"]),
+    default="4",
+    show_default=True,
+    help="int4/int8: MatMulNBits compute; 4 = int8 activations (fast; greedy identity for "
+    "chains only, as INT8), 0 = float.",
+)
+@click.option(
+    "--lm-head-bits",
+    type=click.Choice(["0", "4", "8"]),
+    default="8",
+    show_default=True,
+    help="int4/int8: bits of the output projection (lm_head, head logits); 0 = float32.",
+)
 @click.option(
     "--max-batch", type=POSITIVE, default=8, show_default=True, help="TensorRT: largest batch."
 )
@@ -83,22 +113,42 @@ def build(
     artifact_dir: Path,
     backend: str,
     precision: str,
+    block_size: str,
+    asymmetric: bool,
+    accuracy_level: str,
+    lm_head_bits: str,
     max_batch: int,
     optimization_level: int,
     timing_cache: Path | None,
 ) -> None:
     """Build ARTIFACT_DIR for a backend and make that build the one the runtime uses.
 
-    ort (CPU default): fp32 records the exported graphs, fp16 writes converted graphs.
+    ort (CPU default): fp32 records the exported graphs, fp16 writes converted graphs,
+    int4/int8 store every MatMul weight block-quantized (MatMulNBits).
     trt: lowers, lints and builds one TensorRT engine per graph (needs TensorRT and a GPU).
     """
     trt_only = passed(ctx, "max_batch", "optimization_level", "timing_cache")
     if backend != "trt" and trt_only:
         raise BuildError(only_applies(trt_only, "--backend trt"))
+    weight_options = passed(ctx, *_WEIGHT_OPTIONS)
+    if precision not in ("int4", "int8") and weight_options:
+        raise BuildError(only_applies(weight_options, "--precision int4 and int8"))
     require_extra("build")
     from specx.build import BuildOptions, build_artifact
+    from specx.graphs.weight_only import WeightOnlyConfig
 
-    options = BuildOptions(backend, precision, max_batch, optimization_level, timing_cache)
+    weight_only = None
+    if precision in ("int4", "int8"):
+        weight_only = WeightOnlyConfig(
+            bits=int(precision[3:]),
+            block_size=int(block_size),
+            symmetric=not asymmetric,
+            accuracy_level=int(accuracy_level),
+            output_bits=int(lm_head_bits),
+        )
+    options = BuildOptions(
+        backend, precision, max_batch, optimization_level, timing_cache, weight_only
+    )
     build_artifact(artifact_dir, options, progress=progress)
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,10 +58,17 @@ class CheckpointTensors(Mapping[str, torch.Tensor]):
         """The stored tensor behind `key`."""
         return self._aliases.get(key, key)
 
-    def raw(self, key: str) -> RawTensor:
-        """The tensor in its stored dtype."""
+    def raw(self, key: str, buffer: bytearray | None = None) -> RawTensor:
+        """The tensor in its stored dtype (read into `buffer`, if given, which it must fit)."""
         stored = self.source_key(key)
-        return self._files[stored].read(stored)
+        return self._files[stored].read(stored, buffer)
+
+    def nbytes(self, key: str) -> int:
+        """Bytes of the stored tensor, without reading it."""
+        stored = self.source_key(key)
+        source = self._files[stored]
+        itemsize = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}[source.dtype(stored)]
+        return itemsize * math.prod(source.shape(stored))
 
     def __getitem__(self, key: str) -> torch.Tensor:
         if key not in self:

@@ -137,11 +137,16 @@ def export_streamed(
 
 def save_graph_streamed(
     model: ir.Model, directory: Path, name: str, progress: Callable[[str], None]
-) -> tuple[onnx.ModelProto, str, str]:
-    """Saves `name.onnx` + `name.onnx.data` tensor by tensor; returns the graph (no weights)."""
+) -> tuple[onnx.ModelProto, str, str, str]:
+    """Saves `name.onnx` + `name.onnx.data` tensor by tensor.
+
+    Returns:
+        The graph (without weights), both file names, and the data file's sha256.
+    """
     graph_file, data_file = f"{name}.onnx", f"{name}.onnx.data"
-    save_streamed(model, directory / graph_file, data_file, progress)
-    return onnx.load(directory / graph_file, load_external_data=False), graph_file, data_file
+    digest = save_streamed(model, directory / graph_file, data_file, progress)
+    graph = onnx.load(directory / graph_file, load_external_data=False)
+    return graph, graph_file, data_file, digest
 
 
 def save_graph(model: onnx.ModelProto, directory: Path, name: str) -> tuple[str, str]:

@@ -28,6 +28,58 @@ if TYPE_CHECKING:
 __all__ = ["FoldWeightTransposesPass", "StreamedTensor", "bind_checkpoint_weights"]
 
 _BLOCK_BYTES = 64 << 20
+_TILE = 128
+
+
+class _Scratch:
+    """One float32 buffer reused for every block written.
+
+    Fresh arrays per block cost more in page faults than the conversion itself (measured:
+    0.33 s to widen a fresh 8192 x 2048 bf16 matrix, 0.02 s into a reused buffer).
+    """
+
+    def __init__(self) -> None:
+        self._buffer = np.empty(0, dtype=np.float32)
+        self._raw = bytearray()
+
+    def rows(self, count: int, width: int) -> np.ndarray:
+        """A float32 block [count, width] (overwritten by the next call)."""
+        if self._buffer.size < count * width:
+            self._buffer = np.empty(count * width, dtype=np.float32)
+        return self._buffer[: count * width].reshape(count, width)
+
+    def raw(self, sizes: Sequence[int]) -> list[memoryview]:
+        """Byte buffers of `sizes` for the stored tensors being written (reused)."""
+        if len(self._raw) < sum(sizes):
+            self._raw = bytearray(sum(sizes))
+        views, start = [], 0
+        for size in sizes:
+            views.append(memoryview(self._raw)[start : start + size])
+            start += size
+        return views
+
+
+def _widen(out: np.ndarray, source: np.ndarray, dtype: str) -> None:
+    if dtype == "BF16":
+        np.left_shift(source, 16, out=out.view(np.uint32), dtype=np.uint32, casting="unsafe")
+    else:
+        out[...] = source
+
+
+def _widen_into(out: np.ndarray, source: np.ndarray, dtype: str) -> None:
+    """Writes `source` (stored dtype) into float32 `out` without temporaries.
+
+    A transposed source (a view whose rows are columns in memory) is copied in 128 x 128
+    tiles that fit the cache: 3x faster than numpy's strided copy (measured on a
+    2048 x 8192 bf16 weight: 0.05 s vs 0.15 s).
+    """
+    if source.ndim != 2 or source.strides[0] >= source.strides[1]:
+        _widen(out, source, dtype)
+        return
+    for i in range(0, source.shape[0], _TILE):
+        for j in range(0, source.shape[1], _TILE):
+            tile = (slice(i, i + _TILE), slice(j, j + _TILE))
+            _widen(out[tile], source[tile], dtype)
 
 
 class StreamedTensor(ir.LazyTensor):
@@ -37,6 +89,8 @@ class StreamedTensor(ir.LazyTensor):
     key is the common case.
     """
 
+    writes_blocks = True  # specx.graphs.model_io: call tofile() rather than tobytes()
+
     def __init__(
         self,
         tensors: CheckpointTensors,
@@ -44,31 +98,41 @@ class StreamedTensor(ir.LazyTensor):
         transposed: bool,
         shape: Sequence[int],
         name: str,
+        scratch: _Scratch | None = None,
     ):
         self.tensors, self.keys, self.is_transposed = tensors, tuple(keys), transposed
+        self.scratch = scratch or _Scratch()
         super().__init__(
-            lambda: ir.tensor(self.raw().float32(), name=name),
+            lambda: ir.tensor(self._float32(), name=name),
             dtype=ir.DataType.FLOAT,
             shape=ir.Shape(list(shape)),
             name=name,
         )
 
-    def raw(self) -> RawTensor:
-        """The values in the stored dtype, transposed and concatenated as the graph needs."""
-        parts = [self.tensors.raw(key) for key in self.keys]
+    def _parts(self, reuse: bool = False) -> list[RawTensor]:
+        """The stored tensors, 2D views as the graph sees them (transposed where needed).
+
+        `reuse`: read into the scratch's byte buffers (valid until the next call).
+        """
+        buffers = [None] * len(self.keys)
+        if reuse:
+            buffers = self.scratch.raw([self.tensors.nbytes(key) for key in self.keys])
+        parts = [self.tensors.raw(k, b) for k, b in zip(self.keys, buffers, strict=True)]
         if self.is_transposed:
-            parts = [p.map(lambda a: np.ascontiguousarray(a.T)) for p in parts]
-        if len(parts) == 1:
-            return parts[0]
-        if len({p.dtype for p in parts}) > 1:
-            parts = [RawTensor(p.float32(), "F32") for p in parts]
-        return RawTensor(np.concatenate([p.array for p in parts], axis=1), parts[0].dtype)
+            parts = [p.map(lambda a: a.T) for p in parts]
+        return parts
+
+    def _float32(self) -> np.ndarray:
+        parts = [p.float32() for p in self._parts()]
+        return parts[0] if len(parts) == 1 else np.concatenate(parts, axis=1)
 
     def transposed(self, name: str) -> StreamedTensor:
         """This 2D weight transposed (a `Transpose` node folded away)."""
         assert len(self.keys) == 1 and len(self.shape) == 2
         shape = (self.shape[1], self.shape[0])
-        return StreamedTensor(self.tensors, self.keys, not self.is_transposed, shape, name)
+        return StreamedTensor(
+            self.tensors, self.keys, not self.is_transposed, shape, name, self.scratch
+        )
 
     def concatenated(self, others: Sequence[ir.TensorProtocol], name: str):
         """This 2D weight and `others` side by side along axis 1 (packed sibling MatMuls).
@@ -86,16 +150,26 @@ class StreamedTensor(ir.LazyTensor):
             return NotImplemented
         keys = [key for p in parts for key in p.keys]
         shape = (self.shape[0], sum(p.shape[1] for p in parts))
-        return StreamedTensor(self.tensors, keys, self.is_transposed, shape, name)
+        return StreamedTensor(self.tensors, keys, self.is_transposed, shape, name, self.scratch)
 
     def tofile(self, file: BinaryIO) -> None:
-        """Writes the float32 bytes in row blocks (onnx_ir's writer calls this)."""
-        raw = self.raw()
-        array = raw.array.reshape(raw.array.shape[0], -1) if raw.array.ndim else raw.array
-        rows = max(1, _BLOCK_BYTES // max(4 * int(np.prod(array.shape[1:])), 1))
-        for start in range(0, max(len(array), 1), rows):
-            block = RawTensor(array[start : start + rows], raw.dtype).float32()
-            file.write(memoryview(np.ascontiguousarray(block)).cast("B"))
+        """Writes the float32 bytes in row blocks through the shared scratch buffers."""
+        parts = self._parts(reuse=True)
+        arrays = [
+            p.array.reshape(p.array.shape[0], -1) if p.array.ndim else p.array.reshape(1, 1)
+            for p in parts
+        ]
+        rows, width = arrays[0].shape[0], sum(a.shape[1] for a in arrays)
+        step = max(1, _BLOCK_BYTES // (4 * width))
+        for start in range(0, rows, step):
+            stop = min(start + step, rows)
+            block = self.scratch.rows(stop - start, width)
+            column = 0
+            for part, array in zip(parts, arrays, strict=True):
+                columns = array.shape[1]
+                _widen_into(block[:, column : column + columns], array[start:stop], part.dtype)
+                column += columns
+            file.write(memoryview(block).cast("B"))
 
 
 def bind_checkpoint_weights(model: ir.Model, tensors: CheckpointTensors) -> int:
@@ -104,11 +178,13 @@ def bind_checkpoint_weights(model: ir.Model, tensors: CheckpointTensors) -> int:
     Returns:
         How many initializers were bound.
     """
-    bound = 0
+    bound, scratch = 0, _Scratch()
     for value in model.graph.initializers.values():
         if value.name in tensors and value.const_value is not None:
             shape = tuple(value.const_value.shape)
-            value.const_value = StreamedTensor(tensors, [value.name], False, shape, value.name)
+            value.const_value = StreamedTensor(
+                tensors, [value.name], False, shape, value.name, scratch
+            )
             bound += 1
     return bound
 

@@ -4,10 +4,14 @@ A CPU decode step is bound by the bytes of weights it streams (design notes, sec
 a 1.5B model decodes 4.3x faster from onnxruntime-genai's int4 build than from fp32), so the
 weights are stored in 4 or 8 bits while activations stay float. Rule, per MatMul weight W
 [K, N]: each column is cut into blocks of `block_size` along K; a block's values are
-stored as round-to-nearest integers times one float scale (symmetric: zero point 2^(bits-1);
-otherwise a per-block zero point too). The integers, scales and zero points are computed by
-ONNX Runtime's own kernels (`quantize_matmul_4bits` / `quantize_matmul_8bits`, what its
-`MatMulNBitsQuantizer` RTN mode calls), so the graph means what ORT's quantizer would write.
+stored as integers q times one float scale, value = (q - z) * scale. Symmetric (the
+default): z = 2^(bits-1) and scale = v / -2^(bits-1) for the block's value v of largest
+magnitude, so v is exactly representable (ONNX Runtime's own quantizer's rule;
+`tests/test_weight_only.py` checks our bytes equal its `quantize_matmul_4bits/8bits`).
+Asymmetric: scale = (max - min) / (2^bits - 1) and a per-block zero point. The integers come
+from round-to-nearest (RTN) or, given the Hessian of a MatMul's inputs on calibration
+prompts, from GPTQ (`specx.calibration.gptq`), which rounds one input row at a time and
+pushes each row's error onto the rows not yet rounded.
 
 `accuracy_level` is MatMulNBits' compute type: 0 leaves it unset (float compute), 4 quantizes
 each activation block to int8 on the fly and multiplies in int8 (fastest on AVX-512 VNNI /
@@ -24,13 +28,24 @@ weight's memory map is released after it, so building a model larger than memory
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import onnx_ir as ir
 from onnx_ir.passes import InPlacePass, PassResult
 
-__all__ = ["WeightOnlyConfig", "WeightOnlyQuantizePass", "quantized_matmuls"]
+__all__ = [
+    "BlockQuantized",
+    "Quantizer",
+    "WeightOnlyConfig",
+    "WeightOnlyQuantizePass",
+    "block_codes",
+    "block_scales",
+    "quantize_rtn",
+    "quantized_matmuls",
+    "rtn",
+]
 
 MS_DOMAIN = "com.microsoft"
 
@@ -44,6 +59,7 @@ class WeightOnlyConfig:
     symmetric: bool = True
     accuracy_level: int = 4  # 0: float compute; 4: int8 activations (see module docstring)
     output_bits: int = 8  # the output projection (lm_head); 0 keeps it float32
+    method: str = "rtn"  # or "gptq" (needs calibration prompts)
 
     def __post_init__(self) -> None:
         if self.bits not in (4, 8):
@@ -54,11 +70,13 @@ class WeightOnlyConfig:
             raise ValueError(f"block_size must be 16, 32, 64, 128 or 256, got {self.block_size}")
         if self.accuracy_level not in (0, 1, 2, 3, 4):
             raise ValueError(f"accuracy_level must be in 0..4, got {self.accuracy_level}")
+        if self.method not in ("rtn", "gptq"):
+            raise ValueError(f"method must be rtn or gptq, got {self.method!r}")
 
     def record(self) -> dict:
         """The manifest's description of the build's quantization."""
         return {
-            "method": "rtn",
+            "method": self.method,
             "bits": self.bits,
             "block_size": self.block_size,
             "symmetric": self.symmetric,
@@ -67,32 +85,116 @@ class WeightOnlyConfig:
         }
 
 
-class _Quantized:
-    """One weight's (packed, scales, zero points), computed on first use, dropped when taken."""
+@dataclass(frozen=True)
+class BlockQuantized:
+    """A weight [K, N] in MatMulNBits' layout: value = (code - zero) * scale per block.
 
-    def __init__(self, source: ir.TensorProtocol, bits: int, block_size: int, symmetric: bool):
-        self.source, self.bits, self.block_size, self.symmetric = (
-            source,
-            bits,
-            block_size,
-            symmetric,
-        )
+    codes [N, blocks, block_size] uint8 in [0, 2^bits); scales [N, blocks] float32;
+    zero_points [N, blocks] uint8, or None for symmetric (zero = 2^(bits-1)).
+    """
+
+    codes: np.ndarray
+    scales: np.ndarray
+    zero_points: np.ndarray | None
+    bits: int
+
+    def dequantize(self) -> np.ndarray:
+        """The float32 weight [blocks * block_size, N] (padded rows included) it stands for."""
+        zero = 2 ** (self.bits - 1) if self.zero_points is None else self.zero_points[..., None]
+        values = (self.codes.astype(np.float32) - zero) * self.scales[..., None]
+        return values.reshape(values.shape[0], -1).T
+
+    def packed(self) -> np.ndarray:
+        """B [N, blocks, block_size * bits / 8]: 4-bit codes two per byte, low nibble first."""
+        if self.bits == 8:
+            return self.codes
+        return (self.codes[..., 0::2] | (self.codes[..., 1::2] << 4)).astype(np.uint8)
+
+    def packed_zero_points(self) -> np.ndarray:
+        """zero_points [N, ceil(blocks * bits / 8)]: 4-bit ones two per byte along blocks."""
+        zeros = self.zero_points
+        if self.bits == 8:
+            return zeros
+        if zeros.shape[1] % 2:
+            zeros = np.pad(zeros, ((0, 0), (0, 1)), constant_values=8)
+        return (zeros[:, 0::2] | (zeros[:, 1::2] << 4)).astype(np.uint8)
+
+
+def block_scales(
+    block: np.ndarray, bits: int, symmetric: bool
+) -> tuple[np.ndarray, np.ndarray | None]:
+    """Scale (and zero point) per column of `block` [rows, N] (see the module docstring)."""
+    if symmetric:
+        largest = np.take_along_axis(block, np.abs(block).argmax(0)[None], 0)[0]
+        scales = largest / -(2 ** (bits - 1))
+        return np.where(scales == 0, 1.0, scales).astype(np.float32), None
+    low, high = np.minimum(block.min(0), 0), np.maximum(block.max(0), 0)
+    scales = (high - low) / (2**bits - 1)
+    scales = np.where(scales == 0, 1.0, scales).astype(np.float32)
+    zeros = np.clip(np.round(-low / scales), 0, 2**bits - 1).astype(np.uint8)
+    return scales, zeros
+
+
+def block_codes(
+    rows: np.ndarray, scales: np.ndarray, zeros: np.ndarray | None, bits: int
+) -> np.ndarray:
+    """Round-to-nearest codes of `rows` [r, N] under per-column scales and zero points."""
+    zero = 2 ** (bits - 1) if zeros is None else zeros
+    codes = np.round(rows / scales) + zero
+    return np.clip(codes, 0, 2**bits - 1).astype(np.uint8)
+
+
+def quantize_rtn(weight: np.ndarray, bits: int, block_size: int, symmetric: bool) -> BlockQuantized:
+    """Round-to-nearest block quantization of `weight` [K, N] (K padded to whole blocks)."""
+    k, n = weight.shape
+    blocks = -(-k // block_size)
+    padded = np.zeros((blocks * block_size, n), dtype=np.float32)
+    padded[:k] = weight
+    codes = np.empty((n, blocks, block_size), dtype=np.uint8)
+    scales = np.empty((n, blocks), dtype=np.float32)
+    zero_points = None if symmetric else np.empty((n, blocks), dtype=np.uint8)
+    for b in range(blocks):
+        rows = padded[b * block_size : (b + 1) * block_size]
+        scale, zeros = block_scales(rows, bits, symmetric)
+        codes[:, b] = block_codes(rows, scale, zeros, bits).T
+        scales[:, b] = scale
+        if zero_points is not None:
+            zero_points[:, b] = zeros
+    return BlockQuantized(codes, scales, zero_points, bits)
+
+
+# quantize(weight [K, N] float32, bits, block_size, symmetric, input name) -> BlockQuantized
+Quantizer = Callable[[np.ndarray, int, int, bool, str], BlockQuantized]
+
+
+def rtn(weight: np.ndarray, bits: int, block_size: int, symmetric: bool, name: str):
+    """The `Quantizer` of round-to-nearest (the input is not needed)."""
+    return quantize_rtn(weight, bits, block_size, symmetric)
+
+
+class _Quantized:
+    """One weight's MatMulNBits tensors, computed on first use and dropped once all are taken."""
+
+    def __init__(
+        self,
+        source: ir.TensorProtocol,
+        bits: int,
+        config: WeightOnlyConfig,
+        quantizer: Quantizer,
+        input_name: str,
+    ):
+        self.source, self.bits, self.config = source, bits, config
+        self.quantizer, self.input_name = quantizer, input_name
         k, n = source.shape
         self.k, self.n = int(k), int(n)
-        self.blocks = -(-self.k // block_size)
-        self.blob = block_size * bits // 8
+        self.blocks = -(-self.k // config.block_size)
         self._parts: list[np.ndarray | None] | None = None
 
     def shapes(self) -> tuple[tuple[int, ...], ...]:
         per_byte = 8 // self.bits
-        return (
-            (self.n, self.blocks, self.blob),
-            (self.n, self.blocks),
-            (
-                self.n,
-                -(-self.blocks // per_byte),
-            ),
-        )
+        blob = self.config.block_size * self.bits // 8
+        zero_bytes = -(-self.blocks // per_byte)
+        return (self.n, self.blocks, blob), (self.n, self.blocks), (self.n, zero_bytes)
 
     def part(self, index: int) -> np.ndarray:
         if self._parts is None or self._parts[index] is None:
@@ -104,25 +206,18 @@ class _Quantized:
         return value
 
     def _compute(self) -> tuple[np.ndarray, ...]:
-        from onnxruntime.capi._pybind_state import quantize_matmul_4bits, quantize_matmul_8bits
-
         weight = np.asarray(self.source.numpy(), dtype=np.float32)
-        padded = self.blocks * self.block_size
-        if padded != self.k:
-            weight = np.pad(weight, ((0, padded - self.k), (0, 0)))
-        weight = np.ascontiguousarray(weight)
-        packed, scales, zeros = (
-            np.zeros(s, dtype=d)
-            for s, d in zip(self.shapes(), (np.uint8, np.float32, np.uint8), strict=True)
+        config = self.config
+        quantized = self.quantizer(
+            weight, self.bits, config.block_size, config.symmetric, self.input_name
         )
-        quantize = quantize_matmul_4bits if self.bits == 4 else quantize_matmul_8bits
-        quantize(packed, weight, scales, zeros, self.block_size, self.n, padded, self.symmetric)
         del weight  # a view of the source's memory map, which release() closes
         release = getattr(self.source, "release", None)
         if release is not None:
             with contextlib.suppress(BufferError):  # another view is alive: keep the map
                 release()  # an external tensor's memory map: its pages no longer count
-        return packed, scales, zeros
+        zeros = None if quantized.zero_points is None else quantized.packed_zero_points()
+        return quantized.packed(), quantized.scales, zeros
 
 
 def _lazy(quantized: _Quantized, index: int, dtype: ir.DataType, name: str) -> ir.Value:
@@ -137,11 +232,15 @@ def _lazy(quantized: _Quantized, index: int, dtype: ir.DataType, name: str) -> i
 
 
 class WeightOnlyQuantizePass(InPlacePass):
-    """Replaces every MatMul with a constant 2D float32 weight by MatMulNBits."""
+    """Replaces every MatMul with a constant 2D float32 weight by MatMulNBits.
 
-    def __init__(self, config: WeightOnlyConfig):
+    `quantizer` computes each weight's codes when the graph is saved (default: RTN; a GPTQ
+    quantizer looks its input's Hessian up by the MatMul input's name).
+    """
+
+    def __init__(self, config: WeightOnlyConfig, quantizer: Quantizer = rtn):
         super().__init__()
-        self.config = config
+        self.config, self.quantizer = config, quantizer
 
     def call(self, model: ir.Model) -> PassResult:  # noqa: D102
         graph, outputs = model.graph, set(map(id, model.graph.outputs))
@@ -153,7 +252,7 @@ class WeightOnlyQuantizePass(InPlacePass):
             is_output = any(id(v) in outputs for v in node.outputs)
             bits = self.config.output_bits if is_output else self.config.bits
             if bits:
-                _replace(graph, node, weight, bits, self.config)
+                _replace(graph, node, weight, bits, self.config, self.quantizer)
                 changed += 1
         if changed:
             model.opset_imports.setdefault(MS_DOMAIN, 1)
@@ -174,9 +273,14 @@ def _quantizable(node: ir.Node, weight: ir.Value | None) -> bool:
 
 
 def _replace(
-    graph: ir.Graph, node: ir.Node, weight: ir.Value, bits: int, config: WeightOnlyConfig
+    graph: ir.Graph,
+    node: ir.Node,
+    weight: ir.Value,
+    bits: int,
+    config: WeightOnlyConfig,
+    quantizer: Quantizer,
 ) -> None:
-    quantized = _Quantized(weight.const_value, bits, config.block_size, config.symmetric)
+    quantized = _Quantized(weight.const_value, bits, config, quantizer, node.inputs[0].name)
     base = weight.name or node.name
     inputs = [
         node.inputs[0],

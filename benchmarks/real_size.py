@@ -1,0 +1,158 @@
+"""Real-size model on this CPU: export and build cost, then plain decoding vs onnxruntime-genai.
+
+On the random-weight Llama-3.2-1B-shaped checkpoint (benchmarks/real_size_checkpoint.py,
+1.5B parameters, bf16), 2 threads:
+
+1. wall time and peak RSS (of the child process) of `specx export`, `specx build --precision
+   int4 / int8` and onnxruntime-genai's builder at fp32 and int4, and each output's size;
+2. plain greedy decoding, both runtimes in this process on the same weights, interleaved
+   prompt by prompt, fastest of `--repeats` per prompt, decode ms/token (tokens after the
+   first) and total ms/token reported apart (benchmarks/runners.py): specx fp32 vs genai
+   fp32, specx int4 vs genai int4 (specx with its int8 lm_head default and with an int4
+   lm_head like genai's), specx int8.
+
+    python benchmarks/real_size.py [--work DIR] [--prompts 4] [--new-tokens 64]
+
+Writes benchmarks/results/real_size.json. Random weights give near-uniform logits, so two
+correct runtimes can part at near-ties: tokens are compared, not required equal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import platform
+import shutil
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from real_size_checkpoint import write as write_checkpoint  # noqa: E402
+from runners import (  # noqa: E402
+    GenaiPlain,
+    SpecxPlain,
+    directory_gb,
+    interleave,
+    measured_run,
+)
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def step(name: str, command: list[str], results: dict) -> None:
+    log(f"{name}: {' '.join(command)}")
+    measured = measured_run(command)
+    if measured.returncode != 0:
+        raise SystemExit(f"{name} failed:\n{measured.stderr_tail}")
+    results[name] = {"seconds": measured.seconds, "peak_rss_gb": measured.peak_rss_gb}
+    log(f"  {measured.seconds:.1f}s, peak RSS {measured.peak_rss_gb:.2f} GB")
+
+
+def genai_build(checkpoint: Path, out: Path, precision: str, work: Path, results: dict) -> None:
+    shutil.rmtree(out, ignore_errors=True)
+    command = [
+        sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(checkpoint),
+        "-o", str(out), "-p", precision, "-e", "cpu", "-c", str(work / "genai-cache"),
+    ]  # fmt: skip
+    step(f"genai builder {precision}", command, results)
+    results[f"genai builder {precision}"]["size_gb"] = directory_gb(out)
+
+
+def compare(runners: dict, prompts, args) -> dict:
+    summaries = interleave(runners, prompts, args.new_tokens, args.repeats)
+    names = list(summaries)
+    report = {name: s.report(args.new_tokens) for name, s in summaries.items()}
+    first = summaries[names[0]].tokens
+    for name in names[1:]:
+        same = sum(a == b for a, b in zip(first, summaries[name].tokens, strict=True))
+        report[name][f"prompts_identical_to_{names[0]}"] = f"{same}/{len(first)}"
+    for name, row in report.items():
+        log(
+            f"  {name}: decode {row['decode_ms_per_token']:.2f} ms/token, "
+            f"total {row['total_ms_per_token']:.2f}"
+        )
+    return report
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--work", type=Path, default=Path.home() / ".cache/specx/real-size")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--prompts", type=int, default=4)
+    parser.add_argument("--prompt-tokens", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/real_size.json"))
+    args = parser.parse_args()
+    work = args.work
+    checkpoint, artifact = work / "checkpoint", work / "artifact"
+    if not (checkpoint / "model.safetensors").is_file():
+        log(f"writing the 1B-shaped checkpoint to {checkpoint}")
+        write_checkpoint(checkpoint)
+    costs: dict = {}
+    specx = [sys.executable, "-m", "specx.cli"]
+    shutil.rmtree(artifact, ignore_errors=True)
+    step("specx export", [*specx, "export", str(checkpoint), "-o", str(artifact),
+                          "--max-context", "1024"], costs)  # fmt: skip
+    costs["specx export"]["size_gb"] = directory_gb(artifact)
+    genai_build(checkpoint, work / "genai-fp32", "fp32", work, costs)
+    genai_build(checkpoint, work / "genai-int4", "int4", work, costs)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(1, 4096, args.prompt_tokens).tolist() for _ in range(args.prompts)]
+    speed: dict = {}
+
+    log("plain decoding, fp32")
+    speed["fp32"] = compare(
+        {
+            "specx fp32": SpecxPlain(artifact, None, args.threads),
+            "genai fp32": GenaiPlain(work / "genai-fp32", args.threads),
+        },
+        prompts,
+        args,
+    )
+    gc.collect()
+    builds = [
+        ("int8", "int8", []),
+        ("int4, int4 lm_head", "int4", ["--lm-head-bits", "4"]),
+        ("int4", "int4", []),
+    ]
+    for label, precision, extra in builds:
+        name = f"specx build {label}"
+        step(name, [*specx, "build", str(artifact), "--precision", precision, *extra], costs)
+        build_dir = next((artifact / "builds").glob(f"ort-{precision}.*"))
+        costs[name]["size_gb"] = directory_gb(build_dir)
+        log(f"plain decoding, specx {label}")
+        speed[label] = compare(
+            {
+                f"specx {label}": SpecxPlain(artifact, f"ort-{precision}", args.threads),
+                "genai int4": GenaiPlain(work / "genai-int4", args.threads),
+            },
+            prompts,
+            args,
+        )
+        gc.collect()
+    report = {
+        "benchmark": "real_size",
+        "model": "random-weight Llama-3.2-1B shape (hidden 2048, 16 layers, 32/8 heads, "
+        "vocab 128256, untied lm_head; 1.50B parameters, bf16 checkpoint)",
+        "machine": {"platform": platform.platform(), "threads": args.threads},
+        "prompts": args.prompts,
+        "prompt_tokens": args.prompt_tokens,
+        "new_tokens": args.new_tokens,
+        "repeats": args.repeats,
+        "costs": costs,
+        "plain_decoding": speed,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()

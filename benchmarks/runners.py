@@ -1,0 +1,164 @@
+"""Decoders timed the same way in one process: specx and onnxruntime-genai, plus measured builds.
+
+Every runner decodes one prompt greedily for exactly `new_tokens` tokens and reports the
+prefill (prompt forward and the first token) apart from the decode loop (every later token),
+so decode ms/token means the same on both sides. `interleave` runs all runners prompt by
+prompt, `repeats` times each, rotating their order, and keeps each prompt's fastest
+prefill and fastest decode per runner (on a shared machine interference only adds time).
+`measured_run` runs a command in a child process and returns its wall time and peak RSS.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+
+@dataclass(frozen=True)
+class Timing:
+    """One decode: prompt forward + first token, the loop for the rest, the tokens."""
+
+    prefill_s: float
+    decode_s: float
+    tokens: list[int]
+
+
+class Runner(Protocol):
+    """Decodes `new_tokens` greedy tokens after `prompt`."""
+
+    def __call__(self, prompt: Sequence[int], new_tokens: int) -> Timing: ...
+
+
+class SpecxPlain:
+    """specx plain decoding of an artifact's build (None: the exported fp32 graphs)."""
+
+    def __init__(self, artifact: Path, build: str | None, threads: int):
+        from specx.artifact import load_manifest
+        from specx.runtime.backends import open_decoder
+
+        self.target = open_decoder(load_manifest(artifact).with_build(build), threads=threads)
+
+    def __call__(self, prompt: Sequence[int], new_tokens: int) -> Timing:  # noqa: D102
+        from specx.runtime.plain_decoding import generate_plain
+
+        result = generate_plain(self.target, [list(prompt)], new_tokens)
+        return Timing(result.stats["prefill_s"], result.stats["decode_s"], result.tokens[0])
+
+
+class GenaiPlain:
+    """onnxruntime-genai's greedy decoding of a model its builder wrote."""
+
+    def __init__(self, model_dir: Path, threads: int):
+        import onnxruntime_genai as og
+
+        config_path = model_dir / "genai_config.json"
+        config = json.loads(config_path.read_text())
+        options = config["model"]["decoder"].setdefault("session_options", {})
+        options["intra_op_num_threads"] = threads
+        config_path.write_text(json.dumps(config, indent=4))
+        self.og, self.model = og, og.Model(str(model_dir))
+
+    def __call__(self, prompt: Sequence[int], new_tokens: int) -> Timing:  # noqa: D102
+        params = self.og.GeneratorParams(self.model)
+        length = len(prompt) + new_tokens
+        params.set_search_options(max_length=length, min_length=length, do_sample=False)
+        generator = self.og.Generator(self.model, params)
+        started = time.perf_counter()
+        generator.append_tokens(list(prompt))
+        generator.generate_next_token()  # the first token comes from the prompt's forward
+        prefilled = time.perf_counter()
+        while not generator.is_done():
+            generator.generate_next_token()
+        done = time.perf_counter()
+        tokens = list(generator.get_sequence(0))[len(prompt) :]
+        return Timing(prefilled - started, done - prefilled, tokens)
+
+
+@dataclass
+class Summary:
+    """Each prompt's fastest prefill and decode for one runner, and its tokens."""
+
+    prefill_s: list[float] = field(default_factory=list)
+    decode_s: list[float] = field(default_factory=list)
+    tokens: list[list[int]] = field(default_factory=list)
+
+    def report(self, new_tokens: int) -> dict:
+        """decode ms/token (tokens after the first), total ms/token (all), both fastest-of-N."""
+        prompts = len(self.decode_s)
+        decode = sum(self.decode_s)
+        return {
+            "decode_ms_per_token": 1e3 * decode / (prompts * (new_tokens - 1)),
+            "total_ms_per_token": 1e3 * (decode + sum(self.prefill_s)) / (prompts * new_tokens),
+            "prefill_ms": 1e3 * sum(self.prefill_s) / prompts,
+        }
+
+
+def interleave(
+    runners: dict[str, Runner], prompts: Sequence[Sequence[int]], new_tokens: int, repeats: int
+) -> dict[str, Summary]:
+    """Runs every runner on every prompt `repeats` times, interleaved; fastest per prompt."""
+    summaries = {name: Summary() for name in runners}
+    names = list(runners)
+    for p, prompt in enumerate(prompts):
+        best: dict[str, Timing] = {}
+        fastest_prefill: dict[str, float] = {}
+        for r in range(repeats):
+            order = names[r % len(names) :] + names[: r % len(names)]
+            for name in order:
+                timing = runners[name](prompt, new_tokens)
+                if len(timing.tokens) != new_tokens:
+                    raise RuntimeError(
+                        f"{name} emitted {len(timing.tokens)} tokens, not {new_tokens}"
+                    )
+                if name not in best or timing.decode_s < best[name].decode_s:
+                    best[name] = timing
+                fastest_prefill[name] = min(fastest_prefill.get(name, 1e9), timing.prefill_s)
+        for name in names:
+            summaries[name].decode_s.append(best[name].decode_s)
+            summaries[name].prefill_s.append(fastest_prefill[name])
+            summaries[name].tokens.append(best[name].tokens)
+        print(f"  prompt {p + 1}/{len(prompts)} done", file=sys.stderr, flush=True)
+    return summaries
+
+
+@dataclass(frozen=True)
+class Measured:
+    """A child process: wall time, peak resident memory, exit code, end of its stderr."""
+
+    seconds: float
+    peak_rss_gb: float
+    returncode: int
+    stderr_tail: str
+
+
+def measured_run(command: Sequence[str], env: dict | None = None) -> Measured:
+    """Runs `command`, waiting with wait4 for its own peak RSS (not the parent's)."""
+    started = time.perf_counter()
+    process = subprocess.Popen(
+        list(command), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env
+    )
+    stderr_chunks = []
+    assert process.stderr is not None
+    for line in process.stderr:
+        stderr_chunks.append(line)
+        stderr_chunks = stderr_chunks[-40:]
+    _, status, usage = os.wait4(process.pid, 0)
+    process.returncode = os.waitstatus_to_exitcode(status)
+    return Measured(
+        time.perf_counter() - started,
+        usage.ru_maxrss / 2**20,  # KiB -> GiB
+        process.returncode,
+        b"".join(stderr_chunks).decode(errors="replace")[-2000:],
+    )
+
+
+def directory_gb(path: Path) -> float:
+    """Bytes of all files under `path`, in GB (1e9)."""
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) / 1e9
