@@ -1,0 +1,274 @@
+"""Weight-only int4/int8 builds (MatMulNBits): layout, numerics, GPTQ, builds, lossless
+speculation on them, and exports whose memory does not grow with the weights."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import pytest
+from click.testing import CliRunner
+
+from conftest import HEAD_VOCAB
+from specx.artifact import load_manifest
+from specx.build import BuildOptions, build_artifact
+from specx.calibration.gptq import gptq_quantize
+from specx.cli import main
+from specx.errors import BuildError
+from specx.graphs.weight_only import (
+    WeightOnlyConfig,
+    WeightOnlyQuantizePass,
+    quantize_rtn,
+)
+from specx.runtime.calibrated import chains_only
+from specx.runtime.drafters import DrafterOptions, make_drafter
+from specx.runtime.drafters.tree_search import StaticTree
+from specx.runtime.ort_target import OrtTarget, load_session
+from specx.runtime.plain_decoding import generate_plain
+from specx.runtime.speculative_decoding import generate_speculative
+
+REPEATING = [[5, 9, 5, 9, 5, 9, 13, 5, 9, 5, 9], [7, 3, 11, 7, 3, 11, 7, 3], [4, 4, 6, 4, 4, 6]]
+
+
+def matmul_model(weight: np.ndarray) -> ir.Model:
+    x = ir.Value(
+        name="x", type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape(["m", weight.shape[0]])
+    )
+    w = ir.Value(name="w", const_value=ir.tensor(weight))
+    node = ir.node("MatMul", [x, w], name="mm")
+    node.outputs[0].name = "hidden"
+    act = ir.node("Relu", [node.outputs[0]], name="relu")  # so the MatMul is not the output
+    act.outputs[0].name = "y"
+    graph = ir.Graph([x], act.outputs, nodes=[node, act], initializers=[w], opset_imports={"": 21})
+    return ir.Model(graph, ir_version=10)
+
+
+def run(model: ir.Model, x: np.ndarray) -> np.ndarray:
+    return load_session(ir.to_proto(model).SerializeToString()).run(None, {"x": x})[0]
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_rtn_bytes_equal_onnxruntimes_own_quantizer(bits, rng):
+    pybind = pytest.importorskip("onnxruntime.capi._pybind_state")
+    weight = rng.standard_normal((96, 7)).astype(np.float32)
+    ours = quantize_rtn(weight, bits, 32, symmetric=True)
+    packed = np.zeros((7, 3, 32 * bits // 8), np.uint8)
+    scales = np.zeros((7, 3), np.float32)
+    zeros = np.zeros((7, 3), np.uint8)
+    quantize = pybind.quantize_matmul_4bits if bits == 4 else pybind.quantize_matmul_8bits
+    quantize(packed, weight, scales, zeros, 32, 7, 96, True)
+    assert np.array_equal(ours.packed(), packed)
+    assert np.array_equal(ours.scales, scales)
+
+
+@pytest.mark.parametrize(
+    ("bits", "symmetric", "k"), [(4, True, 96), (4, False, 100), (8, True, 64), (8, False, 72)]
+)
+def test_matmulnbits_computes_the_dequantized_weight(bits, symmetric, k, rng):
+    """The graph's meaning: y = relu(x @ dequantize(W)), also when K is not whole blocks."""
+    weight = rng.standard_normal((k, 24)).astype(np.float32)
+    model = matmul_model(weight)
+    config = WeightOnlyConfig(bits, 32, symmetric, accuracy_level=0, output_bits=bits)
+    WeightOnlyQuantizePass(config)(model)
+    assert [n.op_type for n in model.graph] == ["MatMulNBits", "Relu"]
+    node = next(iter(model.graph))
+    assert node.attributes.get_int("K") == k and node.attributes.get_int("bits") == bits
+    assert len(node.inputs) == (3 if symmetric else 4)
+    x = rng.standard_normal((5, k)).astype(np.float32)
+    dequantized = quantize_rtn(weight, bits, 32, symmetric).dequantize()[:k]
+    np.testing.assert_allclose(run(model, x), np.maximum(x @ dequantized, 0), rtol=1e-4, atol=1e-4)
+    error = np.abs(dequantized - weight).max() / np.abs(weight).max()
+    assert error < (0.15 if bits == 4 else 0.01)
+
+
+def test_gptq_beats_rtn_on_correlated_inputs_and_equals_it_without_correlation(rng):
+    k, n = 64, 48
+    mixing = rng.standard_normal((k, k)) * 0.3 + np.eye(k)
+    x = rng.standard_normal((512, k)) @ mixing  # correlated inputs, like real activations
+    weight = rng.standard_normal((k, n)).astype(np.float32)
+    hessian = x.T @ x
+    rtn = quantize_rtn(weight, 4, 32, True).dequantize()
+    gptq = gptq_quantize(weight, hessian, 4, 32, True, damp=0.0).dequantize()
+    error = {name: np.square(x @ (q - weight)).sum() for name, q in (("rtn", rtn), ("gptq", gptq))}
+    assert error["gptq"] < 0.8 * error["rtn"], error
+    # Uncorrelated inputs of equal scale: nothing to compensate, GPTQ rounds like RTN.
+    identity = gptq_quantize(weight, np.eye(k) * 3.0, 4, 32, True, damp=0.0)
+    assert np.array_equal(identity.codes, quantize_rtn(weight, 4, 32, True).codes)
+
+
+@pytest.fixture(scope="module")
+def int4(artifacts, tmp_path_factory):
+    artifact = shutil.copytree(artifacts["llama"], tmp_path_factory.mktemp("int4") / "artifact")
+    build_artifact(
+        artifact, BuildOptions("ort", "int4", weight_only=WeightOnlyConfig(block_size=32))
+    )
+    return artifact
+
+
+def test_the_int4_build_is_recorded_with_its_method(int4, artifacts):
+    manifest = load_manifest(int4)
+    assert manifest.data["default_build"] == "ort-int4"
+    record = manifest.build["quantization"]
+    assert record["bits"] == 4 and record["block_size"] == 32 and record["method"] == "rtn"
+    assert record["symmetric"] is True and record["accuracy_level"] == 4
+    assert record["output_projection_bits"] == 8 and record["greedy_identity"] == "chains"
+    assert chains_only(manifest)
+    graph = onnx.load(
+        manifest.path(manifest.build["graphs"]["target"]["file"]), load_external_data=False
+    ).graph
+    ops = [n.op_type for n in graph.node]
+    exported = onnx.load(
+        load_manifest(artifacts["llama"]).path("target.onnx"), load_external_data=False
+    )
+    assert ops.count("MatMulNBits") == [n.op_type for n in exported.graph.node].count("MatMul")
+    assert "MatMul" not in ops
+    bits = [
+        next(a.i for a in n.attribute if a.name == "bits")
+        for n in graph.node
+        if n.op_type == "MatMulNBits"
+    ]
+    assert bits.count(8) == 1 and record["quantized_matmuls"]["target"] == {
+        "4": len(bits) - 1,
+        "8": 1,
+    }
+
+
+def test_int4_logits_stay_close_to_float(int4, artifacts, rng):
+    prompts = [rng.integers(1, 500, 24).tolist() for _ in range(4)]
+    quantized = OrtTarget(load_manifest(int4), threads=2)
+    exact = OrtTarget(load_manifest(artifacts["llama"]), threads=2)
+    agree = total = 0
+    for prompt in prompts:
+        a = generate_plain(quantized, [prompt], 1).tokens[0]
+        b = generate_plain(exact, [prompt], 1).tokens[0]
+        agree, total = agree + (a == b), total + 1
+    assert agree >= 3  # random-weight logits: near-ties flip, most do not
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "draft-model"])
+def test_chain_speculation_equals_plain_on_the_int4_build(drafter, int4, draft_artifacts, rng):
+    target = OrtTarget(load_manifest(int4), threads=2)
+    spec = "ngram" if drafter == "ngram" else f"draft-model:{draft_artifacts['llama']}"
+    making = make_drafter(spec, target, DrafterOptions(num_draft_tokens=4))
+    assert making.drafts_chains
+    prompts = REPEATING + [rng.integers(1, 500, 9).tolist()]
+    accepted = 0
+    for batch in (1, 3):
+        for start in range(0, len(prompts), batch):
+            chunk = prompts[start : start + batch]
+            plain = generate_plain(target, chunk, 40)
+            speculative = generate_speculative(target, making, chunk, 40)
+            assert speculative.tokens == plain.tokens, chunk
+            accepted += speculative.stats["accepted_tokens"]
+    assert accepted > 0
+
+
+@pytest.mark.parametrize("name", ["eagle3", "eagle", "medusa", "mtp-deepseek"])
+def test_head_chains_equal_plain_on_int4_builds(name, head_artifacts, tmp_path, rng):
+    artifact = shutil.copytree(head_artifacts[name], tmp_path / "artifact")
+    build_artifact(
+        artifact, BuildOptions("ort", "int4", weight_only=WeightOnlyConfig(block_size=16))
+    )
+    manifest = load_manifest(artifact)
+    assert set(manifest.build["quantization"]["quantized_matmuls"]) == set(manifest.data["graphs"])
+    target = OrtTarget(manifest, threads=2)
+    drafter = make_drafter(name.split("-")[0], target, DrafterOptions(tree=StaticTree.chain(3)))
+    prompts = [rng.integers(1, HEAD_VOCAB, n).tolist() for n in (3, 8, 5, 12, 2, 7, 4, 9)]
+    accepted = 0
+    for batch in (1, 2):
+        for start in range(0, len(prompts), batch):
+            chunk = prompts[start : start + batch]
+            plain = generate_plain(target, chunk, 40)
+            speculative = generate_speculative(target, drafter, chunk, 40)
+            assert speculative.tokens == plain.tokens, chunk
+            accepted += speculative.stats["accepted_tokens"]
+    assert accepted > 0
+
+
+def test_cli_builds_gptq_and_refuses_misuse(artifacts, tmp_path):
+    artifact = shutil.copytree(artifacts["llama"], tmp_path / "artifact")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt_ids": p}) + "\n" for p in REPEATING))
+    runner = CliRunner()
+    refused = runner.invoke(
+        main, ["build", str(artifact), "--precision", "int4", "--method", "gptq"]
+    )
+    assert refused.exit_code == 2 and "needs --prompts" in refused.stderr
+    refused = runner.invoke(
+        main, ["build", str(artifact), "--precision", "fp16", "--block-size", "32"]
+    )
+    assert (
+        refused.exit_code == 2 and "--block-size applies only to --precision int4" in refused.stderr
+    )
+    with pytest.raises(BuildError, match="TensorRT int4/int8"):
+        build_artifact(artifact, BuildOptions("trt", "int4"))
+    args = [
+        "build",
+        str(artifact),
+        "--precision",
+        "int8",
+        "--method",
+        "gptq",
+        "--prompts",
+        str(prompts),
+    ]
+    done = runner.invoke(main, args)
+    assert done.exit_code == 0, done.output
+    record = load_manifest(artifact).build["quantization"]
+    assert (record["bits"], record["method"], record["block_size"]) == (8, "gptq", 128)
+    target = OrtTarget(load_manifest(artifact), threads=2)
+    assert len(generate_plain(target, REPEATING[:1], 8).tokens[0]) == 8
+
+
+WRITE_CHECKPOINT = """
+import json, sys, torch
+from pathlib import Path
+from safetensors.torch import save_file
+out, vocab, layers = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+config = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=512,
+    intermediate_size=1024, num_hidden_layers=layers, num_attention_heads=8,
+    num_key_value_heads=4, vocab_size=vocab, max_position_embeddings=512, rms_norm_eps=1e-5,
+    rope_theta=10000.0, tie_word_embeddings=False, bos_token_id=0, eos_token_id=0)
+out.mkdir(parents=True)
+(out / "config.json").write_text(json.dumps(config))
+from specx.export.config import load_target_config
+from specx.export.decoder import TargetDecoder
+shapes = TargetDecoder.parameter_shapes(load_target_config(out)[0])
+generator = torch.Generator().manual_seed(0)
+save_file({k: (torch.randn(s, generator=generator) * 0.02).to(torch.bfloat16)
+           for k, s in shapes.items()}, out / "model.safetensors")
+"""
+
+
+def _peak_rss_mb(command: list[str]) -> float:
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    stderr = process.stderr.read()
+    _, status, usage = os.wait4(process.pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, stderr.decode()[-2000:]
+    return usage.ru_maxrss / 1024
+
+
+def test_export_memory_does_not_grow_with_the_weights(tmp_path):
+    """A checkpoint with 270 MB of float32 weights exports with < 135 MB more peak RSS than
+    one with 6 MB: the old export held the weights several times over."""
+    sizes = {"small": (2048, 1), "large": (65536, 2)}  # vocab, layers: embedding + lm_head
+    peaks = {}
+    for name, (vocab, layers) in sizes.items():
+        checkpoint = tmp_path / name
+        subprocess.run(
+            [sys.executable, "-c", WRITE_CHECKPOINT, str(checkpoint), str(vocab), str(layers)],
+            check=True,
+        )
+        command = [sys.executable, "-m", "specx.cli", "export", str(checkpoint), "-o",
+                   str(tmp_path / f"{name}-artifact"), "--max-context", "64"]  # fmt: skip
+        peaks[name] = _peak_rss_mb(command)
+    weights_mb = Path(tmp_path / "large-artifact" / "target.onnx.data").stat().st_size / 2**20
+    assert weights_mb > 250
+    assert peaks["large"] - peaks["small"] < weights_mb / 2, (peaks, weights_mb)
