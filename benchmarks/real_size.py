@@ -7,9 +7,10 @@ On the random-weight Llama-3.2-1B-shaped checkpoint (benchmarks/real_size_checkp
    int4 / int8` and onnxruntime-genai's builder at fp32 and int4, and each output's size;
 2. plain greedy decoding, both runtimes in this process on the same weights, interleaved
    prompt by prompt, fastest of `--repeats` per prompt, decode ms/token (tokens after the
-   first) and total ms/token reported apart (benchmarks/runners.py): specx fp32 vs genai
-   fp32, specx int4 vs genai int4 (specx with its int8 lm_head default and with an int4
-   lm_head like genai's), specx int8.
+   first) and total ms/token reported apart (benchmarks/runners.py), one pair at a time:
+   specx fp32 vs genai fp32; specx's default int4 (blocks of 128, int8 lm_head) vs genai's
+   default int4 (blocks of 32, int4 lm_head); the same configuration on both sides at
+   blocks of 128 and of 32 (int4 lm_head); specx int8.
 
     python benchmarks/real_size.py [--work DIR] [--prompts 4] [--new-tokens 64]
 
@@ -40,6 +41,14 @@ from runners import (  # noqa: E402
     measured_run,
 )
 
+# (label, precision, build options, genai peer)
+BUILDS = [
+    ("int8", "int8", [], "genai-int4"),
+    ("int4 b128 lm_head int4", "int4", ["--lm-head-bits", "4"], "genai-int4-b128"),
+    ("int4 b32 lm_head int4", "int4", ["--lm-head-bits", "4", "--block-size", "32"], "genai-int4"),
+    ("int4", "int4", [], "genai-int4"),  # the default: blocks of 128, int8 lm_head
+]
+
 
 def log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
@@ -54,14 +63,19 @@ def step(name: str, command: list[str], results: dict) -> None:
     log(f"  {measured.seconds:.1f}s, peak RSS {measured.peak_rss_gb:.2f} GB")
 
 
-def genai_build(checkpoint: Path, out: Path, precision: str, work: Path, results: dict) -> None:
+def genai_build(
+    checkpoint: Path, out: Path, precision: str, work: Path, results: dict, block: int = 0
+) -> None:
     shutil.rmtree(out, ignore_errors=True)
     command = [
         sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(checkpoint),
         "-o", str(out), "-p", precision, "-e", "cpu", "-c", str(work / "genai-cache"),
     ]  # fmt: skip
-    step(f"genai builder {precision}", command, results)
-    results[f"genai builder {precision}"]["size_gb"] = directory_gb(out)
+    if block:
+        command += ["--extra_options", f"block_size={block}"]
+    name = f"genai builder {precision}" + (f" block {block}" if block else "")
+    step(name, command, results)
+    results[name]["size_gb"] = directory_gb(out)
 
 
 def compare(runners: dict, prompts, args) -> dict:
@@ -89,6 +103,9 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/real_size.json"))
+    parser.add_argument(
+        "--costs-only", action="store_true", help="Time and measure the builds, no decoding."
+    )
     args = parser.parse_args()
     work = args.work
     checkpoint, artifact = work / "checkpoint", work / "artifact"
@@ -103,10 +120,19 @@ def main() -> None:
     costs["specx export"]["size_gb"] = directory_gb(artifact)
     genai_build(checkpoint, work / "genai-fp32", "fp32", work, costs)
     genai_build(checkpoint, work / "genai-int4", "int4", work, costs)
+    genai_build(checkpoint, work / "genai-int4-b128", "int4", work, costs, block=128)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(1, 4096, args.prompt_tokens).tolist() for _ in range(args.prompts)]
     speed: dict = {}
 
+    if args.costs_only:
+        for label, precision, extra, _ in BUILDS:
+            name = f"specx build {label}"
+            step(name, [*specx, "build", str(artifact), "--precision", precision, *extra], costs)
+            build_dir = next((artifact / "builds").glob(f"ort-{precision}.*"))
+            costs[name]["size_gb"] = directory_gb(build_dir)
+        print(json.dumps(costs, indent=2))
+        return
     log("plain decoding, fp32")
     speed["fp32"] = compare(
         {
@@ -117,21 +143,16 @@ def main() -> None:
         args,
     )
     gc.collect()
-    builds = [
-        ("int8", "int8", []),
-        ("int4, int4 lm_head", "int4", ["--lm-head-bits", "4"]),
-        ("int4", "int4", []),
-    ]
-    for label, precision, extra in builds:
+    for label, precision, extra, peer in BUILDS:
         name = f"specx build {label}"
         step(name, [*specx, "build", str(artifact), "--precision", precision, *extra], costs)
         build_dir = next((artifact / "builds").glob(f"ort-{precision}.*"))
         costs[name]["size_gb"] = directory_gb(build_dir)
-        log(f"plain decoding, specx {label}")
+        log(f"plain decoding, specx {label} vs {peer}")
         speed[label] = compare(
             {
                 f"specx {label}": SpecxPlain(artifact, f"ort-{precision}", args.threads),
-                "genai int4": GenaiPlain(work / "genai-int4", args.threads),
+                peer: GenaiPlain(work / peer, args.threads),
             },
             prompts,
             args,

@@ -5,15 +5,16 @@ prefill (prompt forward and the first token) apart from the decode loop (every l
 so decode ms/token means the same on both sides. `interleave` runs all runners prompt by
 prompt, `repeats` times each, rotating their order, and keeps each prompt's fastest
 prefill and fastest decode per runner (on a shared machine interference only adds time).
-`measured_run` runs a command in a child process and returns its wall time and peak RSS.
+`measured_run` runs a command in a child process and returns its wall time and peak RSS
+(GNU time's, /usr/bin/time).
 """
 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -138,24 +139,23 @@ class Measured:
     stderr_tail: str
 
 
-def measured_run(command: Sequence[str], env: dict | None = None) -> Measured:
-    """Runs `command`, waiting with wait4 for its own peak RSS (not the parent's)."""
-    started = time.perf_counter()
-    process = subprocess.Popen(
-        list(command), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env
-    )
-    stderr_chunks = []
-    assert process.stderr is not None
-    for line in process.stderr:
-        stderr_chunks.append(line)
-        stderr_chunks = stderr_chunks[-40:]
-    _, status, usage = os.wait4(process.pid, 0)
-    process.returncode = os.waitstatus_to_exitcode(status)
+def measured_run(command: Sequence[str]) -> Measured:
+    """Runs `command` under GNU time for its own peak RSS.
+
+    Not os.wait4's: a child's ru_maxrss includes the pages it shared with its parent before
+    exec, so a benchmark holding models would inflate every child's number.
+    """
+    with tempfile.NamedTemporaryFile("r", suffix=".rss") as rss:
+        started = time.perf_counter()
+        done = subprocess.run(
+            ["/usr/bin/time", "-f", "%M", "-o", rss.name, *command],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
+        seconds = time.perf_counter() - started
+        kib = int(rss.read().strip().splitlines()[-1] or 0)
     return Measured(
-        time.perf_counter() - started,
-        usage.ru_maxrss / 2**20,  # KiB -> GiB
-        process.returncode,
-        b"".join(stderr_chunks).decode(errors="replace")[-2000:],
+        seconds, kib / 2**20, done.returncode, done.stderr.decode(errors="replace")[-2000:]
     )
 
 

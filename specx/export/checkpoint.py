@@ -63,6 +63,11 @@ class CheckpointTensors(Mapping[str, torch.Tensor]):
         stored = self.source_key(key)
         return self._files[stored].read(stored, buffer)
 
+    def shape(self, key: str) -> tuple[int, ...]:
+        """Shape of the stored tensor, without reading it."""
+        stored = self.source_key(key)
+        return self._files[stored].shape(stored)
+
     def nbytes(self, key: str) -> int:
         """Bytes of the stored tensor, without reading it."""
         stored = self.source_key(key)

@@ -17,7 +17,7 @@ from specx.errors import ExportError
 from specx.export.checkpoint import CheckpointTensors
 from specx.export.streamed_weights import FoldWeightTransposesPass, bind_checkpoint_weights
 from specx.export.tree_attention_op import ONNX_TRANSLATIONS
-from specx.graphs.model_io import save_streamed
+from specx.graphs.model_io import DataFile, save_streamed
 from specx.graphs.packed_matmuls import PackSiblingMatMulsPass
 from specx.graphs.signature import graph_signature
 from specx.graphs.tree_attention import attach_function, attach_function_ir
@@ -136,15 +136,21 @@ def export_streamed(
 
 
 def save_graph_streamed(
-    model: ir.Model, directory: Path, name: str, progress: Callable[[str], None]
+    model: ir.Model,
+    directory: Path,
+    name: str,
+    progress: Callable[[str], None],
+    data: DataFile | None = None,
+    reuse: Callable[[ir.TensorProtocol], ir.ExternalTensor | None] = lambda tensor: None,
 ) -> tuple[onnx.ModelProto, str, str, str]:
-    """Saves `name.onnx` + `name.onnx.data` tensor by tensor.
+    """Saves `name.onnx` + `name.onnx.data` tensor by tensor (into `data` if already open).
 
     Returns:
         The graph (without weights), both file names, and the data file's sha256.
     """
     graph_file, data_file = f"{name}.onnx", f"{name}.onnx.data"
-    digest = save_streamed(model, directory / graph_file, data_file, progress)
+    target = data or data_file
+    digest = save_streamed(model, directory / graph_file, target, progress, reuse)
     graph = onnx.load(directory / graph_file, load_external_data=False)
     return graph, graph_file, data_file, digest
 

@@ -21,6 +21,8 @@ from specx.export.checkpoint import Checkpoint, load_checkpoint
 from specx.export.config import TargetConfig
 from specx.export.decoder import RotaryEmbedding, TargetDecoder
 from specx.export.onnx_graph import export_streamed, graph_entry, save_graph_streamed
+from specx.export.streamed_weights import Prewriter, planned_weights
+from specx.graphs.model_io import DataFile
 
 __all__ = ["DEFAULT_MAX_CONTEXT", "export_target", "io_names"]
 
@@ -92,6 +94,23 @@ def _export_graph(checkpoint: Checkpoint, taps: str) -> tuple[ir.Model, TargetDe
         checkpoint.state_dict,
     )
     return model, decoder
+
+
+def _trace_while_writing(checkpoint: Checkpoint, taps: str, staging: Path):
+    """Traces the target while its weights stream into `target.onnx.data` (see Prewriter)."""
+    data = DataFile(staging, "target.onnx.data")
+    names = list(TargetDecoder.parameter_shapes(checkpoint.config))
+    prewriter = Prewriter(
+        data, checkpoint.state_dict, planned_weights(checkpoint.state_dict, names)
+    )
+    try:
+        model, decoder = _export_graph(checkpoint, taps)
+        prewriter.join()
+    except BaseException:
+        prewriter.stop()
+        data.abort()
+        raise
+    return model, decoder, data, prewriter
 
 
 def _check_request(
@@ -208,12 +227,14 @@ def export_target(
         f"[2/5] tracing {checkpoint.config.family} target "
         f"({n_params / 1e6:.1f}M parameters, {checkpoint.config.num_layers} layers)"
     )
-    model, decoder = _export_graph(checkpoint, taps)
-    _warn_on_shared_taps(decoder)
     with atomic_output_dir(output_dir, overwrite, sources) as staging:
-        progress("[3/5] writing target.onnx, its weights streamed from the checkpoint")
+        model, decoder, data, prewriter = _trace_while_writing(checkpoint, taps, staging)
+        _warn_on_shared_taps(decoder)
+        progress(
+            f"[3/5] writing target.onnx ({len(prewriter.written)} weights written while tracing)"
+        )
         graph, graph_file, data_file, digest = save_graph_streamed(
-            model, staging, "target", progress
+            model, staging, "target", progress, data, prewriter.reuse
         )
         del model  # the placeholder parameters' address space goes with it
         body = _manifest_body(checkpoint, decoder, graph, max_context)

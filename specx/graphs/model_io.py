@@ -4,8 +4,10 @@ Lazy initializers (weights streamed from a checkpoint, quantized weights) are co
 they are written, one at a time, so peak memory does not grow with the model. The data
 file's sha256 is computed on a second thread while it is written, so the manifest need not
 read it back (measured: 4.3 s of a 1.5B export). Hand-written rather than
-`onnx_ir.save(external_data=...)` for that digest; the graph itself is then saved by
-`onnx_ir.save`, which keeps external tensors as references.
+`onnx_ir.save(external_data=...)` for that digest and so that tensors may be written before
+the graph that uses them exists (`DataFile.reuse`: the export writes weights while it
+traces); the graph itself is then saved by `onnx_ir.save`, which keeps external tensors as
+references.
 """
 
 from __future__ import annotations
@@ -19,83 +21,103 @@ from pathlib import Path
 
 import onnx_ir as ir
 
-__all__ = ["SIZE_THRESHOLD", "save_streamed"]
+__all__ = ["SIZE_THRESHOLD", "DataFile", "save_streamed"]
 
 SIZE_THRESHOLD = 1024  # initializers of more bytes go to the data file
 
+# A tensor already in the data file, or None: lets a caller place tensors written earlier.
+Reuse = Callable[[ir.TensorProtocol], ir.ExternalTensor | None]
 
-class _HashingWriter:
-    """A binary file that hashes what it is given and knows how much it has written.
 
-    Each block is hashed on a second thread while it is written (both release the GIL), so
-    the digest costs no time on a machine with two cores: writing is disk-bound.
+class DataFile:
+    """An external data file being written: tensors appended, hashed on the way.
+
+    Written under a temporary name; `close()` renames it into place and returns its
+    sha256, `abort()` removes it. Each block is hashed on a second thread while it is
+    written (both release the GIL): writing is disk-bound.
     """
 
-    def __init__(self, file, digest, hasher: ThreadPoolExecutor) -> None:
-        self.file, self.digest, self.hasher, self.position = file, digest, hasher, 0
+    def __init__(self, directory: Path, name: str):
+        self.directory, self.name = Path(directory), name
+        self.temporary = self.directory / f".{name}.tmp"
+        self._file = open(self.temporary, "wb")  # noqa: SIM115 (closed by close/abort)
+        self._hasher = ThreadPoolExecutor(1)
+        self._digest = hashlib.sha256()
+        self.position = 0
 
     def write(self, data) -> int:
-        hashed = self.hasher.submit(self.digest.update, data)
-        written = self.file.write(data)
+        """Appends bytes (the file protocol StreamedTensor.tofile writes through)."""
+        hashed = self._hasher.submit(self._digest.update, data)
+        written = self._file.write(data)
         hashed.result()  # `data` may be a reused buffer: done with it before returning
         self.position += written
         return written
+
+    def append(self, tensor: ir.TensorProtocol) -> ir.ExternalTensor:
+        """Writes `tensor` at the end; returns the reference that replaces it in a graph."""
+        offset = self.position
+        if getattr(tensor, "writes_blocks", False):
+            tensor.tofile(self)  # writes in row blocks through `self.write`
+        else:
+            self.write(tensor.tobytes())
+        length = self.position - offset
+        if length != tensor.nbytes:
+            raise RuntimeError(f"{tensor.name}: wrote {length} bytes, expected {tensor.nbytes}")
+        return ir.ExternalTensor(
+            self.name,
+            offset,
+            length,
+            tensor.dtype,
+            shape=tensor.shape,
+            name=tensor.name or "",
+            base_dir=self.directory,
+        )
+
+    def close(self) -> str:
+        """Renames the file into place; returns its sha256."""
+        self._file.close()
+        self._hasher.shutdown()
+        os.replace(self.temporary, self.directory / self.name)
+        return self._digest.hexdigest()
+
+    def abort(self) -> None:
+        """Removes the partial file."""
+        self._file.close()
+        self._hasher.shutdown()
+        with contextlib.suppress(FileNotFoundError):
+            self.temporary.unlink()
 
 
 def save_streamed(
     model: ir.Model,
     path: Path,
-    data_file: str,
+    data_file: str | DataFile,
     progress: Callable[[str], None] = lambda message: None,
+    reuse: Reuse = lambda tensor: None,
 ) -> str:
-    """Saves `path` with every initializer over `SIZE_THRESHOLD` bytes in `data_file` beside it.
+    """Saves `path` with every initializer over `SIZE_THRESHOLD` bytes in a data file beside it.
 
-    The model's large initializers become references into the new file.
+    `data_file` is a name, or a `DataFile` already partly written, whose tensors `reuse`
+    finds. The model's large initializers become references into the file.
 
     Returns:
         The sha256 of the data file.
     """
     path = Path(path)
+    data = data_file if isinstance(data_file, DataFile) else DataFile(path.parent, data_file)
     values = [
         v
         for v in model.graph.initializers.values()
         if v.const_value is not None and v.const_value.nbytes > SIZE_THRESHOLD
     ]
-    digest = hashlib.sha256()
-    temporary = path.parent / f".{data_file}.tmp"
     try:
-        with open(temporary, "wb") as raw, ThreadPoolExecutor(1) as hasher:
-            writer = _HashingWriter(raw, digest, hasher)
-            for i, value in enumerate(values, 1):
-                value.const_value = _write(writer, value.const_value, data_file, path.parent)
-                if i == 1 or i % 20 == 0 or i == len(values):
-                    progress(f"  writing weights: {i}/{len(values)} tensors ({value.name})")
-        os.replace(temporary, path.parent / data_file)
+        for i, value in enumerate(values, 1):
+            value.const_value = reuse(value.const_value) or data.append(value.const_value)
+            if i == 1 or i % 20 == 0 or i == len(values):
+                progress(f"  writing weights: {i}/{len(values)} tensors ({value.name})")
+        digest = data.close()
     except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            temporary.unlink()
+        data.abort()
         raise
     ir.save(model, path)
-    return digest.hexdigest()
-
-
-def _write(
-    writer: _HashingWriter, tensor: ir.TensorProtocol, data_file: str, base_dir: Path
-) -> ir.ExternalTensor:
-    offset = writer.position
-    if getattr(tensor, "writes_blocks", False):
-        tensor.tofile(writer)  # writes in row blocks through `writer`
-    else:
-        writer.write(tensor.tobytes())
-    length = writer.position - offset
-    if length != tensor.nbytes:
-        raise RuntimeError(f"{tensor.name}: wrote {length} bytes, expected {tensor.nbytes}")
-    return ir.ExternalTensor(
-        data_file,
-        offset,
-        length,
-        tensor.dtype,
-        shape=tensor.shape,
-        name=tensor.name or "",
-        base_dir=base_dir,
-    )
+    return digest

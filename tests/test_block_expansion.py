@@ -1,0 +1,74 @@
+"""Block expansion: a deeper checkpoint that computes the same function, bit for bit."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import SHARED
+from specx.training.block_expansion import ExpansionLayout, expand_checkpoint
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import pyref_deep  # noqa: E402
+
+
+def logits(path: Path, prompts: list[list[int]]) -> list[torch.Tensor]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    with torch.no_grad():
+        return [model(torch.tensor([p])).logits[0] for p in prompts]
+
+
+def greedy(path: Path, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    out = []
+    for prompt in prompts:
+        ids = model.generate(
+            torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False, pad_token_id=0
+        )
+        out.append(ids[0, len(prompt) :].tolist())
+    return out
+
+
+def test_layout_places_real_layers_and_copies():
+    layout = ExpansionLayout.placing(10, (0, 1, 5, 9))
+    assert layout.real == tuple(i in (0, 1, 5, 9) for i in range(10))
+    assert layout.source == (0, 1, 2, 2, 2, 2, 3, 3, 3, 3)
+    with pytest.raises(ValueError, match="must increase"):
+        ExpansionLayout.placing(4, (0, 3, 2))
+    with pytest.raises(ValueError, match="must increase"):
+        ExpansionLayout.placing(4, (0, 4))
+
+
+def test_pyref_deep_taps_read_the_streams_after_real_layers_1_2_3():
+    layout = ExpansionLayout.placing(pyref_deep.LAYERS, pyref_deep.REAL_POSITIONS)
+    n = pyref_deep.LAYERS
+    for tap, real_before in zip((2, n // 2, n - 3), (2, 3, 4), strict=True):
+        assert sum(layout.real[:tap]) == real_before  # the stream after R1, R2, R3
+    assert sum(layout.real) == 5 and layout.real[-1]
+
+
+def test_expanded_checkpoint_computes_the_same_logits(checkpoints, tmp_path, rng):
+    out = expand_checkpoint(
+        checkpoints["llama"], tmp_path / "deep", ExpansionLayout.placing(10, (0, 1, 5, 9))
+    )
+    prompts = [rng.integers(1, 500, n).tolist() for n in (5, 17)]
+    for a, b in zip(logits(checkpoints["llama"], prompts), logits(out, prompts), strict=True):
+        assert torch.equal(a, b)
+    with pytest.raises(FileExistsError):
+        expand_checkpoint(checkpoints["llama"], out, ExpansionLayout.placing(10, (0, 1, 5, 9)))
+
+
+def test_pyref_deep_greedy_equals_pyref_7m(tmp_path):
+    source = SHARED / "models" / "pyref-7m"
+    if not (source / "model.safetensors").is_file():
+        pytest.skip(f"{source} is absent")
+    deep = pyref_deep.write(source, tmp_path / "pyref-deep")
+    prompts = [[1, 2, 3, 4], list(range(10, 40))]
+    assert greedy(deep, prompts, 24) == greedy(source, prompts, 24)
