@@ -199,10 +199,15 @@ def _build_ort(
     else:
         graphs = {}
         for name in manifest.data["graphs"]:
+            if name == "draft_chain":
+                continue  # derived from the built head below
             progress(f"[ort] converting {name} to {options.precision}")
             quantizer = _quantizer(manifest, name, options, prompts, progress)
             model = _convert(_load(manifest, name), name, options, record, quantizer)
             graphs[name] = _save(model, output, name, progress)
+        if "draft_chain" in manifest.data["graphs"]:
+            graphs["draft_chain"] = _derive_chain(manifest, graphs["draft_head"], output)
+        for name in graphs:
             try:
                 load_session(output.staging / f"{name}.onnx")
             except Exception as e:  # onnxruntime raises untyped errors
@@ -236,6 +241,25 @@ def _quantizer(
     return gptq_quantizer(hessians)
 
 
+def _derive_chain(manifest: Manifest, head: dict[str, Any], output: BuildOutput) -> dict:
+    """The one-call chain graph of the built head (`specx.graphs.draft_chain`)."""
+    import numpy as np
+
+    from specx.export.head_export import save_draft_chain
+
+    d2t = (manifest.data.get("drafter") or {}).get("d2t")
+    to_target = None
+    if d2t:
+        offsets = np.load(manifest.path(d2t))
+        to_target = np.arange(len(offsets)) + offsets
+    entry = save_draft_chain(output.staging, head, to_target)
+    return {
+        **entry,
+        "file": f"{output.directory}/{entry['file']}",
+        "data_files": [f"{output.directory}/{f}" for f in entry["data_files"]],
+    }
+
+
 def _convert(
     model: ir.Model, name: str, options: BuildOptions, record: dict, quantizer: Quantizer
 ) -> ir.Model:
@@ -258,7 +282,9 @@ def _build_trt(manifest: Manifest, options: BuildOptions, output: BuildOutput, p
 
     capacity = manifest.model["kv_capacity"]
     lowered = {}
-    for name in manifest.data["graphs"]:
+    for name, entry in manifest.data["graphs"].items():
+        if entry.get("ort_only"):
+            continue  # e.g. the one-call draft chain (an ONNX Loop): TensorRT drafts per depth
         progress(f"[trt] lowering {name} ({options.precision}) and linting it")
         model = lower_for_tensorrt(_load(manifest, name), capacity, options.precision)
         issues = lint_for_tensorrt(model, name)

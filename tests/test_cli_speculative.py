@@ -119,7 +119,7 @@ def test_export_with_head_and_generate(head_target, head_dirs, tmp_path):
     assert result.exit_code == 0, result.output
     manifest = json.loads((artifact / "manifest.json").read_text())
     assert manifest["drafter"]["kind"] == "eagle3" and manifest["model"]["taps"]["kind"] == "eagle3"
-    assert {"draft_head", "draft_projection", "target"} == set(manifest["graphs"])
+    assert {"draft_head", "draft_projection", "draft_chain", "target"} == set(manifest["graphs"])
     result = invoke(
         "generate",
         artifact,

@@ -6,12 +6,14 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import onnx
 import torch
 from torch import nn
 
 from specx.artifact import sha256_file
 from specx.export.heads.medusa import MedusaHeads
 from specx.export.onnx_graph import export_module, graph_entry, save_graph
+from specx.graphs.draft_chain import build_draft_chain
 
 __all__ = ["AR_INPUTS", "AR_OUTPUTS", "export_head"]
 
@@ -151,4 +153,25 @@ def export_head(head: nn.Module, spec: str, staging: Path) -> tuple[dict, dict]:
     if getattr(head, "d2t", None) is not None:
         np.save(staging / "draft_d2t.npy", head.d2t.numpy())
         drafter["d2t"] = "draft_d2t.npy"
+    graphs["draft_chain"] = save_draft_chain(staging, entry, drafter_d2t(head))
     return drafter, graphs
+
+
+def drafter_d2t(head: nn.Module) -> np.ndarray | None:
+    """EAGLE-3's draft id -> target id table (i + d2t[i]); None for target-vocabulary heads."""
+    d2t = getattr(head, "d2t", None)
+    return None if d2t is None else np.arange(len(d2t)) + d2t.numpy()
+
+
+def save_draft_chain(directory: Path, head_entry: dict, to_target: np.ndarray | None) -> dict:
+    """Writes `draft_chain.onnx` from the head graph saved in `directory` (same weights file).
+
+    Returns:
+        Its manifest entry (`ort_only`: TensorRT builds and lint leave it out).
+    """
+    head_file = Path(head_entry["file"]).name
+    head = onnx.load(directory / head_file, load_external_data=False)
+    chain = build_draft_chain(head, to_target)
+    onnx.save(chain, directory / "draft_chain.onnx")
+    entry = graph_entry(chain, "draft_chain.onnx", Path(head_entry["data_files"][0]).name)
+    return {**entry, "ort_only": True}

@@ -17,8 +17,15 @@ import numpy as np
 from specx.artifact import Manifest
 from specx.errors import ArtifactError
 from specx.runtime.backends import open_decoder, open_stateless
+from specx.runtime.drafters.chain_graph import DraftChain
 from specx.runtime.drafters.node_slots import NodeSlots
-from specx.runtime.drafters.tree_search import DynamicTree, TreeShape, grow, is_chain_shape
+from specx.runtime.drafters.tree_search import (
+    DynamicTree,
+    StaticTree,
+    TreeShape,
+    grow,
+    is_chain_shape,
+)
 from specx.runtime.sampling import SamplingParams
 from specx.runtime.trees import DraftTree
 
@@ -28,7 +35,13 @@ __all__ = ["FeatureHeadDrafter"]
 class FeatureHeadDrafter:
     """Drafts with the artifact's autoregressive head (`drafter.kind` eagle3, eagle or mtp)."""
 
-    def __init__(self, manifest: Manifest, shape: TreeShape, threads: int | None = None):
+    def __init__(
+        self,
+        manifest: Manifest,
+        shape: TreeShape,
+        threads: int | None = None,
+        one_call: bool = True,
+    ):
         spec = manifest.data.get("drafter")
         if not spec or spec["kind"] not in ("eagle3", "eagle", "mtp"):
             raise ArtifactError(f"{manifest.root} has no EAGLE or MTP head")
@@ -49,6 +62,13 @@ class FeatureHeadDrafter:
             self.pool_size = shape.top_k + (shape.depth - 1) * shape.top_k**2
         else:
             self.pool_size = shape.max_nodes
+        # Greedy chains of 2+ tokens run as one call where the artifact has the graph; at a
+        # temperature chains are sampled from q, per depth (the sampled-chain rule).
+        chain = isinstance(shape, StaticTree) and shape.is_chain and shape.max_nodes >= 2
+        self.chain = None
+        if one_call and chain and DraftChain.available(manifest):
+            self.chain = DraftChain(manifest, threads)
+            self.chain_parents = np.arange(shape.max_nodes) - 1
 
     def _project(self, taps: np.ndarray) -> np.ndarray:
         return taps if self.projection is None else self.projection(taps[None])[0]
@@ -74,23 +94,43 @@ class FeatureHeadDrafter:
         self.features[row, start : start + len(taps)] = self._project(taps)
         self.known[row] += len(taps)
 
+    def _pending(self, histories):
+        """Per row: the first unseen slot, how many positions, their tokens and features."""
+        starts = self.cache.lengths.copy()
+        counts = np.maximum(np.array([len(h) - 1 for h in histories]) - starts, 0)
+        tokens = [h[s + 1 : s + 1 + n] for h, s, n in zip(histories, starts, counts, strict=True)]
+        features = [
+            self.features[b, s : s + n] for b, (s, n) in enumerate(zip(starts, counts, strict=True))
+        ]
+        return starts, counts, tokens, features
+
     def _catch_up(self, histories) -> tuple[np.ndarray, np.ndarray]:
         """Feeds the positions whose target features the head has not seen.
 
         Returns:
             The last position's logits [B, V] and hidden output [B, d].
         """
-        cache, batch = self.cache, len(histories)
-        starts = cache.lengths.copy()
-        counts = np.maximum(np.array([len(h) - 1 for h in histories]) - starts, 0)
-        tokens = [h[s + 1 : s + 1 + n] for h, s, n in zip(histories, starts, counts, strict=True)]
-        features = [
-            self.features[b, s : s + n] for b, (s, n) in enumerate(zip(starts, counts, strict=True))
-        ]
-        out, last = self.head.feed(cache, tokens, starts, features)
-        cache.lengths[:] = starts + counts
-        rows = np.arange(batch)
+        starts, counts, tokens, features = self._pending(histories)
+        out, last = self.head.feed(self.cache, tokens, starts, features)
+        self.cache.lengths[:] = starts + counts
+        rows = np.arange(len(histories))
         return out.logits[rows, last], out.taps[rows, last]
+
+    def _propose_chain(self, histories, active) -> list[DraftTree] | None:
+        """The greedy chain in one call (`DraftChain`); None when it would overflow the cache."""
+        starts, counts, tokens, features = self._pending(histories)
+        steps = self.max_nodes - 1
+        width = max(1, int(counts.max()))
+        if not self.chain.fits(self.cache, starts, width, steps):
+            return None
+        ids, probs = self.chain(self.cache, tokens, features, starts, steps)
+        self.cache.lengths[:] = starts + counts
+        return [
+            DraftTree(ids[b], self.chain_parents, None, probs[b].astype(np.float64))
+            if is_active
+            else DraftTree.empty()
+            for b, is_active in enumerate(active)
+        ]
 
     def _forward_nodes(self, nodes: np.ndarray, tokens: np.ndarray, parents: np.ndarray):
         write_pos, depth, mask = self.slots.place(nodes, parents)
@@ -107,6 +147,10 @@ class FeatureHeadDrafter:
         return self._to_target_logits(out.logits)
 
     def propose(self, histories, active, sampling: SamplingParams, rng) -> list[DraftTree]:  # noqa: D102
+        if self.chain is not None and sampling.greedy:
+            trees = self._propose_chain(histories, active)
+            if trees is not None:
+                return trees
         root_logits, self.root_hidden = self._catch_up(histories)
         self.slots = NodeSlots(self.cache.lengths)
         self.node_hidden = np.zeros(

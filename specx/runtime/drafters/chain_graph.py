@@ -1,0 +1,88 @@
+"""`DraftChain`: an autoregressive head's whole greedy round in one ONNX Runtime call.
+
+Runs the artifact's `draft_chain` graph (`specx.graphs.draft_chain`): the catch-up over the
+positions whose target features arrived, then K - 1 greedy steps from the head's own
+outputs. The per-depth path computes the same greedy tokens with a Python loop around one
+head call per depth (node slots, masks, a sort per depth); here only the catch-up's inputs
+are built in Python. Used for greedy chains on ONNX Runtime; at a temperature chains are
+sampled from q (the sampled-chain rule needs q and a draw per depth), and trees and
+TensorRT keep the per-depth path too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import onnxruntime as ort
+
+from specx.artifact import Manifest
+from specx.runtime.kv_cache import KVCache
+from specx.runtime.masks import causal_mask
+from specx.runtime.ort_target import open_session
+
+__all__ = ["DraftChain"]
+
+
+class DraftChain:
+    """The `draft_chain` graph on ONNX Runtime, its head cache bound in place."""
+
+    def __init__(self, manifest: Manifest, threads: int | None = None):
+        self.session = open_session(manifest, "draft_chain", threads)
+        self._binding = self.session.io_binding()
+        self._bound: KVCache | None = None
+
+    @staticmethod
+    def available(manifest: Manifest) -> bool:
+        """True when the default build (or the export) has the chain graph, on ORT."""
+        build = manifest.build
+        graphs = manifest.data["graphs"] if build is None else build["graphs"]
+        backend = "ort" if build is None else build["backend"]
+        return backend == "ort" and "draft_chain" in graphs
+
+    def fits(self, cache: KVCache, starts: np.ndarray, width: int, steps: int) -> bool:
+        """Whether one padded call stays inside the cache (else the per-depth path feeds rows)."""
+        return int(starts.max()) + width + steps <= cache.capacity
+
+    def __call__(
+        self,
+        cache: KVCache,
+        tokens: Sequence[Sequence[int]],  # per row: the fed tokens (catch-up)
+        features: Sequence[np.ndarray],  # per row: their features [n_b, d]
+        starts: np.ndarray,  # [B] slot of each row's first fed token
+        steps: int,  # greedy steps after the first draft token (chain length - 1)
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Returns draft ids [B, steps + 1] (target vocabulary) and their probabilities."""
+        batch = len(tokens)
+        width = max(1, max(len(t) for t in tokens))
+        ids = np.zeros((batch, width), dtype=np.int64)
+        padded = np.zeros((batch, width, features[0].shape[-1]), dtype=np.float32)
+        for b, (row, rows) in enumerate(zip(tokens, features, strict=True)):
+            ids[b, : len(row)] = row
+            padded[b, : len(rows)] = rows
+        starts = np.asarray(starts, dtype=np.int64)
+        binding = self._binding
+        if cache is not self._bound:
+            for kind, array in (("key", cache.keys[0]), ("value", cache.values[0])):
+                value = ort.OrtValue.ortvalue_from_numpy(array)
+                binding.bind_ortvalue_input(f"past_{kind}_0", value)
+                binding.bind_ortvalue_output(f"present_{kind}_0", value)
+            self._bound = cache
+        last = np.array([max(len(t) - 1, 0) for t in tokens], dtype=np.int64)
+        inputs = {
+            "input_ids": ids,
+            "features": padded,
+            "position_ids": starts[:, None] + np.arange(width),
+            "attention_mask": causal_mask(starts, width, int(starts.max()) + width),
+            "write_pos": starts,
+            "last_index": last,
+            "steps": np.array(steps, dtype=np.int64),
+        }
+        for name, value in inputs.items():
+            binding.bind_cpu_input(name, np.ascontiguousarray(value))
+        draft_ids = np.empty((batch, steps + 1), dtype=np.int64)
+        probs = np.empty((batch, steps + 1), dtype=np.float32)
+        for name, array in (("draft_ids", draft_ids), ("draft_probs", probs)):
+            binding.bind_output(name, "cpu", 0, array.dtype, list(array.shape), array.ctypes.data)
+        self.session.run_with_iobinding(binding)
+        return draft_ids, probs
