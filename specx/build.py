@@ -20,6 +20,7 @@ interrupted build leaves the previous manifest valid.
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import tempfile
@@ -30,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import onnx
 import onnx_ir as ir
 
@@ -56,6 +58,8 @@ from specx.graphs.weight_only import (
 )
 
 __all__ = ["BuildOptions", "BuildOutput", "build_artifact", "exported_entries", "publish_build"]
+
+log = logging.getLogger(__name__)
 
 Progress = Callable[[str], None]
 BACKENDS = ("ort", "trt")
@@ -241,10 +245,48 @@ def _quantizer(
     return gptq_quantizer(hessians)
 
 
+def matmulnbits_rows_invariant(config: WeightOnlyConfig, trials: int = 3) -> bool:
+    """Whether this machine's MatMulNBits kernels compute a row alone as among others.
+
+    Each row's bits alone and in chunks of 2..8 rows are compared for `config` (measured
+    at level 4: blocks of 16 and 32 yes, 64 and 128 no). Checked at build time because
+    the kernel paths depend on the CPU and the ONNX Runtime version.
+    """
+    from specx.runtime.ort_target import load_session
+
+    rng = np.random.default_rng(0)
+    for bits in {config.bits, config.output_bits} - {0}:
+        k = 3 * config.block_size + 16  # whole blocks and a padded one
+        model = _single_matmul(rng.standard_normal((k, 40)).astype(np.float32) * 0.05)
+        WeightOnlyQuantizePass(
+            WeightOnlyConfig(bits, config.block_size, config.symmetric, config.accuracy_level, bits)
+        )(model)
+        session = load_session(ir.to_proto(model).SerializeToString())
+        for _ in range(trials):
+            rows = rng.standard_normal((8, k)).astype(np.float32)
+            together = session.run(None, {"x": rows})[0]
+            for chunk in range(1, 8):
+                parts = [
+                    session.run(None, {"x": rows[i : i + chunk]})[0] for i in range(0, 8, chunk)
+                ]
+                if not np.array_equal(np.concatenate(parts)[:8], together):
+                    return False
+    return True
+
+
+def _single_matmul(weight: np.ndarray) -> ir.Model:
+    x = ir.Value(
+        name="x", type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape(["m", weight.shape[0]])
+    )
+    w = ir.Value(name="w", const_value=ir.tensor(weight))
+    node = ir.node("MatMul", [x, w], name="mm")
+    node.outputs[0].name = "y"
+    graph = ir.Graph([x], node.outputs, nodes=[node], initializers=[w], opset_imports={"": 21})
+    return ir.Model(graph, ir_version=10)
+
+
 def _derive_chain(manifest: Manifest, head: dict[str, Any], output: BuildOutput) -> dict:
     """The one-call chain graph of the built head (`specx.graphs.draft_chain`)."""
-    import numpy as np
-
     from specx.export.head_export import save_draft_chain
 
     d2t = (manifest.data.get("drafter") or {}).get("d2t")
@@ -271,9 +313,18 @@ def _convert(
     quantization = record.setdefault("quantization", config.record())
     quantization.setdefault("quantized_matmuls", {})[name] = quantized_matmuls(model)
     if name == "target" and config.accuracy_level == 4:
-        # int8 activations amplify last-bit differences, as static INT8 does: the same remedy.
+        # int8 activations amplify last-bit differences, as static INT8 does: the same remedy
+        # for attention, and MatMulNBits must itself treat a row alone as among others.
         RowInvariantPass()(model)
-        quantization["greedy_identity"] = "chains"
+        invariant = matmulnbits_rows_invariant(config)
+        quantization["greedy_identity"] = "chains" if invariant else "none"
+        if not invariant:
+            log.warning(
+                "MatMulNBits at block size %d does not compute a row alone as among others "
+                "on this CPU: greedy speculation on this build may differ from its plain "
+                "decoding (blocks of 32 do not)",
+                config.block_size,
+            )
     return model
 
 

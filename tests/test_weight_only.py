@@ -18,7 +18,7 @@ from click.testing import CliRunner
 
 from conftest import HEAD_VOCAB
 from specx.artifact import load_manifest
-from specx.build import BuildOptions, build_artifact
+from specx.build import BuildOptions, build_artifact, matmulnbits_rows_invariant
 from specx.calibration.gptq import gptq_quantize
 from specx.cli import main
 from specx.errors import BuildError
@@ -106,9 +106,7 @@ def test_gptq_beats_rtn_on_correlated_inputs_and_equals_it_without_correlation(r
 @pytest.fixture(scope="module")
 def int4(artifacts, tmp_path_factory):
     artifact = shutil.copytree(artifacts["llama"], tmp_path_factory.mktemp("int4") / "artifact")
-    build_artifact(
-        artifact, BuildOptions("ort", "int4", weight_only=WeightOnlyConfig(block_size=32))
-    )
+    build_artifact(artifact, BuildOptions("ort", "int4"))  # the default configuration
     return artifact
 
 
@@ -173,9 +171,7 @@ def test_chain_speculation_equals_plain_on_the_int4_build(drafter, int4, draft_a
 @pytest.mark.parametrize("name", ["eagle3", "eagle", "medusa", "mtp-deepseek"])
 def test_head_chains_equal_plain_on_int4_builds(name, head_artifacts, tmp_path, rng):
     artifact = shutil.copytree(head_artifacts[name], tmp_path / "artifact")
-    build_artifact(
-        artifact, BuildOptions("ort", "int4", weight_only=WeightOnlyConfig(block_size=16))
-    )
+    build_artifact(artifact, BuildOptions("ort", "int4"))
     manifest = load_manifest(artifact)
     converted = set(manifest.build["quantization"]["quantized_matmuls"])
     assert converted == set(manifest.data["graphs"]) - {"draft_chain"}
@@ -225,7 +221,7 @@ def test_cli_builds_gptq_and_refuses_misuse(artifacts, tmp_path):
     done = runner.invoke(main, args)
     assert done.exit_code == 0, done.output
     record = load_manifest(artifact).build["quantization"]
-    assert (record["bits"], record["method"], record["block_size"]) == (8, "gptq", 128)
+    assert (record["bits"], record["method"], record["block_size"]) == (8, "gptq", 32)
     target = OrtTarget(load_manifest(artifact), threads=2)
     assert len(generate_plain(target, REPEATING[:1], 8).tokens[0]) == 8
 
@@ -275,3 +271,19 @@ def test_export_memory_does_not_grow_with_the_weights(tmp_path):
     weights_mb = Path(tmp_path / "large-artifact" / "target.onnx.data").stat().st_size / 2**20
     assert weights_mb > 250
     assert peaks["large"] - peaks["small"] < weights_mb / 2, (peaks, weights_mb)
+
+
+def test_row_invariance_is_measured_and_recorded(artifacts, tmp_path):
+    """Blocks of 128 take int8 kernel paths that round a row alone differently (measured on
+    AVX-512 here); the build records what it measured and generate warns."""
+    config = WeightOnlyConfig(block_size=128)
+    invariant = matmulnbits_rows_invariant(config)
+    assert matmulnbits_rows_invariant(WeightOnlyConfig(block_size=32))
+    artifact = shutil.copytree(artifacts["llama"], tmp_path / "artifact")
+    build_artifact(artifact, BuildOptions("ort", "int4", weight_only=config))
+    identity = load_manifest(artifact).build["quantization"]["greedy_identity"]
+    assert identity == ("chains" if invariant else "none")
+    if not invariant:
+        args = ["generate", str(artifact), "--prompt-ids", "1,2", "--drafter", "ngram"]
+        result = CliRunner().invoke(main, args)
+        assert result.exit_code == 0 and "for no draft" in result.stderr

@@ -265,7 +265,7 @@ def _plain(target, request: _Request):
 
 
 def _speculative(target, manifest, request: _Request, options, max_batch_spec, threads):
-    from specx.runtime.calibrated import calibrated_choice, chains_only
+    from specx.runtime.calibrated import calibrated_choice, greedy_identity
     from specx.runtime.drafters import DrafterOptions, make_drafter
     from specx.runtime.speculative_decoding import generate_speculative
 
@@ -284,11 +284,13 @@ def _speculative(target, manifest, request: _Request, options, max_batch_spec, t
         4 if num_draft_tokens is None else num_draft_tokens, shape, *options.ngram, threads
     )
     drafting = make_drafter(options.drafter, target, drafter_options)
-    if not drafting.drafts_chains and chains_only(manifest):
+    identity = greedy_identity(manifest)
+    if identity == "none" or (identity == "chains" and not drafting.drafts_chains):
+        kept = "for no draft" if identity == "none" else "for chain drafts only"
         warn(
             f"the {manifest.data.get('default_build')} build keeps greedy speculation "
-            "identical to its plain decoding for chain drafts only; a tree can differ where "
-            "int8 rounding flips a near-tie (pass a chain, or calibrate)"
+            f"identical to its plain decoding {kept}; a token can differ where int8 rounding "
+            "flips a near-tie (pass a chain, build with --block-size 32, or calibrate)"
         )
     result = generate_speculative(
         target,

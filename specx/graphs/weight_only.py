@@ -55,7 +55,7 @@ class WeightOnlyConfig:
     """How MatMul weights are stored: bits, block size, zero points, compute type."""
 
     bits: int = 4
-    block_size: int = 128  # GPTQ's usual group size; 32 is more accurate, 15% more bytes
+    block_size: int = 32  # row-invariant at level 4 on the CPUs measured; 128: fewer bytes
     symmetric: bool = True
     accuracy_level: int = 4  # 0: float compute; 4: int8 activations (see module docstring)
     output_bits: int = 8  # the output projection (lm_head); 0 keeps it float32

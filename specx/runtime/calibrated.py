@@ -12,7 +12,13 @@ from specx.artifact import MANIFEST_NAME, Manifest
 from specx.errors import ArtifactError, SpecxError
 from specx.runtime.drafters.tree_search import DynamicTree, StaticTree, TreeShape
 
-__all__ = ["CalibratedChoice", "calibrated_choice", "chains_only", "choice_shape"]
+__all__ = [
+    "CalibratedChoice",
+    "calibrated_choice",
+    "chains_only",
+    "choice_shape",
+    "greedy_identity",
+]
 
 
 @dataclass(frozen=True)
@@ -55,6 +61,17 @@ def calibrated_choice(manifest: Manifest, drafter: str) -> CalibratedChoice | No
     return CalibratedChoice(shape, max_batch_spec, predicted, label)
 
 
+def greedy_identity(manifest: Manifest) -> str:
+    """What of greedy speculation the default build keeps identical to its plain decoding.
+
+    "all" (float builds: up to last-bit near-ties, see the README), "chains" (INT8 and
+    weight-only int8-compute builds: chain drafts), or "none" (a weight-only build whose
+    kernels treat a row alone differently from rows together on the build machine).
+    """
+    build = manifest.build or {}
+    return (build.get("quantization") or {}).get("greedy_identity", "all")
+
+
 def chains_only(manifest: Manifest) -> bool:
     """True when the default build keeps greedy speculation identical to plain for chains only.
 
@@ -63,5 +80,4 @@ def chains_only(manifest: Manifest) -> bool:
     than the same tokens in plain decoding, and the attention sums it changes by a last bit
     can flip an int8 activation (`specx.graphs.row_invariance`). Chains do not move.
     """
-    build = manifest.build or {}
-    return (build.get("quantization") or {}).get("greedy_identity") == "chains"
+    return greedy_identity(manifest) == "chains"
