@@ -72,3 +72,20 @@ def test_pyref_deep_greedy_equals_pyref_7m(tmp_path):
     deep = pyref_deep.write(source, tmp_path / "pyref-deep")
     prompts = [[1, 2, 3, 4], list(range(10, 40))]
     assert greedy(deep, prompts, 24) == greedy(source, prompts, 24)
+
+
+def test_a_small_teacher_with_mapped_taps_gives_the_deep_targets_eagle3_features(
+    checkpoints, tmp_path, rng
+):
+    """Heads for a block-expanded target train against the original with mapped taps."""
+    from specx.export.checkpoint import load_checkpoint
+    from specx.training.teacher import Teacher
+
+    layout = ExpansionLayout.placing(10, (0, 2, 5, 8))  # taps 2, 5, 7 read after R0, R1, R2
+    deep = load_checkpoint(expand_checkpoint(checkpoints["llama"], tmp_path / "deep", layout))
+    small = load_checkpoint(checkpoints["llama"])
+    windows = torch.tensor(rng.integers(1, 500, (2, 12)))
+    expected = Teacher(deep.config, deep.state_dict)(windows)
+    mapped = Teacher(small.config, small.state_dict, tap_layers=(1, 2, 3))(windows)
+    assert torch.equal(mapped.eagle3, expected.eagle3)
+    assert torch.equal(mapped.last, expected.last) and torch.equal(mapped.probs, expected.probs)

@@ -92,6 +92,7 @@ def export(
 
 _TRAIN_ONLY = {
     "draft_vocab": ("eagle3",),
+    "tap_layers": ("eagle3",),
     "ttt_steps": ("eagle3", "mtp"),
     "medusa_heads": ("medusa",),
 }
@@ -135,6 +136,11 @@ _TRAIN_ONLY = {
 )
 @click.option("--medusa-heads", type=POSITIVE, default=4, show_default=True)
 @click.option(
+    "--tap-layers",
+    help="EAGLE-3: comma-separated layers whose input states the head reads [default: 2, "
+    "N//2, N-3]; for a teacher whose streams equal the deployment target's taps.",
+)
+@click.option(
     "--on-policy",
     "on_policy",
     type=NATURAL,
@@ -157,6 +163,7 @@ def train(
     ttt_steps: int,
     draft_vocab: int | None,
     medusa_heads: int,
+    tap_layers: str | None,
     on_policy: int,
 ) -> None:
     """Distil a KIND drafter against the target in TARGET_DIR (soft labels from the target)."""
@@ -164,6 +171,12 @@ def train(
         flags = passed(ctx, name)
         if flags and kind not in kinds:
             raise SpecxError(only_applies(flags, f"{' and '.join(kinds)} training, not {kind}"))
+    layers = None
+    if tap_layers is not None:
+        items = [t.strip() for t in tap_layers.split(",")]
+        if len(items) != 3 or not all(t.isascii() and t.isdigit() for t in items):
+            raise SpecxError(f"--tap-layers must be three layer numbers, got {tap_layers!r}")
+        layers = tuple(int(t) for t in items)
     require_extra("train")
     from specx.training.loop import TrainConfig, train_drafter
 
@@ -178,6 +191,7 @@ def train(
         draft_vocab=draft_vocab,
         medusa_heads=medusa_heads,
         on_policy_windows=on_policy,
+        tap_layers=layers,
     )
     result = train_drafter(target_dir, corpus, output_dir, config, progress=progress)
     click.echo(json.dumps(result.report, indent=2))

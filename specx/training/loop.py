@@ -52,6 +52,7 @@ class TrainConfig:
     max_held_out_windows: int = 64  # the acceptance estimate needs no more
     on_policy_windows: int = 0  # extra windows continued by sampling from the target
     on_policy_prompt: int = 16  # corpus tokens that start each on-policy window
+    tap_layers: tuple[int, ...] | None = None  # EAGLE-3 taps of the teacher (None: 2, N//2, N-3)
     save_every: int = 100
 
 
@@ -222,6 +223,11 @@ def _check_request(
         raise SpecxError(
             f"EAGLE-3 needs a target with at least 3 layers; it has {config.num_layers}"
         )
+    if cfg.tap_layers is not None and not all(0 <= t < config.num_layers for t in cfg.tap_layers):
+        raise SpecxError(
+            f"--tap-layers {list(cfg.tap_layers)} must be layers of the {config.num_layers}-layer "
+            "target"
+        )
     if cfg.draft_vocab is not None and not 1 <= cfg.draft_vocab <= config.vocab_size:
         raise SpecxError(
             f"--draft-vocab {cfg.draft_vocab} must be in [1, {config.vocab_size}], the "
@@ -260,7 +266,7 @@ def train_drafter(
     if cfg.on_policy_windows:
         progress(f"sampling {cfg.on_policy_windows} on-policy windows from the target")
         train_windows = np.concatenate([train_windows, _on_policy(target_dir, train_windows, cfg)])
-    teacher = Teacher(config, checkpoint.state_dict)
+    teacher = Teacher(config, checkpoint.state_dict, cfg.tap_layers)
     torch.manual_seed(cfg.seed)
     if cfg.kind == "draft-model":
         model = _new_draft_model(config, cfg.seed, cfg.draft_model_layers)

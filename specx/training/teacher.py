@@ -25,10 +25,19 @@ class TeacherOutput:
 class Teacher:
     """Runs the target once per batch under no_grad, capturing both tap kinds."""
 
-    def __init__(self, config: TargetConfig, state_dict: Mapping[str, torch.Tensor]):
+    def __init__(
+        self,
+        config: TargetConfig,
+        state_dict: Mapping[str, torch.Tensor],
+        tap_layers: tuple[int, ...] | None = None,
+    ):
         self.config = config
         taps = "eagle3" if config.num_layers >= 3 else "none"
         self.decoder = TargetDecoder.from_state_dict(config, state_dict, taps)
+        if tap_layers is not None:
+            # A smaller teacher whose streams equal the deployment target's taps (e.g.
+            # pyref-7m's layers 2, 3, 4 = pyref-deep's 2, 16, 29: benchmarks/pyref_deep.py).
+            self.decoder.tap_layers = tuple(tap_layers)
         self._last: list[torch.Tensor] = []
         # The lm_head's input is the final post-norm hidden state (the `last` taps).
         self.decoder.lm_head.register_forward_hook(lambda m, args, out: self._last.append(args[0]))
