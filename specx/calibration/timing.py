@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from specx.runtime.decoder_backend import DecoderBackend
 from specx.runtime.drafters.base import Drafter
 from specx.runtime.plain_decoding import generate_plain
+from specx.runtime.sampling import SamplingParams
 from specx.runtime.speculative_decoding import generate_speculative
 
 __all__ = ["PairedTiming", "measure_speedup"]
@@ -55,8 +56,13 @@ def measure_speedup(
     max_new_tokens: int,
     repeats: int = 3,
     batch: int = 1,
+    sampling: SamplingParams | None = None,
 ) -> PairedTiming:
-    """Greedy plain vs speculative decoding of `prompts`, `batch` at a time (see module doc)."""
+    """Plain vs speculative decoding of `prompts`, `batch` at a time (see module doc).
+
+    Greedy by default; with `sampling` both sides sample with its seed (`identical` then
+    compares the sampled tokens, which a lossless loop need not reproduce).
+    """
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     groups = [list(prompts[i : i + batch]) for i in range(0, len(prompts), batch)]
@@ -65,8 +71,8 @@ def measure_speedup(
     tokens, identical, stats = 0, True, []
     for repeat in range(repeats):
         for g, group in enumerate(groups):
-            plain = generate_plain(target, group, max_new_tokens)
-            spec = generate_speculative(target, drafter, group, max_new_tokens)
+            plain = generate_plain(target, group, max_new_tokens, sampling)
+            spec = generate_speculative(target, drafter, group, max_new_tokens, sampling)
             plain_s[g] = min(plain_s[g], plain.stats["decode_s"])
             speculative_s[g] = min(
                 speculative_s[g], spec.stats["total_s"] - spec.stats["prefill_s"]

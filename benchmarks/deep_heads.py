@@ -1,0 +1,167 @@
+"""Trained heads on pyref-deep: measured speedup next to its ideal bound, and drafting overhead.
+
+pyref-deep (benchmarks/pyref_deep.py) is exported with each trained head found under
+`--heads DIR/<kind>` (trained by `specx train`, e.g. on pyref-7m as teacher: its last
+hidden state is pyref-deep's; EAGLE-3 with `--tap-layers 2,3,4`). For every configuration,
+on 18 held-out prompts (12 HumanEval stubs + 6 held-out stdlib files, as the suite), 96 new
+tokens, each prompt plain and speculative back to back, fastest of `--repeats`
+(`specx.calibration.timing`), greedy and at T=0.7:
+
+    speedup = plain decode time / speculative decode time
+    bound   = tau * t(1) / (t(N + 1) + draft)
+
+with tau the run's acceptance length, t(n) the target's forward over n tokens at the prompts'
+context (median of 7), N the configuration's node budget and `draft` the measured drafting
+time per round. For one-call chains the drafting overhead is also reported: the draft_chain
+graph's own ONNX Runtime time per round against the drafter's wall time per round.
+
+    python benchmarks/deep_heads.py [--heads ~/.cache/specx/pyref-heads] [--kinds eagle,eagle3]
+
+Writes benchmarks/results/deep_heads.json and prints a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import pyref_deep  # noqa: E402
+from suite import SHARED, prompts_for  # noqa: E402
+
+CONFIGS = ["chain:2", "chain:3", "chain:4", "chain:5", "dynamic:8,4,2", "dynamic:12,5,3"]
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def draft_overhead(drafter, target, prompts, new_tokens) -> dict:
+    """Drafter wall time per round vs the draft_chain graph's own run time per round."""
+    from specx.runtime.speculative_decoding import generate_speculative
+
+    chain = drafter.chain
+    spent = [0.0]
+    run = chain.session.run_with_iobinding
+
+    def timed(binding):
+        started = time.perf_counter()
+        run(binding)
+        spent[0] += time.perf_counter() - started
+
+    chain.session.run_with_iobinding = timed
+    try:
+        rounds = draft = 0.0
+        for prompt in prompts:
+            stats = generate_speculative(target, drafter, [prompt], new_tokens).stats
+            rounds += stats["rounds"]
+            draft += stats["draft_s"]
+    finally:
+        chain.session.run_with_iobinding = run
+    return {
+        "draft_ms_per_round": 1e3 * draft / rounds,
+        "graph_ms_per_round": 1e3 * spent[0] / rounds,
+        "overhead": 1 - spent[0] / draft,
+    }
+
+
+def measure(target, drafter, prompts, args, sampling, curve, nodes) -> dict:
+    from specx.calibration.timing import measure_speedup
+    from specx.runtime.speculative_decoding import generate_speculative
+
+    timing = measure_speedup(target, drafter, prompts, args.new_tokens, args.repeats, 1, sampling)
+    rounds = draft = 0.0
+    for prompt in prompts[:6]:
+        stats = generate_speculative(target, drafter, [prompt], args.new_tokens, sampling).stats
+        rounds, draft = rounds + stats["rounds"], draft + stats["draft_s"]
+    tau, draft_s = timing.acceptance_length, draft / rounds
+    bound = tau * curve(1) / (curve(nodes + 1) + draft_s)
+    return {
+        "speedup": timing.speedup,
+        "bound": bound,
+        "of_bound": timing.speedup / bound,
+        "acceptance_length": tau,
+        "draft_ms_per_round": 1e3 * draft_s,
+        "plain_ms_per_token": timing.plain_ms_per_token,
+        "speculative_ms_per_token": timing.speculative_ms_per_token,
+        "identical_to_plain": timing.identical if sampling.greedy else None,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--heads", type=Path, default=Path.home() / ".cache/specx/pyref-heads")
+    parser.add_argument("--kinds", default="eagle,eagle3,mtp,medusa")
+    parser.add_argument("--new-tokens", type=int, default=96)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/deep_heads.json"))
+    args = parser.parse_args()
+    source = SHARED / "models" / "pyref-7m"
+    if not (source / "model.safetensors").is_file():
+        log(f"skipped: {source} is absent")
+        return
+    from specx.artifact import load_manifest
+    from specx.calibration.costs import measure_verify_curve
+    from specx.export.target_export import export_target
+    from specx.runtime.drafters import DrafterOptions, make_drafter
+    from specx.runtime.drafters.tree_search import parse_tree_spec
+    from specx.runtime.ort_target import OrtTarget
+    from specx.runtime.sampling import SamplingParams
+    from specx.runtime.tokenizer import TextTokenizer
+
+    samplings = {"greedy": SamplingParams(), "T=0.7": SamplingParams(0.7, seed=0)}
+    work = Path(tempfile.mkdtemp(prefix="specx-deep-heads-"))
+    deep = pyref_deep.write(source, work / "pyref-deep")
+    prompts = prompts_for(TextTokenizer(source / "tokenizer.json"), 12)
+    kinds = [k for k in args.kinds.split(",") if (args.heads / k / "config.json").is_file()]
+    report = {
+        "benchmark": "deep_heads",
+        "target": "pyref-deep (pyref-7m block-expanded to 32 layers)",
+        "prompts": len(prompts),
+        "new_tokens": args.new_tokens,
+        "machine": {"platform": platform.platform(), "threads": args.threads},
+        "heads": {k: json.loads((args.heads / k / "train_report.json").read_text()) for k in kinds},
+        "results": {},
+    }
+    curve = None
+    for kind in kinds:
+        log(f"exporting pyref-deep with the {kind} head")
+        artifact = export_target(
+            deep, work / kind, max_context=1024, drafter=f"{kind}:{args.heads / kind}"
+        )
+        target = OrtTarget(load_manifest(artifact), args.threads)
+        if curve is None:
+            context = sum(len(p) for p in prompts) // len(prompts)
+            curve = measure_verify_curve(target, (1, 2, 3, 4, 5, 6, 8, 9, 12, 13, 16), context)
+            report["verify_curve"] = curve.summary()
+        for spec in CONFIGS if kind != "medusa" else ["chain:3", "chain:4"]:
+            shape = parse_tree_spec(spec)
+            for label, sampling in samplings.items():
+                drafter = make_drafter(kind, target, DrafterOptions(tree=shape))
+                log(f"{kind} {spec} {label}")
+                row = measure(target, drafter, prompts, args, sampling, curve, shape.max_nodes)
+                if getattr(drafter, "chain", None) is not None and sampling.greedy:
+                    row["drafting"] = draft_overhead(drafter, target, prompts[:6], args.new_tokens)
+                report["results"][f"{kind} {spec} {label}"] = row
+                tau = row["acceptance_length"]
+                log(f"  {row['speedup']:.2f}x (bound {row['bound']:.2f}x), tau {tau:.2f}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    print("| configuration | speedup | ideal bound | of bound | tau | draft ms/round |")
+    print("|---|---|---|---|---|---|")
+    for name, row in report["results"].items():
+        print(
+            f"| {name} | {row['speedup']:.2f}x | {row['bound']:.2f}x | {row['of_bound']:.0%} "
+            f"| {row['acceptance_length']:.2f} | {row['draft_ms_per_round']:.2f} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
