@@ -146,7 +146,8 @@ _TRAIN_ONLY = {
     type=NATURAL,
     default=0,
     show_default=True,
-    help="Add this many windows continued by sampling from the target (on-policy data).",
+    help="Add this many windows continued by the target, half greedy and half at T=0.7 "
+    "(on-policy data).",
 )
 @click.pass_context
 def train(
