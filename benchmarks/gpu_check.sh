@@ -21,44 +21,11 @@ for f in "${files[@]}"; do
     name=$(basename "$f" .py)
     timeout 300 python -m pytest -q -rs "$f" --junitxml="$out/$name.xml" >"$out/$name.log" 2>&1
     code=$?
+    echo "$code" >"$out/$name.code"  # 124: killed by timeout, and no junit report then
     [ "$code" -ne 0 ] && status=1
     tail -n 5 "$out/$name.log" >&2
 done
-python - "$out" "${files[@]}" <<'PY'
-import json, sys, xml.etree.ElementTree as ET
-from pathlib import Path
-
-out, files = Path(sys.argv[1]), sys.argv[2:]
-summary = {"environment": {}, "files": {}}
-try:
-    import torch
-    summary["environment"]["torch"] = torch.__version__
-    if torch.cuda.is_available():
-        summary["environment"]["gpu"] = torch.cuda.get_device_name()
-        summary["environment"]["compute_capability"] = "{}.{}".format(
-            *torch.cuda.get_device_capability())
-except ImportError:
-    pass
-for module in ("tensorrt", "triton", "onnxruntime"):
-    try:
-        summary["environment"][module] = __import__(module).__version__
-    except ImportError:
-        summary["environment"][module] = None
-clean = True
-for f in files:
-    name = Path(f).stem
-    suite = ET.parse(out / f"{name}.xml").getroot()
-    suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
-    counts = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
-    counts["seconds"] = float(suite.get("time", 0))
-    counts["skip_reasons"] = sorted(
-        {(s.text or s.get("message", "")).strip()[-200:] for s in suite.iter("skipped")})
-    summary["files"][f] = counts
-    clean &= counts["failures"] == counts["errors"] == counts["skipped"] == 0
-summary["ok"] = clean
-print(json.dumps(summary, indent=2))
-sys.exit(0 if clean else 1)
-PY
+python benchmarks/gpu_summary.py "$out" "${files[@]}"
 summary_status=$?
 rm -rf "$out"
 exit $(( status | summary_status ))

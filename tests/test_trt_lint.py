@@ -120,3 +120,23 @@ def test_cli_lint_reports_a_clean_artifact(artifacts):
     result = CliRunner().invoke(main, ["lint", str(artifacts["qwen2"]), "--precision", "fp16"])
     assert result.exit_code == 0, result.output
     assert "0 issues" in result.output
+
+
+def test_attention_with_a_used_extra_output_is_flagged_not_crashed():
+    """The extra-output check summed `Value.uses()` tuples: a TypeError when one was used."""
+    past = [_tensor("pk", F, [1, 2, 5, 4]), _tensor("pv", F, [1, 2, 5, 4])]
+    node = helper.make_node("Attention", ["q", "k", "v", "", "pk", "pv"], ["y", "pko", "pvo"])
+    use = helper.make_node("Identity", ["pko"], ["copied"])
+    outputs = [_tensor("y", F, None), _tensor("copied", F, None)]
+    reasons = _reasons(_model([node, use], QKV + past, outputs))
+    assert any("only the first output" in r for r in reasons)
+
+
+def test_attention_softcap_and_a_3d_mask_are_flagged():
+    node = helper.make_node("Attention", ["q", "k", "v"], ["y"], softcap=0.0)
+    reasons = _reasons(_model([node], QKV, [_tensor("y", F, None)]))
+    assert reasons == ["attribute softcap is not supported (even 0)"]
+    mask = _tensor("mask", TensorProto.BOOL, [1, 3, 3])
+    node = helper.make_node("Attention", ["q", "k", "v", "mask"], ["y"])
+    reasons = _reasons(_model([node], [*QKV, mask], [_tensor("y", F, None)]))
+    assert reasons == ["attn_mask must be 4D, got rank 3"]

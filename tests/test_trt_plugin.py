@@ -134,9 +134,10 @@ def make_inputs(dtype: torch.dtype) -> dict[str, torch.Tensor]:
 def test_engine_matches_reference(dtype):
     register_tree_attention_plugin()
     engine = build_engine(tree_attention_model(dtype))
-    if hasattr(engine, "get_aliased_input_tensor"):
-        assert engine.get_aliased_input_tensor("k_cache_out") == "k_cache"
-        assert engine.get_aliased_input_tensor("v_cache_out") == "v_cache"
+    # What the engine must guarantee: with each cache output bound to its input's address,
+    # that buffer holds the updated cache afterwards. Whether TensorRT writes it in place or
+    # copies (its docs promise in-place only for the KVCacheUpdate layer, and say it "may
+    # insert copies" for plugins) is its choice; `get_aliased_input_tensor` is not asserted.
     inputs = make_inputs(dtype)
     fp32 = {name: t.float() if t.is_floating_point() else t for name, t in inputs.items()}
     expected, expected_k, expected_v = tree_attention_reference(

@@ -10,6 +10,10 @@ A graph is linted twice, because the parser takes a `specx::TreeAttention` node 
 two ways: as the registered plugin (`plugin` view: the node itself is checked against
 the plugin's contract), or, when no plugin is registered, by inlining its model-local
 function (`fallback` view: every standard op of the body must import).
+
+Sources, rule by rule: "[docs]" is `docs/operators.md` (10.15), "[checker]" the parser's
+op checkers (onnxOpCheckers.cpp), "[specx]" a choice of this project with its reason,
+not a documented parser rule.
 """
 
 from __future__ import annotations
@@ -95,20 +99,28 @@ def _attention(node: ir.Node, graph: ir.Graph) -> list[str]:
     for index, name in enumerate(names, start=4):
         if index < len(node.inputs) and node.inputs[index] is not None:
             problems.append(f"input {name} is not supported (no past/present in TensorRT)")
-    if sum(o is not None and o.uses() or o in graph.outputs for o in node.outputs[1:]):
+    if any(o is not None and (len(o.uses()) > 0 or o in graph.outputs) for o in node.outputs[1:]):
         problems.append("only the first output is supported (no present_key/value, qk output)")
+    # [docs] qk_matmul_output_mode is unsupported. [specx] softmax_precision: no source
+    # documents it either way; refused so the graph never depends on it.
     for attr in ("softmax_precision", "qk_matmul_output_mode"):
         if attr in node.attributes:
             problems.append(f"attribute {attr} makes the parser reject the node")
-    if node.attributes.get_float("softcap", 0.0) != 0.0:
-        problems.append("softcap is not supported")
+    if "softcap" in node.attributes:
+        # operators.md (10.15) lists softcap among Attention's unsupported attributes, with no
+        # exception for 0: the attribute itself is refused.
+        problems.append("attribute softcap is not supported (even 0)")
     for index, name in enumerate(("Q", "K", "V")):
         if _rank(node.inputs[index]) not in (4, None):
             problems.append(f"{name} must be 4D, got rank {_rank(node.inputs[index])}")
     mask = node.inputs[3] if len(node.inputs) > 3 else None
     if mask is not None:
-        if mask.dtype not in (_D.BOOL, node.inputs[0].dtype):
+        if mask.dtype not in (_D.BOOL, node.inputs[0].dtype):  # [docs]
             problems.append(f"attn_mask must be BOOL or Q's dtype, got {mask.dtype}")
+        if _rank(mask) not in (4, None):  # [docs] a 4D attn_mask
+            problems.append(f"attn_mask must be 4D, got rank {_rank(mask)}")
+        # [specx] no source states it; causal masking is expressed by the mask here, and
+        # two masks on one node is a combination the project never needs.
         if node.attributes.get_int("is_causal", 0):
             problems.append("is_causal cannot be combined with attn_mask")
     return problems
@@ -126,7 +138,9 @@ def _tensor_scatter(node: ir.Node, graph: ir.Graph) -> list[str]:
         problems.append(f"axis must be -2, got {axis}")
     if node.attributes.get_string("mode", "linear") != "linear":
         problems.append("only mode='linear' is supported")
-    # TensorRT's KV-cache update layer writes the cache in place.
+    # [specx] TensorScatter imports as TensorRT's KV-cache update layer, which updates its
+    # cache in place (NVIDIA's KVCacheUpdate docs): the project keeps the cache a graph input
+    # with a static capacity and the result a graph output, the one form those docs show.
     if cache not in graph.inputs:
         problems.append(f"past_cache {cache.name!r} must be a graph input (updated in place)")
     elif cache.shape is not None and not isinstance(cache.shape[2], int):

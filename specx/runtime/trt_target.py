@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from specx.artifact import Manifest
-from specx.errors import ArtifactError
+from specx.errors import ArtifactError, GenerationError
 from specx.runtime.decoder_backend import DecoderBackend, StepOutput
 from specx.runtime.engine_compat import engine_mismatches
 from specx.runtime.kv_cache import KVCache
@@ -52,15 +52,45 @@ class _Engine:
             self.contexts.append(context)
         self.torch = torch
 
-    def run(self, profile: int, tensors: dict[str, object]) -> None:
-        """Binds `tensors` (torch CUDA tensors by IO name) and executes on the profile."""
+    @property
+    def io_names(self) -> list[str]:
+        """Every input and output tensor of the engine."""
+        return [self.engine.get_tensor_name(i) for i in range(self.engine.num_io_tensors)]
+
+    def set_shapes(self, profile: int, tensors: dict[str, object]) -> None:
+        """Sets the shape of every input among `tensors` on the profile's context.
+
+        Raises:
+            GenerationError: a shape outside the profile's range (named), instead of a
+                generic failure at execution.
+        """
         import tensorrt as trt
 
         context = self.contexts[profile]
         for name, tensor in tensors.items():
             if self.engine.get_tensor_mode(name) == trt.TensorIOMode.INPUT:
-                context.set_input_shape(name, tuple(tensor.shape))
-            context.set_tensor_address(name, tensor.data_ptr())
+                if not context.set_input_shape(name, tuple(tensor.shape)):
+                    raise GenerationError(
+                        f"{name} {tuple(tensor.shape)} is outside the engine's optimization "
+                        f"profile {profile} (rebuild with a larger --max-batch or context?)"
+                    )
+
+    def run(self, profile: int, tensors: dict[str, object]) -> None:
+        """Binds `tensors` and executes on the profile, after torch's queued work.
+
+        `tensors` are torch CUDA tensors by IO name, one for every input and output of the
+        engine (TensorRT needs every address set).
+        """
+        missing = sorted(set(self.io_names) - set(tensors))
+        if missing:
+            raise ArtifactError(f"no buffer bound for the engine's tensors {missing}")
+        self.set_shapes(profile, tensors)
+        context = self.contexts[profile]
+        for name, tensor in tensors.items():
+            if not context.set_tensor_address(name, tensor.data_ptr()):
+                raise ArtifactError(f"TensorRT refused the address of {name}")
+        # Inputs were copied and outputs allocated on torch's current stream.
+        self.stream.wait_stream(self.torch.cuda.current_stream())
         if not context.execute_async_v3(self.stream.cuda_stream):
             raise ArtifactError("TensorRT execute_async_v3 failed (see the TensorRT log)")
         self.stream.synchronize()
@@ -140,13 +170,16 @@ class TrtGraph:
         self.max_tokens = manifest.model["max_tree_tokens"]
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
-        """The graph's first output for input `x` [B, N, d]."""
+        """The graph's first output for input `x` [B, N, d] (every output is bound)."""
         torch = self._engine.torch
         inputs = torch.from_numpy(np.ascontiguousarray(x, np.float32)).cuda()
         profile = 0 if x.shape[1] <= self.max_tokens else 1
+        self._engine.set_shapes(profile, {self.input_name: inputs})
         context = self._engine.contexts[profile]
-        context.set_input_shape(self.input_name, tuple(inputs.shape))
-        shape = tuple(context.get_tensor_shape(self.output_name))
-        out = torch.empty(shape, dtype=torch.float32, device="cuda")
-        self._engine.run(profile, {self.input_name: inputs, self.output_name: out})
-        return out.cpu().numpy()
+        tensors = {self.input_name: inputs}
+        for name in self._engine.io_names:
+            if name != self.input_name:
+                shape = tuple(context.get_tensor_shape(name))
+                tensors[name] = torch.empty(shape, dtype=torch.float32, device="cuda")
+        self._engine.run(profile, tensors)
+        return tensors[self.output_name].cpu().numpy()

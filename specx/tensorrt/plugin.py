@@ -26,7 +26,6 @@ Importing this module imports tensorrt and triton; nothing else in specx imports
 # No `from __future__ import annotations`: tensorrt.plugin reads the annotations of the
 # decorated functions as classes (issubclass), so they must not be strings.
 
-import ctypes
 import functools
 import threading
 
@@ -34,9 +33,9 @@ import numpy as np
 import numpy.typing as npt
 import tensorrt as trt
 import tensorrt.plugin as trtp
-import triton
 
 from specx.graphs.tree_attention import DOMAIN, OP_TYPE
+from specx.tensorrt.ptx import device_arch, driver_ptx_version
 from specx.tensorrt.triton_tree_attention import (
     KERNEL_SCALARS,
     MAX_HEAD_DIM,
@@ -150,7 +149,7 @@ def _define() -> None:
             int(kv_heads),
             head_dim,
             float(scale_),
-            _device_arch(),
+            device_arch(),
         )
 
         n = q.shape_expr[2]
@@ -202,35 +201,5 @@ def _compile(dtype: str, num_heads: int, num_kv_heads: int, head_dim: int, scale
         scale=scale,
         block_n=BLOCK_N,
         arch=arch,
-        ptx_version=_driver_ptx_version(arch),
+        ptx_version=driver_ptx_version(arch),
     )
-
-
-def _device_arch() -> int:
-    """The compute capability of the GPU the engine is built on, e.g. 90.
-
-    Triton targets sm_90a on Hopper, and "a" PTX does not run on any other architecture, so
-    the PTX is compiled for this GPU (a TensorRT engine is tied to its GPU model anyway).
-    Triton's CUDA driver utilities build a small C helper on first use (needs a C compiler).
-    """
-    return triton.runtime.driver.active.get_current_target().arch
-
-
-@functools.cache
-def _driver_ptx_version(arch: int) -> int | None:
-    """The highest PTX ISA version both the CUDA driver and Triton's ptxas accept.
-
-    Triton stamps its PTX with the version of its bundled ptxas (CUDA 13 for Triton 3.9); a
-    CUDA 12 driver refuses to load that PTX. This uses Triton internals and libcuda, so it
-    is best effort: None keeps Triton's default. Unverified against a real driver here.
-    """
-    try:
-        from triton.backends.nvidia.compiler import get_ptxas, ptx_get_version
-
-        version = ctypes.c_int()
-        if ctypes.CDLL("libcuda.so.1").cuDriverGetVersion(ctypes.byref(version)) != 0:
-            return None
-        driver = ptx_get_version(f"{version.value // 1000}.{version.value % 1000 // 10}")
-        return min(driver, ptx_get_version(get_ptxas(arch).version))
-    except Exception:  # best effort: any failure keeps Triton's default
-        return None

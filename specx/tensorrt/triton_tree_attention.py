@@ -41,6 +41,7 @@ __all__ = [
     "MAX_HEAD_DIM",
     "SHARED_MEMORY_LIMIT",
     "KernelConfig",
+    "check_no_scratch",
     "compile_kernel",
     "head_block",
     "kernel_config",
@@ -244,7 +245,28 @@ def compile_kernel(
     options = {"num_warps": config.num_warps, "num_stages": config.num_stages}
     if ptx_version is not None:
         options["ptx_version"] = ptx_version
-    return triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
+    kernel = triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
+    check_no_scratch(kernel.metadata)
+    return kernel
+
+
+def check_no_scratch(metadata) -> None:
+    """Refuses a kernel that needs Triton's scratch buffers.
+
+    Triton >= 3.3 appends global_scratch / profile_scratch pointers to every kernel's
+    parameters; TensorRT's AOT launch passes only the declared arguments (null for the
+    extra ones), which is safe only while both scratch sizes are 0.
+
+    Raises:
+        RuntimeError: naming the scratch that is not empty.
+    """
+    for name in ("global_scratch_size", "profile_scratch_size"):
+        size = getattr(metadata, name, 0)
+        if size:
+            raise RuntimeError(
+                f"the TreeAttention kernel needs {size} bytes of Triton {name.split('_size')[0]}, "
+                "which TensorRT's AOT launch does not provide"
+            )
 
 
 def tree_attention(
