@@ -44,6 +44,7 @@ from specx.artifact import (
 )
 from specx.errors import BuildError
 from specx.graphs.model_io import save_streamed
+from specx.graphs.ort_lowering import GroupQueryAttentionPass, gqa_available
 from specx.graphs.precision import PRECISIONS, ConvertPrecisionPass
 from specx.graphs.row_invariance import RowInvariantPass
 from specx.graphs.signature import graph_signature
@@ -76,6 +77,7 @@ class BuildOptions:
     optimization_level: int = 3
     timing_cache: Path | None = None  # TensorRT timing cache, read and updated across builds
     weight_only: WeightOnlyConfig | None = None  # int4 / int8: how weights are quantized
+    lowering: str = "gqa"  # ORT: TreeAttention as GroupQueryAttention where allowed; or "none"
 
     @property
     def name(self) -> str:
@@ -198,7 +200,10 @@ def _build_ort(
     from specx.runtime.ort_target import load_session
 
     record: dict[str, Any] = {}
-    if options.precision == "fp32":
+    lower = options.lowering == "gqa" and options.precision != "fp16" and gqa_available()
+    if options.lowering == "gqa" and not lower:
+        progress("[ort] no GroupQueryAttention lowering (fp16, or this ONNX Runtime lacks it)")
+    if options.precision == "fp32" and not lower:
         graphs = exported_entries(manifest)  # the exported graphs are the fp32 ORT build
     else:
         graphs = {}
@@ -208,6 +213,8 @@ def _build_ort(
             progress(f"[ort] converting {name} to {options.precision}")
             quantizer = _quantizer(manifest, name, options, prompts, progress)
             model = _convert(_load(manifest, name), name, options, record, quantizer)
+            if lower and _lowerable(name, record) and GroupQueryAttentionPass()(model).modified:
+                record.setdefault("lowering", {})[name] = "gqa"
             graphs[name] = _save(model, output, name, progress)
         if "draft_chain" in manifest.data["graphs"]:
             graphs["draft_chain"] = _derive_chain(manifest, graphs["draft_head"], output)
@@ -302,10 +309,23 @@ def _derive_chain(manifest: Manifest, head: dict[str, Any], output: BuildOutput)
     }
 
 
+def _lowerable(name: str, record: dict) -> bool:
+    """Whether a graph may run as GroupQueryAttention (`specx.graphs.ort_lowering`).
+
+    Not a target whose build keeps greedy identity by row invariance (int8 activations):
+    GroupQueryAttention computes a row alone differently from rows together (measured:
+    chunks of 1 and 2 differ from 9 at once by 1e-7), which int8 rounding can amplify.
+    """
+    identity = (record.get("quantization") or {}).get("greedy_identity")
+    return name != "target" or identity != "chains"
+
+
 def _convert(
     model: ir.Model, name: str, options: BuildOptions, record: dict, quantizer: Quantizer
 ) -> ir.Model:
     """The graph at the build's precision; weight-only builds add `quantization` to `record`."""
+    if options.precision == "fp32":
+        return model
     if options.precision in PRECISIONS:
         return ConvertPrecisionPass(PRECISIONS[options.precision])(model).model
     config = options.weight_only or WeightOnlyConfig(bits=WEIGHT_ONLY[options.precision])

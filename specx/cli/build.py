@@ -117,6 +117,14 @@ def lint(artifact_dir: Path, lint_target: str, precision: str, as_json: bool) ->
     help="int4/int8: bits of the output projection (lm_head, head logits); 0 = float32.",
 )
 @click.option(
+    "--lowering",
+    type=click.Choice(["gqa", "none"]),
+    default="gqa",
+    show_default=True,
+    help="ort: run TreeAttention as ONNX Runtime's GroupQueryAttention (fp32, int4, int8; not "
+    "on a target whose int8 activations need row invariance).",
+)
+@click.option(
     "--max-batch", type=POSITIVE, default=8, show_default=True, help="TensorRT: largest batch."
 )
 @click.option(
@@ -144,6 +152,7 @@ def build(
     lm_head_bits: str,
     method: str,
     prompts_file: Path | None,
+    lowering: str,
     max_batch: int,
     optimization_level: int,
     timing_cache: Path | None,
@@ -155,6 +164,8 @@ def build(
     trt: lowers, lints and builds one TensorRT engine per graph (needs TensorRT and a GPU).
     """
     trt_only = passed(ctx, "max_batch", "optimization_level", "timing_cache")
+    if backend == "trt" and passed(ctx, "lowering"):
+        raise BuildError(only_applies(["--lowering"], "--backend ort"))
     if backend != "trt" and trt_only:
         raise BuildError(only_applies(trt_only, "--backend trt"))
     weight_options = passed(ctx, *_WEIGHT_OPTIONS)
@@ -177,7 +188,7 @@ def build(
             method=method,
         )
     options = BuildOptions(
-        backend, precision, max_batch, optimization_level, timing_cache, weight_only
+        backend, precision, max_batch, optimization_level, timing_cache, weight_only, lowering
     )
     prompts = _calibration_prompts(artifact_dir, prompts_file) if prompts_file else ()
     build_artifact(artifact_dir, options, progress=progress, prompts=prompts)

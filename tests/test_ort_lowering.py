@@ -1,0 +1,141 @@
+"""The ONNX Runtime lowering: TreeAttention as GroupQueryAttention, same results, lossless."""
+
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import onnx_ir as ir
+import pytest
+
+import specx.build
+from conftest import FAMILIES, HEAD_VOCAB
+from specx.artifact import load_manifest
+from specx.build import BuildOptions, build_artifact
+from specx.graphs.ort_lowering import GroupQueryAttentionPass, gqa_available
+from specx.runtime.drafters import DrafterOptions, make_drafter
+from specx.runtime.drafters.tree_search import StaticTree, parse_tree_spec
+from specx.runtime.ort_target import OrtTarget
+from specx.runtime.plain_decoding import generate_plain
+from specx.runtime.speculative_decoding import generate_speculative
+
+pytestmark = pytest.mark.skipif(not gqa_available(), reason="no GroupQueryAttention in this ORT")
+
+
+def steps(target: OrtTarget, batch: int, rng) -> list[np.ndarray]:
+    """Prefill of ragged prompts, a chain step and a tree step: every output and cache."""
+    cache = target.allocate_cache(batch, 64)
+    prompts = [rng.integers(1, 500, n).tolist() for n in (5, 11, 8)][:batch]
+    out, _ = target.feed(cache, prompts, np.zeros(batch, np.int64))
+    results = [out.logits, out.taps]
+    lengths = np.array([len(p) for p in prompts])
+    # A chain of 3 at each row's end, then a 4-node tree after it.
+    for parents in ([-1, 0, 1], [-1, 0, 0, 1]):
+        n = len(parents)
+        ids = rng.integers(1, 500, (batch, n))
+        depth = np.zeros(n, int)
+        visible = np.eye(n, dtype=bool)
+        for i, p in enumerate(parents):
+            if p >= 0:
+                depth[i], visible[i] = depth[p] + 1, visible[i] | visible[p]
+        mask = np.zeros((batch, 1, n, int(lengths.max()) + n), bool)
+        for b, length in enumerate(lengths):
+            mask[b, 0, :, :length] = True
+            mask[b, 0, :, length : length + n] = visible
+        out = target.forward(cache, ids, lengths[:, None] + depth, mask, lengths)
+        results += [out.logits, out.taps]
+        lengths = lengths + n
+    return results + [k.copy() for k in cache.keys] + [v.copy() for v in cache.values]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("batch", [1, 3])
+def test_the_lowered_graph_equals_the_exported_graph(family, batch, artifacts, tmp_path):
+    artifact = shutil.copytree(artifacts[family], tmp_path / "artifact")
+    build_artifact(artifact, BuildOptions("ort", "fp32"))
+    manifest = load_manifest(artifact)
+    assert manifest.build["lowering"] == {"target": "gqa"}
+    lowered = ir.load(manifest.path(manifest.build["graphs"]["target"]["file"]))
+    ops = [n.op_type for n in lowered.graph]
+    assert (
+        "TreeAttention" not in ops
+        and ops.count("GroupQueryAttention") == manifest.model["num_layers"]
+    )
+    exported = OrtTarget(manifest.with_build(None), threads=2)
+    built = OrtTarget(manifest, threads=2)
+    expected = steps(exported, batch, np.random.default_rng(0))
+    actual = steps(built, batch, np.random.default_rng(0))
+    for a, b in zip(actual, expected, strict=True):
+        if b is not None:
+            np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "draft-model"])
+def test_speculation_equals_plain_on_the_lowered_build(
+    drafter, artifacts, draft_artifacts, tmp_path, rng
+):
+    artifact = shutil.copytree(artifacts["llama"], tmp_path / "artifact")
+    build_artifact(artifact, BuildOptions("ort", "fp32"))
+    target = OrtTarget(load_manifest(artifact), threads=2)
+    spec = "ngram" if drafter == "ngram" else f"draft-model:{draft_artifacts['llama']}"
+    prompts = [
+        [5, 9, 5, 9, 5, 9, 13, 5, 9],
+        [7, 3, 11, 7, 3, 11, 7],
+        rng.integers(1, 500, 6).tolist(),
+    ]
+    for tree in (None, parse_tree_spec("[[0],[1],[0,0],[1,0]]")):
+        if tree is not None and drafter == "ngram":
+            continue
+        making = make_drafter(spec, target, DrafterOptions(4, tree=tree, ngram_matches=2))
+        for batch in (1, 3):
+            chunk = prompts[:batch]
+            assert (
+                generate_speculative(target, making, chunk, 32).tokens
+                == generate_plain(target, chunk, 32).tokens
+            )
+
+
+@pytest.mark.parametrize("name", ["eagle3", "mtp-deepseek"])
+def test_heads_lowered_too_and_their_chains_equal_plain(name, head_artifacts, tmp_path, rng):
+    artifact = shutil.copytree(head_artifacts[name], tmp_path / "artifact")
+    build_artifact(artifact, BuildOptions("ort", "fp32"))
+    manifest = load_manifest(artifact)
+    assert manifest.build["lowering"] == {"target": "gqa", "draft_head": "gqa"}
+    target = OrtTarget(manifest, threads=2)
+    prompts = [rng.integers(1, HEAD_VOCAB, n).tolist() for n in (3, 8, 5)]
+    for shape in (StaticTree.chain(3), parse_tree_spec("dynamic:8,3,3")):
+        drafter = make_drafter(name.split("-")[0], target, DrafterOptions(tree=shape))
+        for batch in (1, 3):
+            chunk = prompts[:batch]
+            plain = generate_plain(target, chunk, 24).tokens
+            assert generate_speculative(target, drafter, chunk, 24).tokens == plain
+
+
+def test_row_invariant_targets_keep_tree_attention(artifacts, tmp_path):
+    """An int4 target at accuracy level 4 relies on row invariance, which GQA does not give."""
+    artifact = shutil.copytree(artifacts["llama"], tmp_path / "artifact")
+    build_artifact(artifact, BuildOptions("ort", "int4"))
+    build = load_manifest(artifact).build
+    assert build["quantization"]["greedy_identity"] == "chains" and "lowering" not in build
+
+
+def test_without_groupqueryattention_the_build_keeps_the_standard_body(
+    artifacts, tmp_path, monkeypatch
+):
+    monkeypatch.setattr(specx.build, "gqa_available", lambda: False)
+    artifact = shutil.copytree(artifacts["llama"], tmp_path / "artifact")
+    messages = []
+    build_artifact(artifact, BuildOptions("ort", "fp32"), progress=messages.append)
+    manifest = load_manifest(artifact)
+    assert manifest.build["graphs"]["target"]["file"] == "target.onnx"  # the exported graph
+    assert any("no GroupQueryAttention lowering" in m for m in messages)
+
+
+def test_the_pass_shares_its_inputs_and_removes_the_transposes(artifacts):
+    model = ir.load(load_manifest(artifacts["llama"]).path("target.onnx"))
+    before = [n.op_type for n in model.graph]
+    GroupQueryAttentionPass()(model)
+    after = [n.op_type for n in model.graph]
+    layers = before.count("TreeAttention")
+    assert after.count("GroupQueryAttention") == layers and after.count("Where") == 1
+    assert after.count("Transpose") < before.count("Transpose") - 2 * layers
