@@ -44,7 +44,7 @@ from specx.artifact import (
 )
 from specx.errors import BuildError
 from specx.graphs.model_io import save_streamed
-from specx.graphs.ort_lowering import GroupQueryAttentionPass, gqa_available
+from specx.graphs.ort_lowering import GroupQueryAttentionPass, SkipRmsNormPass, gqa_available
 from specx.graphs.precision import PRECISIONS, ConvertPrecisionPass
 from specx.graphs.row_invariance import RowInvariantPass
 from specx.graphs.signature import graph_signature
@@ -213,8 +213,9 @@ def _build_ort(
             progress(f"[ort] converting {name} to {options.precision}")
             quantizer = _quantizer(manifest, name, options, prompts, progress)
             model = _convert(_load(manifest, name), name, options, record, quantizer)
-            if lower and _lowerable(name, record) and GroupQueryAttentionPass()(model).modified:
-                record.setdefault("lowering", {})[name] = "gqa"
+            applied = _lower(manifest, model, _lowerable(name, record)) if lower else None
+            if applied:
+                record.setdefault("lowering", {})[name] = applied
             graphs[name] = _save(model, output, name, progress)
         if "draft_chain" in manifest.data["graphs"]:
             graphs["draft_chain"] = _derive_chain(manifest, graphs["draft_head"], output)
@@ -307,6 +308,21 @@ def _derive_chain(manifest: Manifest, head: dict[str, Any], output: BuildOutput)
         "file": f"{output.directory}/{entry['file']}",
         "data_files": [f"{output.directory}/{f}" for f in entry["data_files"]],
     }
+
+
+def _lower(manifest: Manifest, model: ir.Model, attention: bool) -> str | None:
+    """Runs the ONNX Runtime lowering; returns what it did, if anything.
+
+    "gqa": attention and residual norms; "norms": the norms only (`attention` False).
+    RoPE tables cover every position a step can reach (a draft head's run up to a tree's
+    depth past the target's).
+    """
+    shape = manifest.model
+    positions = shape["kv_capacity"] + shape.get("max_tree_tokens", 0)
+    norms = SkipRmsNormPass()(model).modified
+    if attention and GroupQueryAttentionPass(max_positions=positions)(model).modified:
+        return "gqa"
+    return "norms" if norms else None
 
 
 def _lowerable(name: str, record: dict) -> bool:

@@ -61,6 +61,10 @@ def test_the_lowered_graph_equals_the_exported_graph(family, batch, artifacts, t
         "TreeAttention" not in ops
         and ops.count("GroupQueryAttention") == manifest.model["num_layers"]
     )
+    assert ops.count("SkipSimplifiedLayerNormalization") == 2 * manifest.model["num_layers"]
+    # RoPE moves into GQA, except after Qwen3's per-head q/k norms (not on ORT's CPU).
+    rotary = {n.attributes["do_rotary"].value for n in lowered.graph if n.op_type.startswith("Gr")}
+    assert rotary == {int(family != "qwen3")} and ("Cos" in ops) == (family == "qwen3")
     exported = OrtTarget(manifest.with_build(None), threads=2)
     built = OrtTarget(manifest, threads=2)
     expected = steps(exported, batch, np.random.default_rng(0))
@@ -116,11 +120,13 @@ def test_heads_lowered_too_and_their_trees_equal_plain(name, head_artifacts, tmp
 
 
 def test_row_invariant_targets_keep_tree_attention(artifacts, tmp_path):
-    """An int4 target at accuracy level 4 relies on row invariance, which GQA does not give."""
+    """An int4 target at accuracy level 4 relies on row invariance, which GQA does not give;
+    its residual norms are fused all the same (each row alone)."""
     artifact = shutil.copytree(artifacts["llama"], tmp_path / "artifact")
     build_artifact(artifact, BuildOptions("ort", "int4"))
     build = load_manifest(artifact).build
-    assert build["quantization"]["greedy_identity"] == "chains" and "lowering" not in build
+    assert build["quantization"]["greedy_identity"] == "chains"
+    assert build["lowering"]["target"] == "norms"
 
 
 def test_without_groupqueryattention_the_build_keeps_the_standard_body(

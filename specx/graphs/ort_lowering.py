@@ -1,30 +1,41 @@
-"""The ONNX Runtime form of a target: each TreeAttention as one com.microsoft GroupQueryAttention.
+"""The ONNX Runtime form of a target: attention, RoPE and residual norms as contrib kernels.
 
-The exported TreeAttention's standard-op body (TensorScatter x2, Slice x2, Attention) and the
-head transposes around it cost more than its arithmetic on a CPU: a profiled 1B int4 decode
-step spent about 20% outside its MatMuls, in those nodes. ONNX Runtime's GroupQueryAttention
-(GQA) does the same work in one kernel: it writes the N new keys and values into the cache
-in place (the same buffer bound as past and present), at slots `seqlens_k + 1 - N` ..
-`seqlens_k`, and attends over `[0, total_sequence_length)` with an additive
-`attention_bias`. Rewrites, per TreeAttention node:
+The exported graph spends more on small nodes than on arithmetic on a CPU: profiled on
+pyref-7m's decode step (ORT profiler, 384 runs), it ran 186 nodes where onnxruntime-genai's
+builder emits 67 for the same weights, and took 1.9x genai's node time outside MatMul.
+Two passes, each one concern, bring it to 70 nodes and the bare graph run to genai's
+(0.711 vs 0.717 ms per step, measured in one process):
+
+`GroupQueryAttentionPass`: each TreeAttention (TensorScatter x2, Slice x2, Attention, and
+the head transposes around it) becomes one com.microsoft GroupQueryAttention (GQA), which
+writes the N new keys and values into the cache in place (the same buffer bound as past
+and present), at slots `seqlens_k + 1 - N` .. `seqlens_k`, and attends over
+`[0, total_sequence_length)` with an additive `attention_bias`:
 
     seqlens_k = write_pos + N - 1,  total_sequence_length = L,  query_seqlens = N per row
     attention_bias = where(mask, 0, -inf)                         # the tree mask, unchanged
-    q, k: RoPE applied in [B, N, H, D] (the same ops, cos/sin unsqueezed at axis 2) and
-          flattened to [B, N, H*D], instead of transposed to [B, H, N, D] first
-    v:    the projection's output before its reshape and transpose
+    query = the packed QKV projection itself (plus its biases), do_rotary = 1, with
+            cos/sin tables evaluated from the graph's own RoPE subgraph and the graph's
+            position_ids (a tree node's position is its depth past the prefix)
     out:  GQA's [B, N, H*D] output replaces the transpose + reshape that followed the node
 
-The bias, lengths and casts are built once per graph and shared by every layer. Numerics:
-the same math in another kernel (logits within 1e-6 of the exported graph here, tested per
-family over prefill, chain and tree steps, batch 1 and 3). Applied for ONNX Runtime builds
-only (`specx build --backend ort --lowering gqa`): the artifact's exported graphs and the
-TensorRT lowering keep TreeAttention. Where a node's neighbourhood does not have the
-exported shape, the pass transposes around GQA instead (correct, slower); an ONNX Runtime
-without GroupQueryAttention keeps the standard body (`gqa_available`).
+Where the projection or RoPE is not the exporter's standard form (Qwen3's per-head q/k
+norms, which ORT's CPU GQA does not apply; a head size not a multiple of 16), RoPE stays
+outside, redone in the tokens-first layout, and q, k, v go in separately.
+
+`SkipRmsNormPass`: each residual Add + RMSNormalization pair becomes one
+SkipSimplifiedLayerNormalization (both its outputs kept).
+
+Numerics: the same math in other kernels (logits within 1e-5 of the exported graph, tested
+per family over prefill, chain and tree steps, batch 1 and 3). Applied for ONNX Runtime
+builds only (`specx build --backend ort --lowering gqa`): the artifact's exported graphs and
+the TensorRT lowering keep TreeAttention. An ONNX Runtime without GroupQueryAttention keeps
+the standard body (`gqa_available`).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 import onnx_ir as ir
@@ -84,7 +95,15 @@ class _Builder:
 
 
 class GroupQueryAttentionPass(InPlacePass):
-    """Replaces every TreeAttention node of the main graph by GroupQueryAttention."""
+    """Replaces every TreeAttention node of the main graph by GroupQueryAttention.
+
+    With `max_positions` (the largest position id + 1 the graph will see), RoPE moves into
+    GQA as well where the graph has the standard form (`_packed_qkv`).
+    """
+
+    def __init__(self, max_positions: int | None = None):
+        super().__init__()
+        self.max_positions = max_positions
 
     def call(self, model: ir.Model) -> PassResult:  # noqa: D102
         graph = model.graph
@@ -93,8 +112,9 @@ class GroupQueryAttentionPass(InPlacePass):
             return PassResult(model, modified=False)
         build = _Builder(graph)
         shared = _shared_inputs(build, nodes[0])
+        rotary = _rotary(build, model, nodes[0], self.max_positions)
         for node in nodes:
-            _replace(build, node, shared)
+            _replace(build, node, shared, rotary)
         model.opset_imports.setdefault(MS_DOMAIN, 1)
         RemoveUnusedNodesPass()(model)
         return PassResult(model, modified=True)
@@ -103,14 +123,14 @@ class GroupQueryAttentionPass(InPlacePass):
 def _shared_inputs(build: _Builder, first: ir.Node) -> dict[str, ir.Value]:
     """GQA's seqlens_k, total_sequence_length, query_seqlens and bias, built once.
 
-    From the first node's q, write_pos and mask, which every layer shares.
+    From the first node's write_pos and [B, 1, N, L] mask, which every layer shares.
     """
-    q, mask, write_pos = first.inputs[0], first.inputs[6], first.inputs[5]
+    mask, write_pos = first.inputs[6], first.inputs[5]
     i32 = ir.DataType.INT32
     add = lambda op, inputs, **attrs: build.node(first, op, inputs, attrs).outputs[0]  # noqa: E731
     bias = add("Where", [mask, build.const("zero", np.array(0.0, np.float32)),
                          build.const("neg_inf", np.array(-np.inf, np.float32))])  # fmt: skip
-    n = add("Squeeze", [add("Shape", [q], start=2, end=3)])
+    n = add("Squeeze", [add("Shape", [mask], start=2, end=3)])
     last = add("Sub", [add("Add", [write_pos, n]), build.const("one", np.array(1, np.int64))])
     total = add("Squeeze", [add("Shape", [mask], start=3, end=4)])
     per_row = add("Expand", [n, add("Shape", [write_pos])])
@@ -122,28 +142,19 @@ def _shared_inputs(build: _Builder, first: ir.Node) -> dict[str, ir.Value]:
     }
 
 
-def _replace(build: _Builder, node: ir.Node, shared: dict) -> None:
+def _replace(build: _Builder, node: ir.Node, shared: dict, rotary: Rotary | None) -> None:
     q, k, v, k_cache, v_cache = node.inputs[:5]
     attrs = node.attributes
-    inputs = [
-        _flat_rotated(build, node, q),
-        _flat_rotated(build, node, k),
-        _flat_input(build, node, v),
-        k_cache,
-        v_cache,
-        shared["seqlens_k"],
-        shared["total"],
-        None,
-        None,
-        None,
-        shared["bias"],
-        None,
-        None,
-        None,
-        None,
-        None,
-        shared["query_seqlens"],
-    ]
+    packed = _packed_qkv(build, node, rotary) if rotary is not None else None
+    if packed is not None:
+        qkv = [packed, None, None]
+        rope = [rotary.cos_cache, rotary.sin_cache, rotary.position_ids]
+    else:
+        qkv = [_flat_rotated(build, node, q), _flat_rotated(build, node, k)]
+        qkv.append(_flat_input(build, node, v))
+        rope = [None, None, None]
+    inputs = [*qkv, k_cache, v_cache, shared["seqlens_k"], shared["total"], *rope]
+    inputs += [shared["bias"], None, None, None, None, None, shared["query_seqlens"]]
     gqa = build.node(
         node,
         "GroupQueryAttention",
@@ -152,6 +163,7 @@ def _replace(build: _Builder, node: ir.Node, shared: dict) -> None:
             "num_heads": attrs["num_heads"].value,
             "kv_num_heads": attrs["num_kv_heads"].value,
             "scale": attrs["scale"].value,
+            "do_rotary": int(packed is not None),
         },
         domain=MS_DOMAIN,
         num_outputs=3,
@@ -203,13 +215,22 @@ def _flat_rotated(build: _Builder, node: ir.Node, value: ir.Value) -> ir.Value:
     return _flat(build, node, rotated) if rotated is not None else _flat_input(build, node, value)
 
 
-def _rope_on_tokens_first(build: _Builder, node: ir.Node, value: ir.Value) -> ir.Value | None:
-    """Recomputes the RoPE subgraph ending in `value` on the pre-transpose tensor, or None.
+@dataclass(frozen=True)
+class RopeMatch:
+    """The exporter's `x * cos + rotate_half(x) * sin` on xt = Transpose(x, [0, 2, 1, 3]).
 
-    Expected (the exporter's form of `x * cos + rotate_half(x) * sin`):
-        Add(Mul(xt, cos_u), Mul(Concat(Neg(Split(xt)[1]), Split(xt)[0]), sin_u)),
-        xt = Transpose(x, [0, 2, 1, 3]), cos_u = Unsqueeze(cos, [1]), sin_u likewise.
+    Matched as Add(Mul(xt, cos_u), Mul(Concat(Neg(Split(xt)[1]), Split(xt)[0]), sin_u)),
+    cos_u = Unsqueeze(cos, [1]) and sin_u likewise; `x` is [B, N, H, D], cos/sin [B, N, D].
     """
+
+    x: ir.Value
+    cos: ir.Value
+    sin: ir.Value
+    split: ir.Node  # rotate_half's split of xt into halves
+    concat: ir.Node
+
+
+def _match_rope(value: ir.Value) -> RopeMatch | None:
     add = value.producer()
     if add is None or add.op_type != "Add":
         return None
@@ -219,7 +240,6 @@ def _rope_on_tokens_first(build: _Builder, node: ir.Node, value: ir.Value) -> ir
     xt, cos_u = direct.inputs
     x = _heads_first(xt)
     concat = rotated.inputs[0].producer()
-    sin_u = rotated.inputs[1]
     if x is None or concat is None or concat.op_type != "Concat":
         return None
     neg, first_half = concat.inputs[0].producer(), concat.inputs[1]
@@ -228,14 +248,26 @@ def _rope_on_tokens_first(build: _Builder, node: ir.Node, value: ir.Value) -> ir
         return None
     if split.inputs[0] is not xt or neg.inputs[0] is not split.outputs[1]:
         return None
-    cos, sin = _unsqueezed_source(cos_u), _unsqueezed_source(sin_u)
+    cos, sin = _unsqueezed_source(cos_u), _unsqueezed_source(rotated.inputs[1])
     if cos is None or sin is None:
         return None
-    cos2, sin2 = build.at_axis_2(node, cos), build.at_axis_2(node, sin)
-    halves = build.node(node, "Split", [x, *split.inputs[1:]], split.attributes, num_outputs=2)
+    return RopeMatch(x, cos, sin, split, concat)
+
+
+def _rope_on_tokens_first(build: _Builder, node: ir.Node, value: ir.Value) -> ir.Value | None:
+    """Recomputes the RoPE subgraph ending in `value` on the pre-transpose tensor, or None.
+
+    The same ops on x itself, with cos/sin unsqueezed at axis 2, not 1.
+    """
+    rope = _match_rope(value)
+    if rope is None:
+        return None
+    cos2, sin2 = build.at_axis_2(node, rope.cos), build.at_axis_2(node, rope.sin)
+    split = rope.split
+    halves = build.node(node, "Split", [rope.x, *split.inputs[1:]], split.attributes, num_outputs=2)
     negated = build.node(node, "Neg", [halves.outputs[1]]).outputs[0]
-    turned = build.node(node, "Concat", [negated, halves.outputs[0]], concat.attributes)
-    straight = build.node(node, "Mul", [x, cos2]).outputs[0]
+    turned = build.node(node, "Concat", [negated, halves.outputs[0]], rope.concat.attributes)
+    straight = build.node(node, "Mul", [rope.x, cos2]).outputs[0]
     crossed = build.node(node, "Mul", [turned.outputs[0], sin2]).outputs[0]
     return build.node(node, "Add", [straight, crossed]).outputs[0]
 
@@ -275,3 +307,200 @@ def _use_flat_output(build: _Builder, node: ir.Node, out: ir.Value) -> None:
     back = build.node(node, "Transpose", [split], {"perm": _TO_HEADS_FIRST}).outputs[0]
     back.shape, back.type = old.shape, old.type
     ir.convenience.replace_all_uses_with(old, back)
+
+
+@dataclass(frozen=True)
+class Rotary:
+    """GQA's own RoPE inputs: cos/sin tables over every position, and the graph's positions."""
+
+    cos_cache: ir.Value  # [max_positions, D/2]
+    sin_cache: ir.Value  # [max_positions, D/2]
+    position_ids: ir.Value  # [B, N] int64, the graph input
+    cos: ir.Value  # the graph's cos, [B, N, D]: layers whose RoPE reads another stay outside
+    sin: ir.Value
+
+
+def _rotary(
+    build: _Builder, model: ir.Model, first: ir.Node, max_positions: int | None
+) -> Rotary | None:
+    """GQA's cos/sin tables, evaluated from the graph's own RoPE subgraph, or None.
+
+    None when there is no `max_positions`, the first layer's RoPE is not the standard form,
+    cos/sin depend on anything but `position_ids`, or their two halves differ (GQA rotates
+    the halves of each head by one angle per pair, as HF's `rotate_half` form does).
+    """
+    rope = _match_rope(first.inputs[0])
+    positions = next((v for v in model.graph.inputs if v.name == "position_ids"), None)
+    if max_positions is None or rope is None or positions is None:
+        return None
+    feed = np.arange(max_positions, dtype=np.int64)[None]
+    tables = _evaluate(model, [rope.cos, rope.sin], positions, feed)
+    if tables is None:
+        return None
+    cos, sin = (t.reshape(max_positions, -1) for t in tables)
+    half = cos.shape[1] // 2
+    if any(not np.array_equal(t[:, :half], t[:, half:]) for t in (cos, sin)):
+        return None
+    return Rotary(
+        build.const("cos_cache", np.ascontiguousarray(cos[:, :half])),
+        build.const("sin_cache", np.ascontiguousarray(sin[:, :half])),
+        positions,
+        rope.cos,
+        rope.sin,
+    )
+
+
+def _evaluate(
+    model: ir.Model, outputs: list[ir.Value], source: ir.Value, feed: np.ndarray
+) -> list[np.ndarray] | None:
+    """`outputs` computed from `source` = `feed` by the graph's own nodes, on ONNX Runtime.
+
+    None if they depend on another graph input.
+    """
+    import onnx
+
+    from specx.runtime.ort_target import load_session
+
+    order = {node: i for i, node in enumerate(model.graph)}
+    nodes: set[ir.Node] = set()
+    constants: dict[str, ir.Value] = {}
+    stack = list(outputs)
+    while stack:
+        value = stack.pop()
+        producer = value.producer()
+        if value is source or producer in nodes:
+            continue
+        if producer is None:
+            if value.const_value is None:
+                return None
+            constants[value.name] = value
+            continue
+        nodes.add(producer)
+        stack.extend(v for v in producer.inputs if v is not None)
+    graph = onnx.helper.make_graph(
+        [ir.serde.serialize_node(n) for n in sorted(nodes, key=order.__getitem__)],
+        "rope_tables",
+        [onnx.helper.make_tensor_value_info(source.name, onnx.TensorProto.INT64, None)],
+        [onnx.helper.make_tensor_value_info(v.name, onnx.TensorProto.FLOAT, None) for v in outputs],
+        [ir.serde.serialize_tensor(v.const_value) for v in constants.values()],
+    )
+    opsets = [onnx.helper.make_opsetid(d, v) for d, v in model.opset_imports.items()]
+    proto = onnx.helper.make_model(graph, opset_imports=opsets, ir_version=model.ir_version)
+    session = load_session(proto.SerializeToString())
+    return session.run([v.name for v in outputs], {source.name: feed})
+
+
+def _packed_qkv(build: _Builder, node: ir.Node, rotary: Rotary) -> ir.Value | None:
+    """The [B, N, (H + 2 Hkv) D] projection GQA can take whole, rotating q and k itself.
+
+    Expected: q and k the standard RoPE (on the shared cos/sin) of Transpose(Reshape(s_0))
+    and Transpose(Reshape(s_1)), v = Transpose(Reshape(s_2)), s = Split(packed) on the last
+    axis into [H D, Hkv D, Hkv D]: the exporter's packed QKV projection; D a multiple of 16.
+    A constant bias added to a split output (Qwen2) is added to `packed` instead.
+    """
+    q, k = _match_rope(node.inputs[0]), _match_rope(node.inputs[1])
+    v = _heads_first(node.inputs[2])
+    if q is None or k is None or v is None:
+        return None
+    if any((r.cos, r.sin) != (rotary.cos, rotary.sin) for r in (q, k)):
+        return None
+    reshapes = [x.producer() for x in (q.x, k.x, v)]
+    if any(p is None or p.op_type != "Reshape" for p in reshapes):
+        return None
+    parts = [_unbiased(p.inputs[0]) for p in reshapes]
+    split = parts[0][0].producer()
+    if split is None or split.op_type != "Split" or [p[0] for p in parts] != list(split.outputs):
+        return None
+    sizes = _qkv_sizes(split, node)
+    if sizes is None:
+        return None
+    packed = split.inputs[0]
+    biases = [b for _, b in parts]
+    if any(b is not None and b.shape != (n,) for b, n in zip(biases, sizes, strict=True)):
+        return None
+    if all(b is None for b in biases):
+        return packed
+    pairs = zip(biases, sizes, strict=True)
+    filled = [np.zeros(n, np.float32) if b is None else b for b, n in pairs]
+    bias = build.const(f"{node.name}_qkv_bias", np.concatenate(filled))
+    return build.node(node, "Add", [packed, bias]).outputs[0]
+
+
+def _unbiased(value: ir.Value) -> tuple[ir.Value, np.ndarray | None]:
+    """(x, bias) for value = Add(x, bias) with a constant 1-D fp32 bias, else (value, None)."""
+    add = value.producer()
+    if add is None or add.op_type != "Add":
+        return value, None
+    x, bias = add.inputs
+    constant = bias.const_value
+    if constant is None or constant.dtype != ir.DataType.FLOAT or len(constant.shape) != 1:
+        return value, None
+    return x, constant.numpy()
+
+
+def _qkv_sizes(split: ir.Node, node: ir.Node) -> list[int] | None:
+    """[H D, Hkv D, Hkv D] if `split` cuts the last axis so, with D a multiple of 16."""
+    heads, kv_heads = node.attributes["num_heads"].value, node.attributes["num_kv_heads"].value
+    sizes = split.inputs[1].const_value if len(split.inputs) > 1 else None
+    shape = split.inputs[0].shape
+    axis = split.attributes.get_int("axis", 0)
+    if sizes is None or shape is None or axis not in (-1, shape.rank() - 1):
+        return None
+    q_size, k_size, v_size = sizes.numpy().tolist()
+    if q_size % heads or (k_size, v_size) != (q_size // heads * kv_heads,) * 2:
+        return None
+    if (q_size // heads) % 16:
+        return None  # ORT's rotary kernel refuses such heads at run time
+    return [q_size, k_size, v_size]
+
+
+class SkipRmsNormPass(InPlacePass):
+    """Fuses each residual Add feeding an RMSNormalization into SkipSimplifiedLayerNormalization.
+
+    `h = a + b; y = RMSNorm(h)` becomes one node with outputs y and h (the residual stream
+    the next layer adds to). Measured on pyref-7m's decode step: the 10 Add + 10 RMSNorm
+    pairs took 107 us per run, genai's 10 fused nodes 57 us. Row by row the same math as
+    before (no row depends on another), so a row-invariant build stays row-invariant.
+    """
+
+    def call(self, model: ir.Model) -> PassResult:  # noqa: D102
+        graph = model.graph
+        fused = [n for n in list(graph) if _fuse_skip_norm(graph, n)]
+        if fused:
+            model.opset_imports.setdefault(MS_DOMAIN, 1)
+        return PassResult(model, modified=bool(fused))
+
+
+def _fuse_skip_norm(graph: ir.Graph, norm: ir.Node) -> bool:
+    if (norm.domain, norm.op_type) != ("", "RMSNormalization") or len(norm.inputs) != 2:
+        return False
+    add = norm.inputs[0].producer()
+    if add is None or (add.domain, add.op_type) != ("", "Add"):
+        return False
+    a, b = add.inputs
+    shape = norm.inputs[0].shape
+    if shape is None or a.shape != shape or b.shape != shape or shape.rank() not in (2, 3):
+        return False  # a broadcasting Add (a bias) is no skip connection
+    axis = norm.attributes.get_int("axis", -1)
+    if axis not in (-1, shape.rank() - 1) or norm.attributes.get_int("stash_type", 1) != 1:
+        return False
+    epsilon = norm.attributes.get_float("epsilon", 1e-5)
+    skip = ir.node(
+        "SkipSimplifiedLayerNormalization",
+        [a, b, norm.inputs[1]],
+        {"epsilon": epsilon},
+        domain=MS_DOMAIN,
+        num_outputs=4,
+        name=f"{norm.name}_skip",
+    )
+    graph.insert_before(add, skip)
+    out, mean, inv_std, total = skip.outputs
+    mean.name, inv_std.name = "", ""  # not computed when unnamed
+    for old, new in ((norm.outputs[0], out), (add.outputs[0], total)):
+        new.shape, new.type, name = old.shape, old.type, old.name
+        ir.convenience.replace_all_uses_with(old, new, replace_graph_outputs=True)
+        old.name, new.name = f"{name}_unfused", name
+    if not total.uses() and total not in graph.outputs:
+        total.name = ""
+    graph.remove([norm, add], safe=True)
+    return True

@@ -120,7 +120,7 @@ def generate_plain(
         generated[:, step] = tokens
         steps = step + 1
         emitted += int((~done).sum())
-        done |= np.isin(tokens, eos)
+        done |= (tokens[:, None] == eos).any(-1)  # np.isin costs ~30 us a step here
         last = done.all() or step == max_new_tokens - 1
         if progress is not None:
             progress(emitted, len(prompts) if last else int(done.sum()))
@@ -128,9 +128,8 @@ def generate_plain(
             break
         write_pos = cache.lengths.copy()
         mask = causal_mask(write_pos, 1, int(write_pos.max()) + 1)
-        logits = target.forward(cache, tokens[:, None], write_pos[:, None], mask, write_pos).logits[
-            :, 0
-        ]
+        step_out = target.forward(cache, tokens[:, None], write_pos[:, None], mask, write_pos)
+        logits = step_out.logits[:, 0]
         cache.lengths += 1
     total_s = time.perf_counter() - started
     tokens_out = [_until_eos(row[:steps], eos) for row in generated]
