@@ -15,6 +15,7 @@ from conftest import perturbed_copy
 from specx.artifact import load_manifest
 from specx.runtime.drafters.draft_model import DraftModelDrafter
 from specx.runtime.drafters.ngram import NGramDrafter
+from specx.runtime.drafters.suffix import SuffixDrafter, SuffixOptions
 from specx.runtime.drafters.tree_search import DynamicTree, StaticTree
 from specx.runtime.ort_target import OrtTarget
 from specx.runtime.plain_decoding import generate_plain
@@ -61,6 +62,7 @@ DRAFTERS = {
     ),
     "draft-dynamic": lambda draft: DraftModelDrafter(draft, DynamicTree(6, 3, 2)),
     "ngram": lambda draft: NGramDrafter(3, max_matches=2),
+    "suffix": lambda draft: SuffixDrafter(SuffixOptions(max_nodes=4, min_prob=0.0)),
 }
 SAMPLING = [
     SamplingParams(temperature=0.7),
@@ -95,7 +97,9 @@ def test_speculative_sampling_matches_plain(pair, drafter_name, sampling):
     assert min(p_values(plain, spec, VOCAB)) > 1e-3, spec.stats["acceptance_by_position"]
 
 
-@pytest.mark.parametrize("drafter_name", ["draft-chain", "draft-tree-topk", "draft-tree-iid"])
+@pytest.mark.parametrize(
+    "drafter_name", ["draft-chain", "draft-tree-topk", "draft-tree-iid", "suffix"]
+)
 def test_broken_verifier_is_detected(pair, drafter_name):
     plain, spec = run(pair, drafter_name, SAMPLING[0], broken_verify, seed=11)
     assert min(p_values(plain, spec, VOCAB)) < 1e-6

@@ -15,6 +15,7 @@ from specx.runtime.drafters.draft_model import (
     check_same_vocabulary,
 )
 from specx.runtime.drafters.ngram import NGramDrafter
+from specx.runtime.drafters.suffix import SuffixDrafter, SuffixOptions
 from specx.runtime.drafters.tree_search import DynamicTree, StaticTree
 from specx.runtime.ort_target import OrtTarget
 from specx.runtime.plain_decoding import generate_plain
@@ -52,6 +53,17 @@ def test_ngram_chain_and_tree(family, batch, artifacts, rng):
     accepted = assert_equals_plain(target, NGramDrafter(5), prompts, batch=batch)
     accepted += assert_equals_plain(target, NGramDrafter(8, max_matches=3), prompts, batch=batch)
     assert accepted > 0, "no draft was ever accepted: the test would not exercise verification"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("batch", [1, 3])
+def test_suffix_trees(family, batch, artifacts, rng):
+    target = OrtTarget(load_manifest(artifacts[family]), threads=2)
+    prompts = loopy_prompts(rng, target.vocab_size, 6)
+    # One drafter for every chunk: later chunks also draft from the earlier ones' text.
+    drafter = SuffixDrafter(SuffixOptions(max_nodes=12, min_prob=0.0))
+    accepted = assert_equals_plain(target, drafter, prompts, batch=batch)
+    assert accepted > 0 and drafter.shared.counts[0] == 0 and len(drafter.shared) > 1
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])

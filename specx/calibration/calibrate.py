@@ -108,6 +108,11 @@ def calibrate_artifact(
             f"{manifest.root} has no drafter to calibrate: export it with --drafter "
             "(eagle3|eagle|medusa|mtp), or pass --drafter ngram | draft-model:ARTIFACT"
         )
+    if spec == "suffix":
+        raise CalibrationError(
+            "suffix drafting sizes its tree each round from the match it finds; there is no "
+            "tree to calibrate (use --num-draft-tokens for its node budget)"
+        )
     target = open_decoder(manifest, options.threads)
     top_k = 1 if spec == "ngram" else options.probe_top_k
     depth = _probe_depth(manifest.data, spec, options.probe_depth, top_k, target)

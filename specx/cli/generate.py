@@ -70,7 +70,7 @@ def _check_options(ctx: click.Context, drafter: str | None, temperature: float) 
     if drafter is None and speculative:
         raise GenerationError(
             only_applies(speculative, "speculative decoding")
-            + ": add --drafter (ngram, draft-model:ARTIFACT, or the artifact's head)"
+            + ": add --drafter (ngram, suffix, draft-model:ARTIFACT, or the artifact's head)"
         )
     ngram = passed(ctx, *_NGRAM_OPTIONS)
     if drafter is not None and not drafter.startswith("ngram") and ngram:
@@ -117,15 +117,15 @@ def _check_options(ctx: click.Context, drafter: str | None, temperature: float) 
 @click.option("--ignore-eos", is_flag=True, help="Do not stop at the end-of-sequence token.")
 @click.option(
     "--drafter",
-    help="Decode speculatively: ngram | draft-model:ARTIFACT | eagle3 | eagle | mtp | medusa "
-    "(the last four use the head exported into ARTIFACT_DIR).",
+    help="Decode speculatively: ngram | suffix | draft-model:ARTIFACT | eagle3 | eagle | mtp "
+    "| medusa (the last four use the head exported into ARTIFACT_DIR).",
 )
 @click.option(
     "--num-draft-tokens",
     type=POSITIVE,
     default=None,
-    help="Draft tokens per round (chain length; node budget for ngram trees) "
-    "[default: the calibrated choice (specx calibrate), else 4].",
+    help="Draft tokens per round (chain length; node budget for ngram and suffix trees) "
+    "[default: the calibrated choice (specx calibrate), else 4; 16 for suffix].",
 )
 @click.option(
     "--tree",
@@ -280,9 +280,7 @@ def _speculative(target, manifest, request: _Request, options, max_batch_spec, t
             shape = calibrated.shape
         if max_batch_spec is None:
             max_batch_spec = calibrated.max_batch_spec
-    drafter_options = DrafterOptions(
-        4 if num_draft_tokens is None else num_draft_tokens, shape, *options.ngram, threads
-    )
+    drafter_options = DrafterOptions(num_draft_tokens, shape, *options.ngram, threads)
     drafting = make_drafter(options.drafter, target, drafter_options)
     identity = greedy_identity(manifest)
     if identity == "none" or (identity == "chains" and not drafting.drafts_chains):

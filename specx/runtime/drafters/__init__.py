@@ -14,6 +14,7 @@ from specx.runtime.drafters.draft_model import DraftModelDrafter, check_same_voc
 from specx.runtime.drafters.feature_head import FeatureHeadDrafter
 from specx.runtime.drafters.medusa import MedusaDrafter
 from specx.runtime.drafters.ngram import NGramDrafter
+from specx.runtime.drafters.suffix import SuffixDrafter, SuffixOptions
 from specx.runtime.drafters.tree_search import StaticTree, TreeShape
 
 __all__ = ["DRAFTERS", "Drafter", "DrafterOptions", "make_drafter"]
@@ -23,7 +24,7 @@ __all__ = ["DRAFTERS", "Drafter", "DrafterOptions", "make_drafter"]
 class DrafterOptions:
     """Knobs shared by the drafters; each uses the ones that apply to it."""
 
-    num_draft_tokens: int = 4
+    num_draft_tokens: int | None = None  # None: 4, or suffix drafting's 16-node budget
     tree: TreeShape | None = None  # None = a chain of num_draft_tokens
     ngram_min: int = 1
     ngram_max: int = 3
@@ -38,7 +39,7 @@ def _ngram(target: DecoderBackend, argument: str | None, options: DrafterOptions
         raise SpecxError("--tree does not apply to ngram: its tree comes from --ngram-matches")
     try:
         return NGramDrafter(
-            options.num_draft_tokens, options.ngram_min, options.ngram_max, options.ngram_matches
+            _chain_length(options), options.ngram_min, options.ngram_max, options.ngram_matches
         )
     except ValueError as e:
         raise SpecxError(str(e)) from e
@@ -51,7 +52,7 @@ def _draft_model(target: DecoderBackend, argument: str | None, options: DrafterO
         raise SpecxError("draft-model needs an artifact: --drafter draft-model:PATH")
     draft = open_decoder(load_manifest(Path(argument)), threads=options.threads)
     check_same_vocabulary(target, draft)
-    return DraftModelDrafter(draft, options.tree or StaticTree.chain(options.num_draft_tokens))
+    return DraftModelDrafter(draft, options.tree or StaticTree.chain(_chain_length(options)))
 
 
 def _head(kind: str):
@@ -66,14 +67,28 @@ def _head(kind: str):
             )
         if kind == "medusa":
             return MedusaDrafter(target.manifest, options.tree, options.threads)
-        shape = options.tree or StaticTree.chain(options.num_draft_tokens)
+        shape = options.tree or StaticTree.chain(_chain_length(options))
         return FeatureHeadDrafter(target.manifest, shape, options.threads)
 
     return build
 
 
+def _suffix(target: DecoderBackend, argument: str | None, options: DrafterOptions) -> Drafter:
+    if argument:
+        raise SpecxError(f"the suffix drafter takes no argument, got 'suffix:{argument}'")
+    if options.tree is not None:
+        raise SpecxError("--tree does not apply to suffix: it grows its own trees")
+    budget = options.num_draft_tokens or SuffixOptions.max_nodes
+    return SuffixDrafter(SuffixOptions(max_nodes=budget))
+
+
+def _chain_length(options: DrafterOptions) -> int:
+    return options.num_draft_tokens or 4
+
+
 DRAFTERS: dict[str, Callable[[DecoderBackend, str | None, DrafterOptions], Drafter]] = {
     "ngram": _ngram,
+    "suffix": _suffix,
     "draft-model": _draft_model,
     **{kind: _head(kind) for kind in ("eagle3", "eagle", "mtp", "medusa")},
 }

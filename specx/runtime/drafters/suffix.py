@@ -1,0 +1,227 @@
+"""`SuffixDrafter`: suffix decoding, a tree of the most frequent continuations of a match.
+
+After SuffixDecoding (Oliaro et al., 2024): model-free like prompt lookup, but it keeps
+counts, so it proposes a *tree* of what most often followed the context's tail, not one
+earlier continuation, and it also learns from earlier requests.
+
+Rule, per sequence and round:
+1. Match: the longest suffix s of the history, at most `max_match` tokens, that occurred
+   before with a next token, in the sequence's own trie (its prompt and output so far) or
+   in the shared trie (every earlier request this drafter decoded); m = len(s).
+2. Grow: best first over the continuations of s by path probability, a child's probability
+   being its count over its siblings' total; keep nodes whose path probability is at least
+   `min_prob`, at most min(`max_nodes`, ceil(`alpha` * m)): a longer match continues more
+   reliably, so it earns a bigger tree.
+3. Of the two tries' trees, the one with the larger expected accepted length (the sum of
+   its path probabilities) is proposed.
+
+Nodes are chosen deterministically (`probs` None), so verification uses the deterministic-
+siblings rule and the output keeps the target's distribution at any temperature.
+
+The trie is hand-written (no maintained Python suffix-tree package does incremental
+counts): every substring of up to `depth` tokens of the text fed to it, with its count.
+Feeding a token extends the open suffixes (those ending at the previous token) by it, so
+it costs O(depth) per token, and the open nodes are also the match candidates of step 1.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from specx.runtime.sampling import SamplingParams
+from specx.runtime.trees import DraftTree
+
+__all__ = ["SuffixDrafter", "SuffixOptions", "SuffixTrie"]
+
+
+@dataclass(frozen=True)
+class SuffixOptions:
+    """Knobs of suffix drafting (the rule is in the module docstring)."""
+
+    max_nodes: int = 16
+    alpha: float = 2.0
+    min_prob: float = 0.1
+    max_match: int = 12
+    depth: int = 32  # longest substring kept; a match of m leaves depth - m to continue
+    shared_nodes: int = 2_000_000  # the shared trie is cleared when it would grow past this
+
+    def __post_init__(self) -> None:
+        if self.max_nodes < 1 or self.max_match < 1 or self.depth <= self.max_match:
+            raise ValueError(
+                f"suffix drafting needs max_nodes >= 1, max_match >= 1 and depth > max_match; "
+                f"got {self.max_nodes}, {self.max_match}, {self.depth}"
+            )
+        if not (self.alpha > 0 and 0 <= self.min_prob <= 1):
+            raise ValueError(f"alpha must be > 0, min_prob in [0, 1]; got {self.alpha}, "
+                             f"{self.min_prob}")  # fmt: skip
+
+
+class SuffixTrie:
+    """Every substring of up to `depth` tokens of the documents fed, with occurrence counts.
+
+    Node 0 is the empty string. `children[n]` maps a token to the node of n's string plus
+    that token; `counts[n]` is how often n's string occurred.
+    """
+
+    def __init__(self, depth: int):
+        self.depth = depth
+        self.children: list[dict[int, int]] = [{}]
+        self.counts: list[int] = [0]
+        self.open: list[int] = []  # nodes of the suffixes ending at the last token, by length
+
+    def __len__(self) -> int:
+        return len(self.counts)
+
+    def new_document(self) -> None:
+        """Starts a document: no substring spans the previous one's end."""
+        self.open = []
+
+    def extend(self, tokens: Iterable[int]) -> None:
+        """Feeds tokens at the end of the current document."""
+        children, counts = self.children, self.counts
+        for token in tokens:
+            extended = []
+            for node in (0, *self.open):
+                child = children[node].get(token)
+                if child is None:
+                    child = len(counts)
+                    children[node][token] = child
+                    children.append({})
+                    counts.append(0)
+                counts[child] += 1
+                extended.append(child)
+            self.open = extended[: self.depth - 1]
+
+    def follow(self, open_nodes: list[int], token: int) -> list[int]:
+        """The nodes of the suffixes after `token`, given those before it (no insertion).
+
+        A suffix absent from the trie has no longer suffix present either, so the result
+        is again every present suffix, shortest first.
+        """
+        extended = []
+        for node in (0, *open_nodes):
+            child = self.children[node].get(token)
+            if child is None:
+                break
+            extended.append(child)
+        return extended[: self.depth - 1]
+
+    def best_match(self, open_nodes: list[int], max_match: int) -> tuple[int, int]:
+        """The longest open suffix of at most `max_match` tokens with a continuation.
+
+        Returns (node, length); (0, 0) when none has one.
+        """
+        for length in range(min(len(open_nodes), max_match), 0, -1):
+            node = open_nodes[length - 1]
+            if self.children[node]:
+                return node, length
+        return 0, 0
+
+    def grow(self, node: int, budget: int, min_prob: float) -> tuple[DraftTree, float]:
+        """The best-first tree of `node`'s continuations and its expected accepted length."""
+        tokens: list[int] = []
+        parents: list[int] = []
+        confidence: list[float] = []
+        heap: list[tuple[float, int, int, int, int, float]] = []
+        order = itertools.count()  # ties go to the earlier-found node
+        self._push(heap, order, node, -1, 1.0, min_prob)
+        expected = 0.0
+        while heap and len(tokens) < budget:
+            negative, _, token, child, parent, conditional = heapq.heappop(heap)
+            index = len(tokens)
+            tokens.append(token)
+            parents.append(parent)
+            confidence.append(conditional)
+            expected -= negative
+            self._push(heap, order, child, index, -negative, min_prob)
+        tree = DraftTree(
+            np.array(tokens, dtype=np.int64),
+            np.array(parents, dtype=np.int64),
+            confidence=np.array(confidence, dtype=np.float64),
+        )
+        return tree, expected
+
+    def _push(self, heap: list, order, node: int, index: int, path: float, min_prob: float):
+        kids = self.children[node]
+        if not kids:
+            return
+        total = sum(self.counts[c] for c in kids.values())
+        for token, child in kids.items():
+            conditional = self.counts[child] / total
+            if path * conditional >= min_prob:
+                # (-path probability, tie-break, token, trie node, tree parent, conditional)
+                entry = (-path * conditional, next(order), token, child, index, conditional)
+                heapq.heappush(heap, entry)
+
+
+class SuffixDrafter:
+    """Suffix decoding over each sequence's own text and every earlier request's."""
+
+    name = "suffix"
+    taps = "none"
+    scratch_slots = 0
+    drafts_chains = False
+
+    def __init__(self, options: SuffixOptions | None = None, shared: SuffixTrie | None = None):
+        self.options = options or SuffixOptions()
+        self.max_nodes = self.options.max_nodes
+        self.shared = shared if shared is not None else SuffixTrie(self.options.depth)
+        self._rows: list[_Row] = []
+
+    def start(self, prompts: Sequence[Sequence[int]], capacity: int, taps=None) -> None:  # noqa: D102
+        self.remember(row.history for row in self._rows)
+        self._rows = [_Row(self.options.depth) for _ in prompts]
+
+    def remember(self, documents: Iterable[Sequence[int]]) -> None:
+        """Adds finished texts (prompt + output) to the shared trie."""
+        for document in documents:
+            if len(self.shared) + len(document) * self.options.depth > self.options.shared_nodes:
+                self.shared = SuffixTrie(self.options.depth)  # bounded memory: start over
+            self.shared.new_document()
+            self.shared.extend(int(t) for t in document)
+
+    def propose(self, histories, active, sampling: SamplingParams, rng) -> list[DraftTree]:  # noqa: D102
+        drafts = []
+        for row, history, is_active in zip(self._rows, histories, active, strict=True):
+            row.catch_up(history, self.shared)
+            drafts.append(self._draft(row) if is_active else DraftTree.empty())
+        return drafts
+
+    def _draft(self, row: _Row) -> DraftTree:
+        options = self.options
+        best, best_expected = DraftTree.empty(), 0.0
+        for trie, open_nodes in ((row.trie, row.trie.open), (self.shared, row.shared_open)):
+            node, length = trie.best_match(open_nodes, options.max_match)
+            if length == 0:
+                continue
+            budget = min(options.max_nodes, math.ceil(options.alpha * length))
+            tree, expected = trie.grow(node, budget, options.min_prob)
+            if expected > best_expected:
+                best, best_expected = tree, expected
+        return best
+
+    def accept(self, row: int, draft: DraftTree, accepted: list[int], taps=None) -> None:  # noqa: D102
+        pass
+
+
+class _Row:
+    """One sequence: its own trie, and where its tail stands in the shared trie."""
+
+    def __init__(self, depth: int):
+        self.trie = SuffixTrie(depth)
+        self.history: list[int] = []
+        self.shared_open: list[int] = []
+
+    def catch_up(self, history: Sequence[int], shared: SuffixTrie) -> None:
+        """Feeds the tokens emitted since the last round to both matchers."""
+        new = [int(t) for t in history[len(self.history) :]]
+        self.trie.extend(new)
+        for token in new:
+            self.shared_open = shared.follow(self.shared_open, token)
+        self.history.extend(new)

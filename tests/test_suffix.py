@@ -1,0 +1,97 @@
+"""Suffix decoding on hand-made contexts: counts, matches, tree growth, shared memory."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from specx.runtime.drafters.suffix import SuffixDrafter, SuffixOptions, SuffixTrie
+from specx.runtime.sampling import SamplingParams
+
+
+def draft_of(drafter: SuffixDrafter, history: list[int]):
+    drafter.start([history], 64)
+    (draft,) = drafter.propose([history], np.array([True]), SamplingParams(), None)
+    return draft
+
+
+def substring_counts(text: list[int], depth: int) -> dict[tuple[int, ...], int]:
+    counts: dict[tuple[int, ...], int] = {}
+    for i, j in itertools.combinations(range(len(text) + 1), 2):
+        if j - i <= depth:
+            counts[tuple(text[i:j])] = counts.get(tuple(text[i:j]), 0) + 1
+    return counts
+
+
+def trie_counts(trie: SuffixTrie) -> dict[tuple[int, ...], int]:
+    found, stack = {}, [(0, ())]
+    while stack:
+        node, path = stack.pop()
+        for token, child in trie.children[node].items():
+            found[path + (token,)] = trie.counts[child]
+            stack.append((child, path + (token,)))
+    return found
+
+
+def test_the_trie_counts_every_short_substring():
+    rng = np.random.default_rng(0)
+    text = rng.integers(0, 3, 40).tolist()
+    trie = SuffixTrie(depth=5)
+    trie.extend(text[:17])
+    trie.extend(text[17:])  # fed in two pieces: the same as at once
+    assert trie_counts(trie) == substring_counts(text, 5)
+    # A second document adds its substrings but none spanning the boundary.
+    trie.new_document()
+    trie.extend([2, 2])
+    expected = substring_counts(text, 5)
+    for key, n in substring_counts([2, 2], 5).items():
+        expected[key] = expected.get(key, 0) + n
+    assert trie_counts(trie) == expected
+
+
+def test_the_most_frequent_continuation_leads_the_tree():
+    # After [5, 6]: 7 followed twice, 8 once. The chain 7 -> 1 comes first, then 8.
+    history = [5, 6, 7, 1, 5, 6, 8, 2, 5, 6, 7, 1, 9, 5, 6]
+    drafter = SuffixDrafter(SuffixOptions(max_nodes=3, alpha=4, min_prob=0.0))
+    draft = draft_of(drafter, history)
+    assert draft.tokens.tolist() == [7, 1, 8] and draft.parents.tolist() == [-1, 0, -1]
+    np.testing.assert_allclose(draft.confidence, [2 / 3, 1.0, 1 / 3])
+
+
+def test_the_tree_grows_with_the_match_length():
+    # A match of 1 token earns ceil(alpha * 1) nodes, one of 3 tokens three times that.
+    short = [4, 1, 2, 3, 9, 9, 4]
+    long = [7, 8, 4, 1, 2, 3, 9, 9, 7, 8, 4]
+    options = SuffixOptions(max_nodes=16, alpha=1.0, min_prob=0.0)
+    assert len(draft_of(SuffixDrafter(options), short)) == 1
+    assert len(draft_of(SuffixDrafter(options), long)) == 3
+
+
+def test_unlikely_branches_are_cut_and_no_match_gives_no_draft():
+    history = [3, 1, 3, 1, 3, 1, 3, 2, 3]  # after 3: 1 three times, 2 once
+    for min_prob, first_tokens in ((0.3, [1]), (0.0, [1, 2])):
+        draft = draft_of(SuffixDrafter(SuffixOptions(8, alpha=8, min_prob=min_prob)), history)
+        assert draft.tokens[draft.parents == -1].tolist() == first_tokens
+    assert len(draft_of(SuffixDrafter(), [1, 2, 3, 4])) == 0
+
+
+def test_earlier_requests_feed_later_drafts():
+    drafter = SuffixDrafter(SuffixOptions(max_nodes=4, alpha=4))
+    first = [10, 11, 12, 13, 14, 15]
+    drafter.start([first], 64)
+    drafter.propose([first], np.array([True]), SamplingParams(), None)
+    # The next batch remembers the first request: its text now drafts for a new one.
+    draft = draft_of(drafter, [20, 11, 12])
+    assert draft.tokens.tolist() == [13, 14, 15]
+
+
+def test_inactive_rows_get_empty_drafts_and_options_are_checked():
+    drafter = SuffixDrafter()
+    rows = [[1, 1, 1], [1, 1, 1]]
+    drafter.start(rows, 64)
+    drafts = drafter.propose(rows, np.array([True, False]), SamplingParams(), None)
+    assert len(drafts[0]) > 0 and len(drafts[1]) == 0
+    with pytest.raises(ValueError, match="depth > max_match"):
+        SuffixOptions(max_match=8, depth=8)
