@@ -98,6 +98,9 @@ def _graph(where: str, entry: Any) -> None:
         raise ArtifactError(f"{where}.data_files must be a list of relative paths")
     if "engine" in entry and not _relative_file(entry["engine"]):
         raise ArtifactError(f"{where}.engine must be a relative path inside the artifact")
+    spare = entry.get("kv_spare_slots", 0)
+    if not isinstance(spare, int) or isinstance(spare, bool) or not 0 <= spare <= 8:
+        raise ArtifactError(f"{where}.kv_spare_slots must be an integer in 0..8, got {spare!r}")
     for side in ("inputs", "outputs"):
         values = entry.get(side)
         if not isinstance(values, list):

@@ -213,10 +213,12 @@ def _build_ort(
             progress(f"[ort] converting {name} to {options.precision}")
             quantizer = _quantizer(manifest, name, options, prompts, progress)
             model = _convert(_load(manifest, name), name, options, record, quantizer)
-            applied = _lower(manifest, model, _lowerable(name, record)) if lower else None
-            if applied:
-                record.setdefault("lowering", {})[name] = applied
+            padded = _needs_row_invariance(name, record)
+            if lower and _lower(manifest, model, padded):
+                record.setdefault("lowering", {})[name] = "gqa"
             graphs[name] = _save(model, output, name, progress)
+            if lower and padded:
+                graphs[name]["kv_spare_slots"] = 1  # GroupQueryAttention's padding row
         if "draft_chain" in manifest.data["graphs"]:
             graphs["draft_chain"] = _derive_chain(manifest, graphs["draft_head"], output)
         for name in graphs:
@@ -310,30 +312,26 @@ def _derive_chain(manifest: Manifest, head: dict[str, Any], output: BuildOutput)
     }
 
 
-def _lower(manifest: Manifest, model: ir.Model, attention: bool) -> str | None:
-    """Runs the ONNX Runtime lowering; returns what it did, if anything.
+def _lower(manifest: Manifest, model: ir.Model, pad_single_rows: bool) -> bool:
+    """Runs the ONNX Runtime lowering (`specx.graphs.ort_lowering`); whether it applied.
 
-    "gqa": attention and residual norms; "norms": the norms only (`attention` False).
     RoPE tables cover every position a step can reach (a draft head's run up to a tree's
     depth past the target's).
     """
     shape = manifest.model
     positions = shape["kv_capacity"] + shape.get("max_tree_tokens", 0)
     norms = SkipRmsNormPass()(model).modified
-    if attention and GroupQueryAttentionPass(max_positions=positions)(model).modified:
-        return "gqa"
-    return "norms" if norms else None
+    attention = GroupQueryAttentionPass(positions, pad_single_rows)(model).modified
+    return norms or attention
 
 
-def _lowerable(name: str, record: dict) -> bool:
-    """Whether a graph may run as GroupQueryAttention (`specx.graphs.ort_lowering`).
+def _needs_row_invariance(name: str, record: dict) -> bool:
+    """Whether a graph keeps greedy identity by row invariance (int8 activations).
 
-    Not a target whose build keeps greedy identity by row invariance (int8 activations):
-    GroupQueryAttention computes a row alone differently from rows together (measured:
-    chunks of 1 and 2 differ from 9 at once by 1e-7), which int8 rounding can amplify.
+    Its GroupQueryAttention must then never see a lone query row.
     """
     identity = (record.get("quantization") or {}).get("greedy_identity")
-    return name != "target" or identity != "chains"
+    return name == "target" and identity == "chains"
 
 
 def _convert(

@@ -35,6 +35,7 @@ the standard body (`gqa_available`).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -99,11 +100,20 @@ class GroupQueryAttentionPass(InPlacePass):
 
     With `max_positions` (the largest position id + 1 the graph will see), RoPE moves into
     GQA as well where the graph has the standard form (`_packed_qkv`).
+
+    With `pad_single_rows`, GQA always sees one query row more than the step has (a copy of
+    the last, marked padding by `query_seqlens`: never written to the cache, its output
+    dropped). GQA computes a lone query row on another path than rows together (logits
+    differ by ~1e-6, measured on pyref-7m), while chunks of 2 or more agree bit for bit
+    with each other; with the pad a decode step's row equals the same token's row in a
+    verify chunk, which a build with int8 activations needs (`specx.graphs.row_invariance`).
+    The pad row needs one spare cache slot past the last written one (`kv_spare_slots`).
     """
 
-    def __init__(self, max_positions: int | None = None):
+    def __init__(self, max_positions: int | None = None, pad_single_rows: bool = False):
         super().__init__()
         self.max_positions = max_positions
+        self.pad_single_rows = pad_single_rows
 
     def call(self, model: ir.Model) -> PassResult:  # noqa: D102
         graph = model.graph
@@ -111,28 +121,42 @@ class GroupQueryAttentionPass(InPlacePass):
         if not nodes:
             return PassResult(model, modified=False)
         build = _Builder(graph)
-        shared = _shared_inputs(build, nodes[0])
+        shared = _shared_inputs(build, nodes[0], self.pad_single_rows)
         rotary = _rotary(build, model, nodes[0], self.max_positions)
+        if rotary is not None and self.pad_single_rows:
+            positions = _pad_row(build, nodes[0], rotary.position_ids, axis=1)
+            rotary = dataclasses.replace(rotary, position_ids=positions)
         for node in nodes:
-            _replace(build, node, shared, rotary)
+            _replace(build, node, shared, rotary, self.pad_single_rows)
         model.opset_imports.setdefault(MS_DOMAIN, 1)
         RemoveUnusedNodesPass()(model)
         return PassResult(model, modified=True)
 
 
-def _shared_inputs(build: _Builder, first: ir.Node) -> dict[str, ir.Value]:
+def _shared_inputs(build: _Builder, first: ir.Node, pad: bool) -> dict[str, ir.Value]:
     """GQA's seqlens_k, total_sequence_length, query_seqlens and bias, built once.
 
-    From the first node's write_pos and [B, 1, N, L] mask, which every layer shares.
+    From the first node's write_pos and [B, 1, N, L] mask, which every layer shares. With
+    `pad`, the padding row is a real query row to GQA (it computes only the rows
+    `query_seqlens` counts, so a row marked padding would leave the lone real row alone):
+    its key and value land in the scratch slot after the step, which no mask shows and the
+    next write replaces; it sees every slot but that one, and its output is dropped.
     """
     mask, write_pos = first.inputs[6], first.inputs[5]
     i32 = ir.DataType.INT32
+    one = build.const("one", np.array(1, np.int64))
     add = lambda op, inputs, **attrs: build.node(first, op, inputs, attrs).outputs[0]  # noqa: E731
-    bias = add("Where", [mask, build.const("zero", np.array(0.0, np.float32)),
-                         build.const("neg_inf", np.array(-np.inf, np.float32))])  # fmt: skip
+    zero = build.const("zero", np.array(0.0, np.float32))
+    neg_inf = build.const("neg_inf", np.array(-np.inf, np.float32))
+    bias = add("Where", [mask, zero, neg_inf])
     n = add("Squeeze", [add("Shape", [mask], start=2, end=3)])
-    last = add("Sub", [add("Add", [write_pos, n]), build.const("one", np.array(1, np.int64))])
     total = add("Squeeze", [add("Shape", [mask], start=3, end=4)])
+    if pad:  # one more row, one more column
+        n, total = add("Add", [n, one]), add("Add", [total, one])
+        bias = add("Pad", [bias, build.const("pad_row", np.array([0, 0, 0, 0, 0, 0, 1, 0])), zero])
+        pad_column = build.const("pad_column", np.array([0, 0, 0, 0, 0, 0, 0, 1]))
+        bias = add("Pad", [bias, pad_column, neg_inf])
+    last = add("Sub", [add("Add", [write_pos, n]), one])
     per_row = add("Expand", [n, add("Shape", [write_pos])])
     return {
         "bias": bias,
@@ -142,7 +166,16 @@ def _shared_inputs(build: _Builder, first: ir.Node) -> dict[str, ir.Value]:
     }
 
 
-def _replace(build: _Builder, node: ir.Node, shared: dict, rotary: Rotary | None) -> None:
+def _pad_row(build: _Builder, before: ir.Node, value: ir.Value, axis: int) -> ir.Value:
+    """`value` with a copy of its last row along `axis` appended (one edge-mode Pad)."""
+    pads = build.const("pad_end", np.array([0, 1], np.int64))
+    axes = build.const(f"axis_{axis}", np.array([axis], np.int64))
+    return build.node(before, "Pad", [value, pads, None, axes], {"mode": "edge"}).outputs[0]
+
+
+def _replace(
+    build: _Builder, node: ir.Node, shared: dict, rotary: Rotary | None, pad: bool
+) -> None:
     q, k, v, k_cache, v_cache = node.inputs[:5]
     attrs = node.attributes
     packed = _packed_qkv(build, node, rotary) if rotary is not None else None
@@ -153,6 +186,8 @@ def _replace(build: _Builder, node: ir.Node, shared: dict, rotary: Rotary | None
         qkv = [_flat_rotated(build, node, q), _flat_rotated(build, node, k)]
         qkv.append(_flat_input(build, node, v))
         rope = [None, None, None]
+    if pad:
+        qkv = [x if x is None else _pad_row(build, node, x, axis=1) for x in qkv]
     inputs = [*qkv, k_cache, v_cache, shared["seqlens_k"], shared["total"], *rope]
     inputs += [shared["bias"], None, None, None, None, None, shared["query_seqlens"]]
     gqa = build.node(
@@ -170,6 +205,11 @@ def _replace(build: _Builder, node: ir.Node, shared: dict, rotary: Rotary | None
         name=f"{node.name}_gqa",
     )
     out, present_key, present_value = gqa.outputs
+    if pad:
+        starts = build.const("first_start", np.array([0], np.int64))
+        ends = build.const("last_start", np.array([-1], np.int64))
+        rows = build.const("axis_1", np.array([1], np.int64))
+        out = build.node(node, "Slice", [out, starts, ends, rows]).outputs[0]
     _use_flat_output(build, node, out)
     for old, new in ((node.outputs[1], present_key), (node.outputs[2], present_value)):
         new.shape, new.type = old.shape, old.type

@@ -21,6 +21,7 @@ class KVCache:
     keys: list[np.ndarray]
     values: list[np.ndarray]
     lengths: np.ndarray  # [B] int64
+    spare_slots: int = 0  # slots past `capacity` a graph may need as scratch, never written
 
     @classmethod
     def allocate(
@@ -31,13 +32,15 @@ class KVCache:
         capacity: int,
         head_dim: int,
         dtype: np.dtype = np.float32,
+        spare_slots: int = 0,
     ) -> KVCache:
         """Zeroed buffers for `batch` sequences of up to `capacity` tokens."""
-        shape = (batch, num_kv_heads, capacity, head_dim)
+        shape = (batch, num_kv_heads, capacity + spare_slots, head_dim)
         return cls(
             keys=[np.zeros(shape, dtype) for _ in range(num_layers)],
             values=[np.zeros(shape, dtype) for _ in range(num_layers)],
             lengths=np.zeros(batch, dtype=np.int64),
+            spare_slots=spare_slots,
         )
 
     @property
@@ -48,7 +51,7 @@ class KVCache:
     @property
     def capacity(self) -> int:
         """Slots per sequence."""
-        return self.keys[0].shape[2]
+        return self.keys[0].shape[2] - self.spare_slots
 
     def row(self, b: int) -> KVCache:
         """Sequence b alone, as views of the same buffers: writes land in this cache."""
@@ -56,6 +59,7 @@ class KVCache:
             keys=[k[b : b + 1] for k in self.keys],
             values=[v[b : b + 1] for v in self.values],
             lengths=self.lengths[b : b + 1],
+            spare_slots=self.spare_slots,
         )
 
     def keep_path(self, row: int, start: int, nodes: np.ndarray) -> None:

@@ -92,12 +92,20 @@ class OrtTarget(DecoderBackend):
         self.session = open_session(manifest, graph, threads)
         self._binding = self.session.io_binding()
         self._bound_cache: KVCache | None = None
+        # A row-invariant GroupQueryAttention graph reads one padding slot past its writes.
+        self._spare_slots = int(manifest.runtime_graph(graph).get("kv_spare_slots", 0))
 
     def allocate_cache(self, batch: int, capacity: int | None = None) -> KVCache:
         """A zeroed cache for `batch` sequences; capacity defaults to the artifact's."""
         capacity = self.checked_capacity(capacity)
         return KVCache.allocate(
-            self.num_layers, batch, self.num_kv_heads, capacity, self.head_dim, self.cache_dtype
+            self.num_layers,
+            batch,
+            self.num_kv_heads,
+            capacity,
+            self.head_dim,
+            self.cache_dtype,
+            self._spare_slots,
         )
 
     def _bind_cache(self, cache: KVCache) -> None:
