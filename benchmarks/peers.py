@@ -342,6 +342,9 @@ def main() -> None:
     report: dict = {
         "benchmark": "peers",
         "machine": {"platform": platform.platform(), "threads": args.threads},
+        "specx_commit": subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+        ).stdout.strip(),
         "prompts": args.prompts,
         "new_tokens": args.new_tokens,
         "repeats": args.repeats,
