@@ -3,8 +3,8 @@
 The exported graph spends more on small nodes than on arithmetic on a CPU: profiled on
 pyref-7m's decode step (ORT profiler, 384 runs), it ran 186 nodes where onnxruntime-genai's
 builder emits 67 for the same weights, and took 1.9x genai's node time outside MatMul.
-Two passes, each one concern, bring it to 70 nodes and the bare graph run to genai's
-(0.711 vs 0.717 ms per step, measured in one process):
+Two passes, each one concern, bring it to 70 nodes and the step's run from 0.99 to 0.78 ms
+(genai's own graph ran as fast as the lowered one in a bare loop, measured in one process):
 
 `GroupQueryAttentionPass`: each TreeAttention (TensorScatter x2, Slice x2, Attention, and
 the head transposes around it) becomes one com.microsoft GroupQueryAttention (GQA), which
