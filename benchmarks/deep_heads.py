@@ -16,6 +16,10 @@ time per round. For one-call chains the drafting overhead is also reported: the 
 graph's own ONNX Runtime time per round against the drafter's wall time per round.
 
     python benchmarks/deep_heads.py [--heads ~/.cache/specx/pyref-heads] [--kinds eagle,eagle3]
+        [--build ort-fp32|exported]
+
+The target runs as `specx build --backend ort` leaves it (the ORT lowering) unless
+`--build exported`.
 
 Writes benchmarks/results/deep_heads.json and prints a markdown table.
 """
@@ -101,6 +105,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=96)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--build", default="ort-fp32", choices=["exported", "ort-fp32"])
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/deep_heads.json"))
     args = parser.parse_args()
     source = SHARED / "models" / "pyref-7m"
@@ -108,6 +113,7 @@ def main() -> None:
         log(f"skipped: {source} is absent")
         return
     from specx.artifact import load_manifest
+    from specx.build import BuildOptions, build_artifact
     from specx.calibration.costs import measure_verify_curve
     from specx.export.target_export import export_target
     from specx.runtime.drafters import DrafterOptions, make_drafter
@@ -126,6 +132,7 @@ def main() -> None:
         "target": "pyref-deep (pyref-7m block-expanded to 32 layers)",
         "prompts": len(prompts),
         "new_tokens": args.new_tokens,
+        "build": args.build,
         "machine": {"platform": platform.platform(), "threads": args.threads},
         "heads": {k: json.loads((args.heads / k / "train_report.json").read_text()) for k in kinds},
         "results": {},
@@ -136,6 +143,8 @@ def main() -> None:
         artifact = export_target(
             deep, work / kind, max_context=1024, drafter=f"{kind}:{args.heads / kind}"
         )
+        if args.build != "exported":  # the ORT lowering, what `specx build` gives users
+            build_artifact(artifact, BuildOptions("ort", args.build.removeprefix("ort-")))
         target = OrtTarget(load_manifest(artifact), args.threads)
         if curve is None:
             context = sum(len(p) for p in prompts) // len(prompts)
