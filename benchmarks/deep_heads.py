@@ -106,6 +106,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--build", default="ort-fp32", choices=["exported", "ort-fp32"])
+    parser.add_argument("--configs", default=";".join(CONFIGS), help="tree specs, ';'-separated")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/deep_heads.json"))
     args = parser.parse_args()
     source = SHARED / "models" / "pyref-7m"
@@ -150,7 +151,8 @@ def main() -> None:
             context = sum(len(p) for p in prompts) // len(prompts)
             curve = measure_verify_curve(target, (1, 2, 3, 4, 5, 6, 8, 9, 12, 13, 16), context)
             report["verify_curve"] = curve.summary()
-        for spec in CONFIGS if kind != "medusa" else ["chain:3", "chain:4"]:
+        configs = args.configs.split(";") if kind != "medusa" else ["chain:3", "chain:4"]
+        for spec in configs:
             shape = parse_tree_spec(spec)
             for label, sampling in samplings.items():
                 drafter = make_drafter(kind, target, DrafterOptions(tree=shape))

@@ -42,6 +42,20 @@ def test_ngram_compare_reports_speedup_and_identity(artifacts):
     assert stats["acceptance_length"] >= 1.0
 
 
+@pytest.mark.parametrize("fixed", [False, True])
+def test_the_controller_sizes_drafts_unless_fixed(artifacts, fixed):
+    prompt = ",".join(["5", "6", "7", "8"] * 4)
+    flags = ["--fixed-draft"] if fixed else []
+    result = invoke("generate", artifacts["llama"], "--prompt-ids", prompt, "--drafter",
+                    "suffix", "--compare", "--json", "--max-new-tokens", 24, *flags)  # fmt: skip
+    assert result.exit_code == 0, result.output
+    stats = json.loads(result.stdout)["stats"]
+    assert stats["drafter"] == "suffix" and stats["compare"]["identical_tokens"] is True
+    assert ("sizes_chosen" in stats) is not fixed
+    if not fixed:
+        assert sum(stats["sizes_chosen"].values()) == stats["rounds"]
+
+
 def test_draft_model_with_static_tree(artifacts, draft_artifacts, tmp_path):
     tree = tmp_path / "tree.json"
     tree.write_text("[[0], [1], [0, 0]]")
@@ -73,6 +87,9 @@ def test_draft_model_with_static_tree(artifacts, draft_artifacts, tmp_path):
         (["--drafter", "draft-model"], "draft-model needs an artifact"),
         (["--drafter", "ngram", "--num-draft-tokens", "0"], "0 is not in the range x>=1"),
         (["--compare"], "--compare applies only to speculative decoding: add --drafter"),
+        (["--fixed-draft"], "--fixed-draft applies only to speculative decoding"),
+        (["--drafter", "suffix", "--tree", "[[0]]"], "--tree does not apply to suffix"),
+        (["--drafter", "suffix", "--ngram-max", "4"], "--ngram-max applies only to --drafter"),
     ],
 )
 def test_bad_speculative_options(artifacts, args, message):

@@ -13,6 +13,7 @@ from broken_verifiers import broken_verify
 from chi_square import p_values
 from conftest import perturbed_copy
 from specx.artifact import load_manifest
+from specx.runtime.controller import FixedSizes
 from specx.runtime.drafters.draft_model import DraftModelDrafter
 from specx.runtime.drafters.ngram import NGramDrafter
 from specx.runtime.drafters.suffix import SuffixDrafter, SuffixOptions
@@ -72,7 +73,7 @@ SAMPLING = [
 ]
 
 
-def run(pair, drafter_name, sampling, verifier, seed):
+def run(pair, drafter_name, sampling, verifier, seed, controller=None):
     target, draft, prompt = pair
     prompts = [prompt] * SAMPLES
     params = SamplingParams(sampling.temperature, sampling.top_k, sampling.top_p, seed=seed)
@@ -80,8 +81,9 @@ def run(pair, drafter_name, sampling, verifier, seed):
     spec_params = SamplingParams(
         sampling.temperature, sampling.top_k, sampling.top_p, seed=seed + 1
     )
+    drafter = DRAFTERS[drafter_name](draft)
     spec = generate_speculative(
-        target, DRAFTERS[drafter_name](draft), prompts, POSITIONS, spec_params, verifier=verifier
+        target, drafter, prompts, POSITIONS, spec_params, verifier=verifier, controller=controller
     )
     return plain, spec
 
@@ -102,4 +104,24 @@ def test_speculative_sampling_matches_plain(pair, drafter_name, sampling):
 )
 def test_broken_verifier_is_detected(pair, drafter_name):
     plain, spec = run(pair, drafter_name, SAMPLING[0], broken_verify, seed=11)
+    assert min(p_values(plain, spec, VOCAB)) < 1e-6
+
+
+# Sizes switch every round (none included); each row of the batch follows the cycle.
+SWITCHING = [2, 0, 1, 3]
+
+
+@pytest.mark.parametrize("sampling", [SAMPLING[0], SAMPLING[3]], ids=["T0.7", "T0.7-k10-p0.95"])
+@pytest.mark.parametrize("drafter_name", ["draft-chain", "draft-tree-topk", "suffix"])
+def test_sampling_with_switching_draft_sizes_matches_plain(pair, drafter_name, sampling):
+    controller = FixedSizes(SWITCHING)
+    plain, spec = run(pair, drafter_name, sampling, verify, seed=11, controller=controller)
+    assert spec.stats["sizes_chosen"].keys() >= {0, 2}  # the first two rounds: 2, then 0
+    assert min(p_values(plain, spec, VOCAB)) > 1e-3, spec.stats["acceptance_by_position"]
+
+
+@pytest.mark.parametrize("drafter_name", ["draft-chain", "draft-tree-topk"])
+def test_broken_verifier_is_detected_with_switching_sizes(pair, drafter_name):
+    switching = FixedSizes(SWITCHING)
+    plain, spec = run(pair, drafter_name, SAMPLING[0], broken_verify, seed=11, controller=switching)
     assert min(p_values(plain, spec, VOCAB)) < 1e-6

@@ -36,6 +36,7 @@ _SPECULATIVE_OPTIONS = (
     "ngram_matches",
     "max_batch_spec",
     "compare",
+    "fixed_draft",
 )
 _NGRAM_OPTIONS = ("ngram_min", "ngram_max", "ngram_matches")
 
@@ -152,6 +153,12 @@ def _check_options(ctx: click.Context, drafter: str | None, temperature: float) 
     is_flag=True,
     help="Also run plain decoding in the same process and report the speedup.",
 )
+@click.option(
+    "--fixed-draft",
+    is_flag=True,
+    help="Draft the whole tree every round. By default each sequence's draft is sized per "
+    "round from its own acceptance and the measured costs, down to none where it does not pay.",
+)
 @click.option("--threads", type=POSITIVE, default=None, help="ONNX Runtime threads (default: all).")
 @click.option("--json", "as_json", is_flag=True, help="Print tokens, text and stats as JSON.")
 @click.pass_context
@@ -175,6 +182,7 @@ def generate(
     ngram_matches: int,
     max_batch_spec: int | None,
     compare: bool,
+    fixed_draft: bool,
     threads: int | None,
     as_json: bool,
 ) -> None:
@@ -204,7 +212,7 @@ def generate(
         result = _plain(target, request)
     else:
         options = _SpeculativeOptions(
-            drafter, num_draft_tokens, shape, (ngram_min, ngram_max, ngram_matches)
+            drafter, num_draft_tokens, shape, (ngram_min, ngram_max, ngram_matches), fixed_draft
         )
         result = _speculative(target, manifest, request, options, max_batch_spec, threads)
         if compare:
@@ -249,6 +257,7 @@ class _SpeculativeOptions:
     num_draft_tokens: int | None
     shape: TreeShape | None
     ngram: tuple[int, int, int]  # min, max, matches
+    fixed: bool  # no per-round controller
 
 
 def _plain(target, request: _Request):
@@ -266,6 +275,7 @@ def _plain(target, request: _Request):
 
 def _speculative(target, manifest, request: _Request, options, max_batch_spec, threads):
     from specx.runtime.calibrated import calibrated_choice, greedy_identity
+    from specx.runtime.controller import AdaptiveController
     from specx.runtime.drafters import DrafterOptions, make_drafter
     from specx.runtime.speculative_decoding import generate_speculative
 
@@ -299,6 +309,7 @@ def _speculative(target, manifest, request: _Request, options, max_batch_spec, t
         request.eos,
         max_batch_spec,
         progress=request.progress(f"decoding with {drafting.name}"),
+        controller=None if options.fixed else AdaptiveController(),
     )
     if use_calibration:
         result.stats["calibration"] = {
@@ -348,6 +359,9 @@ def print_stats(stats: dict[str, Any]) -> None:
             f"; calibrated {calibration['tree']}, predicted speedup "
             f"{calibration['predicted_speedup']:.2f}x"
         )
+    if "sizes_chosen" in stats:
+        sizes = ", ".join(f"{k}: {n}" for k, n in stats["sizes_chosen"].items())
+        line += f"; draft sizes chosen (size: rows) {sizes}"
     if "speculation" in stats:
         line += f"; speculation {stats['speculation']}"
     click.echo(line, err=True)

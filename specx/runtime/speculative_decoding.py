@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from specx.errors import GenerationError
+from specx.runtime.controller import Controller, truncated
 from specx.runtime.decoder_backend import DecoderBackend
 from specx.runtime.drafters.base import Drafter
 from specx.runtime.metrics import AcceptanceStats
@@ -90,12 +91,15 @@ def generate_speculative(
     verifier: Verifier = verify,
     observer: RoundObserver | None = None,
     progress: Progress | None = None,
+    controller: Controller | None = None,
 ) -> GenerationResult:
     """Decodes speculatively; output equals `generate_plain`'s (greedy: token for token).
 
     Batches larger than `max_batch_spec` fall back to plain decoding, where verifying
     trees no longer pays off. `observer(row, draft, verdict)` sees every verified draft
-    (calibration records which nodes were accepted).
+    (calibration records which nodes were accepted). A `controller` (`specx.runtime.
+    controller`) sizes each row's draft each round, down to none; without one every row
+    keeps its whole draft.
     """
     sampling = sampling or SamplingParams()
     if max_batch_spec is not None and len(prompts) > max_batch_spec:
@@ -136,9 +140,17 @@ def generate_speculative(
     active = np.array([not (e[-1] in eos or max_new_tokens <= 1) for e in emitted])
     draft_s = verify_s = 0.0
     forwards = 0
+    if controller is not None:
+        controller.start(batch, drafter.max_nodes)
     while active.any():
         tick = time.perf_counter()
-        drafts = drafter.propose(histories, active, sampling, rng)
+        sizes = None if controller is None else controller.sizes(active)
+        drafting = active if sizes is None else active & (sizes > 0)
+        if drafting.any():
+            proposed = drafter.propose(histories, drafting, sampling, rng)
+        else:
+            proposed = [DraftTree.empty()] * batch
+        drafts = proposed if sizes is None else list(map(truncated, proposed, sizes))
         tock = time.perf_counter()
         roots = np.array([h[-1] for h in histories], dtype=np.int64)
         # Finished sequences still ride along in the batch; their rows go to slot 0 on.
@@ -157,7 +169,8 @@ def generate_speculative(
             cache.keep_path(b, int(lengths[b]), path)
             cache.lengths[b] = lengths[b] + len(path)
             path_taps = None if output.taps is None else output.taps[b, path]
-            drafter.accept(b, draft, verdict.accepted, path_taps)
+            # The drafter's own tree: a kept prefix has the same node indices.
+            drafter.accept(b, proposed[b], verdict.accepted, path_taps)
             count = 0
             for token in verdict.emitted(draft):
                 emitted[b].append(token)
@@ -168,9 +181,14 @@ def generate_speculative(
                     break
             # Accepted tokens cut off by eos or the token budget are not counted.
             stats[b].record(_depth(draft), min(len(verdict.accepted), count - 1))
+            if controller is not None:
+                controller.observe(int(b), _depth(draft), len(verdict.accepted))
+        verified = time.perf_counter()
         draft_s += tock - tick
-        verify_s += time.perf_counter() - tock
+        verify_s += verified - tock
         forwards += 1
+        if controller is not None:
+            controller.timed(input_ids.shape[1], verified - tock, tock - tick)
         if progress is not None:
             progress(sum(len(e) for e in emitted), int((~active).sum()))
     total_s = time.perf_counter() - started
@@ -189,6 +207,7 @@ def generate_speculative(
             "verify_s": verify_s,
             **decode_rates(total_s, prefill_s, new_tokens, batch, forwards),
             **AcceptanceStats.merge(stats).summary(),
+            **({} if controller is None else controller.summary()),
             "per_request": [s.summary() for s in stats],
         },
     )

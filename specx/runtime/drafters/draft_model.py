@@ -104,6 +104,8 @@ class DraftModelDrafter:
         ]
 
     def accept(self, row: int, draft: DraftTree, accepted: list[int], taps=None) -> None:  # noqa: D102
+        if not len(draft):
+            return  # nothing drafted for the row (or no propose this round): catch-up feeds it
         offsets = self.slots.forwarded_prefix(row, self.pool_ids[row][accepted])
         self.cache.keep_path(row, int(self.slots.base[row]), offsets)
         self.cache.lengths[row] = self.slots.base[row] + len(offsets)
