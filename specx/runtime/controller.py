@@ -17,12 +17,16 @@ cost model T(k) learnt from the loop's own timings,
 
     k* = argmax_k (1 + sum_{d <= k} p_1 ... p_d) / T(k),   T(0) = a plain step,
 
-over k in {0, 1, 2, 4, ...} up to the drafter's budget. A sequence at k = 0 is probed with the
-full budget every `probe_every` rounds, so one that becomes predictable gets speculation back.
+over k in {0, 1, 2, 4, ...} up to the drafter's budget. In a batch every row uses the
+lowest p_d among the active rows: the batch finishes with its slowest row, so a draft
+size pays only if it pays for that one. A sequence at k = 0 is probed with the
+small draft now and then (`AdaptiveController`), so one that becomes predictable gets
+speculation back.
 """
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -102,13 +106,37 @@ class FixedSizes:
 
 
 class AdaptiveController:
-    """The rule in the module docstring."""
+    """The rule in the module docstring.
+
+    Scheduling details, each for the cost of rounds that do not draft: a probe drafts the
+    smallest size (one node; cheap, even across a batch); the first round of a batch is a
+    plain step (the cost every draft is weighed against is then measured, not
+    guessed); a row that stopped drafting is not re-evaluated until its probe, whose
+    interval doubles after each probe that did not bring speculation back (`probe_every`
+    up to `max_probe_every` rounds), and is never shorter than keeps probes within
+    `probe_budget` of the time (a probe round in a batch of 4 costs ~3 plain steps here);
+    probes fall on multiples of the interval, so idle rows
+    of a batch probe together and the rounds between stay plain for all of them (a round
+    without drafts costs the loop a decode step).
+    """
 
     def __init__(
-        self, prior: float = 0.6, smoothing: float = 0.3, probe_every: int = 8, max_depth: int = 16
+        self,
+        prior: float = 0.6,
+        smoothing: float = 0.2,
+        probe_every: int = 8,
+        max_probe_every: int = 64,
+        max_depth: int = 16,
+        margin: float = 0.05,
+        batch_margin: float = 0.5,
+        probe_budget: float = 0.03,
     ):
-        self.prior, self.smoothing, self.probe_every = prior, smoothing, probe_every
-        self.max_depth = max_depth
+        self.prior, self.smoothing, self.max_depth = prior, smoothing, max_depth
+        # A draft must beat a plain step by this much: the model's error, and in a batch
+        # the rows' uneven progress, which no per-depth average sees.
+        self.margin, self.batch_margin = margin, batch_margin
+        self.probe_budget = probe_budget  # the share of time probes may cost
+        self.probe_every, self.max_probe_every = probe_every, max_probe_every
         self.costs = _RoundCosts()
         self._chosen: Counter = Counter()
 
@@ -116,22 +144,70 @@ class AdaptiveController:
         self.max_nodes = max_nodes
         self.candidates = sorted({0, max_nodes, *(2**i for i in range(8) if 2**i < max_nodes)})
         self.accept = np.full((batch, self.max_depth), self.prior)  # p_d per row
-        self.idle = np.zeros(batch, dtype=int)  # rounds since the row last drafted
+        self.judged = np.zeros((batch, self.max_depth), dtype=np.int64)  # rounds that tested d
+        self.round = 0
+        # 0: the row drafts. A batch starts without: its drafting rounds cost several plain
+        # steps (measured: a probe at batch 4 ~2x one), so it waits for its first probe.
+        self.next_probe = np.full(batch, 0 if batch == 1 else self.probe_every, dtype=np.int64)
+        self.interval = np.full(batch, self.probe_every)
+        self.probing = np.zeros(batch, dtype=bool)
+        self.hit = np.zeros(batch, dtype=bool)  # the row's last round accepted a draft token
+        self._floor: np.ndarray | None = None
 
     def sizes(self, active: np.ndarray) -> np.ndarray:  # noqa: D102
+        self.round += 1
         chosen = np.zeros(len(active), dtype=np.int64)
-        for b in np.flatnonzero(active):
-            size = self._best(b)
-            if size == 0 and self.idle[b] >= self.probe_every:
-                size = self.max_nodes  # probe: the sequence may have become predictable
-            self.idle[b] = self.idle[b] + 1 if size == 0 else 0
-            chosen[b] = size
-            self._chosen[int(size)] += 1
+        rows = np.flatnonzero(active)
+        waiting = (self.next_probe[rows] > 0) & (self.round < self.next_probe[rows])
+        if self.round > 1 and not waiting.all():  # else every row waits: no estimate needed
+            # A batch ends with its slowest row: rows of a batch size by the lowest acceptance.
+            floor = np.min([self._estimates(b) for b in rows], axis=0) if len(rows) > 1 else None
+            self._floor = floor
+            for b in rows:
+                chosen[b] = self._size(b)
+        self._chosen.update(chosen[active].tolist())
         return chosen
 
+    def _size(self, b: int) -> int:
+        if self.next_probe[b] and self.round < self.next_probe[b]:
+            return 0  # idle until its probe
+        if self.next_probe[b]:  # probe: the sequence may have become predictable
+            self.next_probe[b], self.probing[b] = 0, True
+            return self.candidates[1]  # a small draft: cheap, and it tests the first depths
+        size = self._best(b)
+        if size and self.probing[b]:
+            self.interval[b] = self.probe_every  # the probe brought speculation back
+        elif not size:
+            if self.probing[b] and not self.hit[b]:  # a probe that found nothing: wait longer
+                self.interval[b] = min(2 * self.interval[b], self.max_probe_every)
+            elif self.probing[b]:  # it found something: probe again soon
+                self.interval[b] = self.probe_every
+            step = max(int(self.interval[b]), self._affordable_interval())
+            self.next_probe[b] = (self.round // step + 1) * step
+        self.probing[b] = False
+        return size
+
+    def _affordable_interval(self) -> int:
+        """Rounds between probes for them to cost at most `probe_budget` of the time."""
+        extra = self.costs.time(self.candidates[1]) / self.costs.time(0) - 1.0
+        return max(1, math.ceil(extra / self.probe_budget))
+
+    def _estimates(self, row: int) -> np.ndarray:
+        """The row's p_d, each depth tested fewer than 3 times capped by the one before.
+
+        The prior alone would make deep drafts look good on shallow evidence.
+        """
+        accept = self.accept[row].copy()
+        for d in np.flatnonzero(self.judged[row] < 3):
+            if d:
+                accept[d] = min(accept[d], accept[d - 1])
+        return accept
+
     def _best(self, row: int) -> int:
-        reach = np.concatenate([[1.0], np.cumprod(self.accept[row])])  # P(accept depth d)
-        best, best_rate = 0, 1.0 / self.costs.time(0)
+        accept = self._estimates(row) if self._floor is None else self._floor
+        reach = np.concatenate([[1.0], np.cumprod(accept)])  # P(accept depth d)
+        margin = self.margin if self._floor is None else self.batch_margin
+        best, best_rate = 0, (1.0 + margin) / self.costs.time(0)
         for size in self.candidates[1:]:
             expected = reach[: min(size, self.max_depth) + 1].sum()  # 1 + sum of P(depth d)
             rate = expected / self.costs.time(size)
@@ -140,9 +216,11 @@ class AdaptiveController:
         return best
 
     def observe(self, row: int, depth: int, accepted: int) -> None:  # noqa: D102
+        self.hit[row] = accepted > 0
         for d in range(min(depth, accepted + 1, self.max_depth)):  # depths the target judged
             hit = float(d < accepted)
             self.accept[row, d] += self.smoothing * (hit - self.accept[row, d])
+            self.judged[row, d] += 1
 
     def timed(self, width: int, verify_s: float, draft_s: float) -> None:  # noqa: D102
         self.costs.record(width, verify_s, draft_s)

@@ -21,6 +21,7 @@ from specx.errors import GenerationError
 from specx.runtime.controller import Controller, truncated
 from specx.runtime.decoder_backend import DecoderBackend
 from specx.runtime.drafters.base import Drafter
+from specx.runtime.masks import causal_mask
 from specx.runtime.metrics import AcceptanceStats
 from specx.runtime.plain_decoding import (
     GenerationResult,
@@ -62,6 +63,9 @@ def verify_inputs(
     """
     batch = len(drafts)
     n = 1 + max(len(d) for d in drafts)
+    if n == 1:  # no drafts at all (the controller's plain rounds): a decode step
+        mask = causal_mask(lengths, 1, int(lengths.max()) + 1)
+        return roots[:, None].astype(np.int64), lengths[:, None].copy(), mask
     kv_len = int(lengths.max()) + n
     input_ids = np.zeros((batch, n), dtype=np.int64)
     positions = np.repeat(lengths[:, None], n, axis=1)
@@ -146,49 +150,47 @@ def generate_speculative(
         tick = time.perf_counter()
         sizes = None if controller is None else controller.sizes(active)
         drafting = active if sizes is None else active & (sizes > 0)
-        if drafting.any():
-            proposed = drafter.propose(histories, drafting, sampling, rng)
+        if not drafting.any():  # the controller drafts for no row: a plain decoding step
+            tock = time.perf_counter()
+            width = 1
+            _plain_round(target, drafter, cache, histories, emitted, active, sampling, rng,
+                         eos, max_new_tokens, stats)  # fmt: skip
         else:
-            proposed = [DraftTree.empty()] * batch
-        drafts = proposed if sizes is None else list(map(truncated, proposed, sizes))
-        tock = time.perf_counter()
-        roots = np.array([h[-1] for h in histories], dtype=np.int64)
-        # Finished sequences still ride along in the batch; their rows go to slot 0 on.
-        lengths = np.where(active, cache.lengths, 0)
-        input_ids, positions, mask = verify_inputs(roots, drafts, lengths, target.vocab_size)
-        output = target.forward(cache, input_ids, positions, mask, lengths)
-        for b in np.flatnonzero(active):
-            draft = drafts[b]
-            logits = output.logits[b, : 1 + len(draft)]
-            # Only the verify tokens of this row, never the padding, go through the transform.
-            probs = logits if sampling.greedy else sampling_probs(logits, sampling)
-            verdict = verifier(probs, draft, coin, sampling.greedy)
-            if observer is not None:
-                observer(int(b), draft, verdict)
-            path = np.array([0] + [i + 1 for i in verdict.accepted])
-            cache.keep_path(b, int(lengths[b]), path)
-            cache.lengths[b] = lengths[b] + len(path)
-            path_taps = None if output.taps is None else output.taps[b, path]
-            # The drafter's own tree: a kept prefix has the same node indices.
-            drafter.accept(b, proposed[b], verdict.accepted, path_taps)
-            count = 0
-            for token in verdict.emitted(draft):
-                emitted[b].append(token)
-                histories[b].append(token)
-                count += 1
-                if token in eos or len(emitted[b]) >= max_new_tokens:
-                    active[b] = False
-                    break
-            # Accepted tokens cut off by eos or the token budget are not counted.
-            stats[b].record(_depth(draft), min(len(verdict.accepted), count - 1))
-            if controller is not None:
-                controller.observe(int(b), _depth(draft), len(verdict.accepted))
+            proposed = drafter.propose(histories, drafting, sampling, rng)
+            drafts = proposed if sizes is None else list(map(truncated, proposed, sizes))
+            tock = time.perf_counter()
+            roots = np.array([h[-1] for h in histories], dtype=np.int64)
+            # Finished sequences still ride along in the batch; their rows go to slot 0 on.
+            lengths = np.where(active, cache.lengths, 0)
+            input_ids, positions, mask = verify_inputs(roots, drafts, lengths, target.vocab_size)
+            width = input_ids.shape[1]
+            output = target.forward(cache, input_ids, positions, mask, lengths)
+            for b in np.flatnonzero(active):
+                draft = drafts[b]
+                logits = output.logits[b, : 1 + len(draft)]
+                # Only the verify tokens of this row, never the padding, go through the transform.
+                probs = logits if sampling.greedy else sampling_probs(logits, sampling)
+                verdict = verifier(probs, draft, coin, sampling.greedy)
+                if observer is not None:
+                    observer(int(b), draft, verdict)
+                path = np.array([0] + [i + 1 for i in verdict.accepted])
+                cache.keep_path(b, int(lengths[b]), path)
+                cache.lengths[b] = lengths[b] + len(path)
+                path_taps = None if output.taps is None else output.taps[b, path]
+                # The drafter's own tree: a kept prefix has the same node indices.
+                drafter.accept(b, proposed[b], verdict.accepted, path_taps)
+                count = _emit(verdict.emitted(draft), b, emitted, histories, active, eos,
+                              max_new_tokens)  # fmt: skip
+                # Accepted tokens cut off by eos or the token budget are not counted.
+                stats[b].record(_depth(draft), min(len(verdict.accepted), count - 1))
+                if controller is not None:
+                    controller.observe(int(b), _depth(draft), len(verdict.accepted))
         verified = time.perf_counter()
         draft_s += tock - tick
         verify_s += verified - tock
         forwards += 1
         if controller is not None:
-            controller.timed(input_ids.shape[1], verified - tock, tock - tick)
+            controller.timed(width, verified - tock, tock - tick)
         if progress is not None:
             progress(sum(len(e) for e in emitted), int((~active).sum()))
     total_s = time.perf_counter() - started
@@ -211,6 +213,44 @@ def generate_speculative(
             "per_request": [s.summary() for s in stats],
         },
     )
+
+
+def _emit(tokens, row, emitted, histories, active, eos, max_new_tokens) -> int:
+    """Appends a round's tokens to a row until eos or the budget; returns how many."""
+    count = 0
+    for token in tokens:
+        emitted[row].append(token)
+        histories[row].append(token)
+        count += 1
+        if token in eos or len(emitted[row]) >= max_new_tokens:
+            active[row] = False
+            break
+    return count
+
+
+def _plain_round(
+    target, drafter, cache, histories, emitted, active, sampling, rng, eos, max_new_tokens, stats
+) -> None:
+    """One decoding step for every row, drafts left out.
+
+    Emits what an empty draft's verification would (the target's argmax, or a token drawn
+    from its distribution) without the verification machinery.
+    """
+    rows = np.flatnonzero(active)
+    lengths = np.where(active, cache.lengths, 0)
+    roots = np.array([h[-1] for h in histories], dtype=np.int64)
+    mask = causal_mask(lengths, 1, int(lengths.max()) + 1)
+    output = target.forward(cache, roots[:, None], lengths[:, None], mask, lengths)
+    logits = output.logits[:, 0]
+    tokens = logits.argmax(-1) if sampling.greedy else sample(sampling_probs(logits, sampling), rng)
+    cache.lengths[rows] = lengths[rows] + 1
+    for b in rows:
+        drafter.accept(b, EMPTY_DRAFT, [], None if output.taps is None else output.taps[b, :1])
+        _emit([int(tokens[b])], b, emitted, histories, active, eos, max_new_tokens)
+        stats[b].record(0, 0)
+
+
+EMPTY_DRAFT = DraftTree.empty()
 
 
 def _depth(draft: DraftTree) -> int:

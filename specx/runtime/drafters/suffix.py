@@ -174,9 +174,15 @@ class SuffixDrafter:
         self.shared = shared if shared is not None else SuffixTrie(self.options.depth)
         self._rows: list[_Row] = []
 
-    def start(self, prompts: Sequence[Sequence[int]], capacity: int, taps=None) -> None:  # noqa: D102
+    def start(self, prompts: Sequence[Sequence[int]], capacity: int, taps=None) -> None:
+        """Remembers the previous batch's texts and indexes the new prompts.
+
+        Indexing a prompt is prompt work: it is done with the prefill, not in a round.
+        """
         self.remember(row.history for row in self._rows)
         self._rows = [_Row(self.options.depth) for _ in prompts]
+        for row, prompt in zip(self._rows, prompts, strict=True):
+            row.catch_up(prompt, self.shared)
 
     def remember(self, documents: Iterable[Sequence[int]]) -> None:
         """Adds finished texts (prompt + output) to the shared trie."""
