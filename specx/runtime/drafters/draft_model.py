@@ -73,8 +73,13 @@ class DraftModelDrafter:
         self.slots = NodeSlots(np.zeros(0))
         self.pool_ids: list[np.ndarray] = []
 
-    def start(self, prompts: Sequence[Sequence[int]], capacity: int, taps=None) -> None:  # noqa: D102
+    def start(self, prompts: Sequence[Sequence[int]], capacity: int, taps=None) -> None:
+        """A cache for the batch, the prompts already in it.
+
+        The draft model's prefill goes with the target's, not into the first round.
+        """
         self.cache = self.model.allocate_cache(len(prompts), capacity)
+        self._catch_up(prompts)
 
     def _catch_up(self, histories: Sequence[Sequence[int]]) -> np.ndarray:
         """Feeds each sequence's tokens the draft has not seen; returns last-token logits."""

@@ -88,6 +88,9 @@ class FeatureHeadDrafter:
         self.known = np.zeros(batch, dtype=np.int64)
         for b in range(batch):
             self._add_features(b, taps[b])
+        # The head's own prefill goes with the target's, not into the first round: every
+        # prompt position whose next token is known.
+        self._catch_up(prompts)
 
     def _add_features(self, row: int, taps: np.ndarray) -> None:
         start = int(self.known[row])
