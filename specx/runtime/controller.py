@@ -108,10 +108,10 @@ class FixedSizes:
 class AdaptiveController:
     """The rule in the module docstring.
 
-    Scheduling details, each for the cost of rounds that do not draft: a probe drafts the
-    smallest size (one node; cheap, even across a batch); the first round of a batch is a
-    plain step (the cost every draft is weighed against is then measured, not
-    guessed); a row that stopped drafting is not re-evaluated until its probe, whose
+    Scheduling details, each for the cost of rounds that do not draft: the first draft and
+    every probe use the smallest size (one node; cheap, even across a batch); the first
+    round of a batch is a plain step (the cost every draft is weighed against is then
+    measured, not guessed); a row that stopped drafting is not re-evaluated until its probe, whose
     interval doubles after each probe that did not bring speculation back (`probe_every`
     up to `max_probe_every` rounds), and is never shorter than keeps probes within
     `probe_budget` of the time (a probe round in a batch of 4 costs ~3 plain steps here);
@@ -175,6 +175,8 @@ class AdaptiveController:
             self.next_probe[b], self.probing[b] = 0, True
             return self.candidates[1]  # a small draft: cheap, and it tests the first depths
         size = self._best(b)
+        if size and not self.costs.drafted:
+            size = self.candidates[1]  # what a draft costs is unknown: learn it cheaply first
         if size and self.probing[b]:
             self.interval[b] = self.probe_every  # the probe brought speculation back
         elif not size:
@@ -246,10 +248,14 @@ class _RoundCosts:
     def record(self, width: int, verify_s: float, draft_s: float) -> None:
         old = self.verify.get(width, verify_s)
         self.verify[width] = old + self.smoothing * (verify_s - old)
-        if draft_s > 0:
-            self.draft = (
-                draft_s if not self.draft else self.draft + self.smoothing * (draft_s - self.draft)
-            )
+        if width > 1:  # a round that drafted (a plain round's "draft" is the controller's own)
+            step = 1.0 if not self.draft else self.smoothing
+            self.draft += step * (draft_s - self.draft)
+
+    @property
+    def drafted(self) -> bool:
+        """Whether a round with a draft has been timed."""
+        return self.draft > 0
 
     def time(self, size: int) -> float:
         return self._verify(1 + size) + (self.draft if size else 0.0)
