@@ -95,3 +95,13 @@ def test_inactive_rows_get_empty_drafts_and_options_are_checked():
     assert len(drafts[0]) > 0 and len(drafts[1]) == 0
     with pytest.raises(ValueError, match="depth > max_match"):
         SuffixOptions(max_match=8, depth=8)
+
+
+def test_a_budget_drafts_the_prefix_of_the_full_tree():
+    history = [5, 6, 7, 1, 5, 6, 8, 2, 5, 6, 7, 1, 9, 5, 6, 7, 3, 5, 6]
+    full = draft_of(SuffixDrafter(SuffixOptions(max_nodes=8, alpha=8, min_prob=0.0)), history)
+    drafter = SuffixDrafter(SuffixOptions(max_nodes=8, alpha=8, min_prob=0.0))
+    drafter.start([history], 64)
+    (cut,) = drafter.propose([history], np.array([True]), SamplingParams(), None, budget=3)
+    assert len(full) > 3 and cut.tokens.tolist() == full.tokens[:3].tolist()
+    assert cut.parents.tolist() == full.parents[:3].tolist()

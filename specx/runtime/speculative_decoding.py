@@ -156,7 +156,11 @@ def generate_speculative(
             _plain_round(target, drafter, cache, histories, emitted, active, sampling, rng,
                          eos, max_new_tokens, stats)  # fmt: skip
         else:
-            proposed = drafter.propose(histories, drafting, sampling, rng)
+            if sizes is None:
+                proposed = drafter.propose(histories, drafting, sampling, rng)
+            else:
+                budget = int(sizes.max())
+                proposed = drafter.propose(histories, drafting, sampling, rng, budget=budget)
             drafts = proposed if sizes is None else list(map(truncated, proposed, sizes))
             tock = time.perf_counter()
             roots = np.array([h[-1] for h in histories], dtype=np.int64)

@@ -42,8 +42,14 @@ class Drafter(Protocol):
         active: np.ndarray,  # [B] bool; inactive sequences get an empty draft
         sampling: SamplingParams,
         rng: np.random.Generator,
+        budget: int | None = None,
     ) -> list[DraftTree]:
-        """One draft tree per sequence."""
+        """One draft tree per sequence.
+
+        `budget`: the most nodes of any row the caller will keep this round (it keeps a
+        prefix of each tree); a drafter may stop there, drafting the same prefix it would
+        have drafted anyway. None: no limit.
+        """
         ...
 
     def accept(

@@ -9,7 +9,7 @@ import numpy as np
 from specx.errors import SpecxError
 from specx.runtime.decoder_backend import DecoderBackend
 from specx.runtime.drafters.node_slots import NodeSlots
-from specx.runtime.drafters.tree_search import TreeShape, grow, is_chain_shape
+from specx.runtime.drafters.tree_search import TreeShape, grow, is_chain_shape, within
 from specx.runtime.kv_cache import KVCache
 from specx.runtime.sampling import SamplingParams
 from specx.runtime.trees import DraftTree
@@ -96,12 +96,13 @@ class DraftModelDrafter:
         positions = self.slots.base[:, None] + depth
         return self.model.forward(self.cache, tokens, positions, mask, write_pos).logits
 
-    def propose(self, histories, active, sampling: SamplingParams, rng) -> list[DraftTree]:  # noqa: D102
+    def propose(self, histories, active, sampling: SamplingParams, rng, budget=None):  # noqa: D102
         root_logits = self._catch_up(histories)
         self.slots = NodeSlots(self.cache.lengths)
-        sample_chain = getattr(self.shape, "is_chain", False) or self.iid_siblings
+        shape = within(self.shape, budget)
+        sample_chain = getattr(shape, "is_chain", False) or self.iid_siblings
         trees, self.pool_ids = grow(
-            self.shape, root_logits, self._forward_nodes, sampling, rng, sample_chain
+            shape, root_logits, self._forward_nodes, sampling, rng, sample_chain
         )
         return [
             tree if is_active else DraftTree.empty()

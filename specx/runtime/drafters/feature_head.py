@@ -25,6 +25,7 @@ from specx.runtime.drafters.tree_search import (
     TreeShape,
     grow,
     is_chain_shape,
+    within,
 )
 from specx.runtime.sampling import SamplingParams
 from specx.runtime.trees import DraftTree
@@ -119,17 +120,22 @@ class FeatureHeadDrafter:
         rows = np.arange(len(histories))
         return out.logits[rows, last], out.taps[rows, last]
 
-    def _propose_chain(self, histories, active) -> list[DraftTree] | None:
+    def _propose_chain(self, histories, active, length: int) -> list[DraftTree] | None:
         """The greedy chain in one call (`DraftChain`); None when it would overflow the cache."""
         starts, counts, tokens, features = self._pending(histories)
-        steps = self.max_nodes - 1
+        steps = max(length - 1, 1)  # the graph's Loop needs a step; a 1-node chain is cut below
         width = max(1, int(counts.max()))
         if not self.chain.fits(self.cache, starts, width, steps):
             return None
         ids, probs = self.chain(self.cache, tokens, features, starts, steps)
         self.cache.lengths[:] = starts + counts
         return [
-            DraftTree(ids[b], self.chain_parents, None, probs[b].astype(np.float64))
+            DraftTree(
+                ids[b, :length],
+                self.chain_parents[:length],
+                None,
+                probs[b, :length].astype(np.float64),
+            )
             if is_active
             else DraftTree.empty()
             for b, is_active in enumerate(active)
@@ -149,9 +155,10 @@ class FeatureHeadDrafter:
         self.node_hidden[rows, nodes] = out.taps
         return self._to_target_logits(out.logits)
 
-    def propose(self, histories, active, sampling: SamplingParams, rng) -> list[DraftTree]:  # noqa: D102
+    def propose(self, histories, active, sampling: SamplingParams, rng, budget=None):  # noqa: D102
+        shape = within(self.shape, budget)
         if self.chain is not None and sampling.greedy:
-            trees = self._propose_chain(histories, active)
+            trees = self._propose_chain(histories, active, shape.max_nodes)
             if trees is not None:
                 return trees
         root_logits, self.root_hidden = self._catch_up(histories)
@@ -160,12 +167,12 @@ class FeatureHeadDrafter:
             (len(histories), self.pool_size, self.head.tap_width), dtype=np.float32
         )
         trees, _ = grow(
-            self.shape,
+            shape,
             self._to_target_logits(root_logits),
             self._forward_nodes,
             sampling,
             rng,
-            sample_chain=getattr(self.shape, "is_chain", False),
+            sample_chain=getattr(shape, "is_chain", False),
         )
         return [t if a else DraftTree.empty() for t, a in zip(trees, active, strict=True)]
 

@@ -62,7 +62,7 @@ class MedusaDrafter:
     def start(self, prompts: Sequence[Sequence[int]], capacity: int, taps) -> None:  # noqa: D102
         self.last_feature = np.stack([t[-1] for t in taps])
 
-    def propose(self, histories, active, sampling: SamplingParams, rng) -> list[DraftTree]:  # noqa: D102
+    def propose(self, histories, active, sampling: SamplingParams, rng, budget=None):  # noqa: D102
         logits = self.heads(self.last_feature[:, None])[:, 0]  # [B, heads, V]
         node_depth = depths(self.shape.parents)
 

@@ -82,7 +82,8 @@ class NGramDrafter:
     def start(self, prompts: Sequence[Sequence[int]], capacity: int, taps=None) -> None:  # noqa: D102
         pass
 
-    def propose(self, histories, active, sampling: SamplingParams, rng) -> list[DraftTree]:  # noqa: D102
+    def propose(self, histories, active, sampling: SamplingParams, rng, budget=None):  # noqa: D102
+        nodes = self.max_nodes if budget is None else min(self.max_nodes, budget)
         drafts = []
         for history, is_active in zip(histories, active, strict=True):
             if not is_active:
@@ -92,10 +93,10 @@ class NGramDrafter:
                 np.asarray(history, dtype=np.int64),
                 self.min_n,
                 self.max_n,
-                self.max_nodes,
+                nodes,
                 self.max_matches,
             )
-            drafts.append(_trie(found, self.max_nodes))
+            drafts.append(_trie(found, nodes))
         return drafts
 
     def accept(self, row: int, draft: DraftTree, accepted: list[int], taps=None) -> None:  # noqa: D102

@@ -192,21 +192,22 @@ class SuffixDrafter:
             self.shared.new_document()
             self.shared.extend(int(t) for t in document)
 
-    def propose(self, histories, active, sampling: SamplingParams, rng) -> list[DraftTree]:  # noqa: D102
+    def propose(self, histories, active, sampling: SamplingParams, rng, budget=None):  # noqa: D102
+        nodes = self.max_nodes if budget is None else min(self.max_nodes, budget)
         drafts = []
         for row, history, is_active in zip(self._rows, histories, active, strict=True):
             row.catch_up(history, self.shared)
-            drafts.append(self._draft(row) if is_active else DraftTree.empty())
+            drafts.append(self._draft(row, nodes) if is_active else DraftTree.empty())
         return drafts
 
-    def _draft(self, row: _Row) -> DraftTree:
+    def _draft(self, row: _Row, nodes: int) -> DraftTree:
         options = self.options
         best, best_expected = DraftTree.empty(), 0.0
         for trie, open_nodes in ((row.trie, row.trie.open), (self.shared, row.shared_open)):
             node, length = trie.best_match(open_nodes, options.max_match)
             if length == 0:
                 continue
-            budget = min(options.max_nodes, math.ceil(options.alpha * length))
+            budget = min(nodes, math.ceil(options.alpha * length))
             tree, expected = trie.grow(node, budget, options.min_prob)
             if expected > best_expected:
                 best, best_expected = tree, expected

@@ -84,6 +84,13 @@ class DynamicTree:
 TreeShape = StaticTree | DynamicTree
 
 
+def within(shape: TreeShape, budget: int | None) -> TreeShape:
+    """A chain shape cut to `budget` nodes (a prefix of the same chain); others unchanged."""
+    if budget is None or not getattr(shape, "is_chain", False) or budget >= shape.max_nodes:
+        return shape
+    return StaticTree.chain(max(budget, 1))
+
+
 def is_chain_shape(shape: TreeShape) -> bool:
     """True when every node of the shape has at most one child (a chain of draft tokens)."""
     if isinstance(shape, DynamicTree):
