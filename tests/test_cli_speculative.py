@@ -68,6 +68,7 @@ def test_draft_model_with_static_tree(artifacts, draft_artifacts, tmp_path):
         f"draft-model:{draft_artifacts['llama']}",
         "--tree",
         tree,
+        "--fixed-draft",  # the whole tree every round: its depth shows in the stats
         "--compare",
         "--json",
         "--max-new-tokens",
