@@ -19,9 +19,9 @@ cost model T(k) learnt from the loop's own timings,
 
 over k in {0, 1, 2, 4, ...} up to the drafter's budget. In a batch every row uses the
 lowest p_d among the active rows: the batch finishes with its slowest row, so a draft
-size pays only if it pays for that one. A sequence at k = 0 is probed with the
-small draft now and then (`AdaptiveController`), so one that becomes predictable gets
-speculation back.
+size pays only if it pays for that one. A sequence at k = 0 is probed with a one-node
+draft now and then (`AdaptiveController`), so one that becomes predictable gets speculation
+back.
 """
 
 from __future__ import annotations
@@ -108,16 +108,16 @@ class FixedSizes:
 class AdaptiveController:
     """The rule in the module docstring.
 
-    Scheduling details, each for the cost of rounds that do not draft: the first draft and
-    every probe use the smallest size (one node; cheap, even across a batch); the first
-    round of a batch is a plain step (the cost every draft is weighed against is then
-    measured, not guessed); a row that stopped drafting is not re-evaluated until its probe, whose
-    interval doubles after each probe that did not bring speculation back (`probe_every`
-    up to `max_probe_every` rounds), and is never shorter than keeps probes within
-    `probe_budget` of the time (a probe round in a batch of 4 costs ~3 plain steps here);
-    probes fall on multiples of the interval, so idle rows
-    of a batch probe together and the rounds between stay plain for all of them (a round
-    without drafts costs the loop a decode step).
+    Scheduling details, each for the cost of rounds that do not draft:
+    - the first round of a batch is a plain step, so the cost every draft is weighed
+      against is measured, not guessed; a batch then waits for its first probe (its
+      drafting rounds cost several plain steps: a probe at batch 4 ~2x one, measured);
+    - the first draft and every probe use the smallest size (one node);
+    - a row that stopped drafting is not re-evaluated until its probe; the interval doubles
+      after each probe that found nothing (`probe_every` up to `max_probe_every` rounds)
+      and is never shorter than keeps probes within `probe_budget` of the time;
+    - probes fall on multiples of the interval, so the idle rows of a batch probe together
+      and the rounds between stay plain for all of them (such a round is a decode step).
     """
 
     def __init__(
@@ -146,8 +146,7 @@ class AdaptiveController:
         self.accept = np.full((batch, self.max_depth), self.prior)  # p_d per row
         self.judged = np.zeros((batch, self.max_depth), dtype=np.int64)  # rounds that tested d
         self.round = 0
-        # 0: the row drafts. A batch starts without: its drafting rounds cost several plain
-        # steps (measured: a probe at batch 4 ~2x one), so it waits for its first probe.
+        # 0: the row drafts; else the round of its next probe (a batch waits for its first).
         self.next_probe = np.full(batch, 0 if batch == 1 else self.probe_every, dtype=np.int64)
         self.interval = np.full(batch, self.probe_every)
         self.probing = np.zeros(batch, dtype=bool)
