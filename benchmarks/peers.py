@@ -87,31 +87,20 @@ def prepare(name: str, checkpoint: Path, work: Path) -> Case:
 
 
 def load_prompts(file: str, count: int, max_tokens: int = 200) -> list[list[int]]:
+    """The first `count` prompts of an eval set, as pyref-7m's token ids."""
+    from ngram import load_prompts as read_prompts
+
     from specx.runtime.tokenizer import TextTokenizer
 
     tokenizer = TextTokenizer(SHARED / "models" / "pyref-7m" / "tokenizer.json")
-    lines = (SHARED / "data" / "eval" / file).read_text(encoding="utf-8").splitlines()[:count]
-    return [tokenizer.encode(json.loads(line)["turns"][0])[:max_tokens] for line in lines]
+    return read_prompts(SHARED / "data" / "eval" / file, tokenizer, count, max_tokens)
 
 
 class GenaiNgram(GenaiPlain):
     """onnxruntime-genai's n-gram (prompt lookup) speculative mode."""
 
-    def __call__(self, prompt: Sequence[int], new_tokens: int) -> Timing:  # noqa: D102
-        params = self.og.GeneratorParams(self.model)
-        length = len(prompt) + new_tokens
-        params.set_search_options(max_length=length, min_length=length, do_sample=False)
+    def configure(self, params) -> None:  # noqa: D102
         params.set_speculative_options(ngram_size=3, max_draft_tokens=6, ngram_chained_lookup=True)
-        generator = self.og.Generator(self.model, params)
-        started = time.perf_counter()
-        generator.append_tokens(list(prompt))
-        generator.generate_next_token()
-        prefilled = time.perf_counter()
-        while not generator.is_done():
-            generator.generate_next_token()
-        done = time.perf_counter()
-        tokens = list(generator.get_sequence(0))[len(prompt) :][:new_tokens]
-        return Timing(prefilled - started, done - prefilled, tokens)
 
 
 class SpecxSpeculative:

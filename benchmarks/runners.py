@@ -66,10 +66,14 @@ class GenaiPlain:
         config_path.write_text(json.dumps(config, indent=4))
         self.og, self.model = og, og.Model(str(model_dir))
 
+    def configure(self, params) -> None:
+        """Options beyond greedy search (subclasses: speculative modes)."""
+
     def __call__(self, prompt: Sequence[int], new_tokens: int) -> Timing:  # noqa: D102
         params = self.og.GeneratorParams(self.model)
         length = len(prompt) + new_tokens
         params.set_search_options(max_length=length, min_length=length, do_sample=False)
+        self.configure(params)
         generator = self.og.Generator(self.model, params)
         started = time.perf_counter()
         generator.append_tokens(list(prompt))
@@ -78,7 +82,7 @@ class GenaiPlain:
         while not generator.is_done():
             generator.generate_next_token()
         done = time.perf_counter()
-        tokens = list(generator.get_sequence(0))[len(prompt) :]
+        tokens = list(generator.get_sequence(0))[len(prompt) :][:new_tokens]
         return Timing(prefilled - started, done - prefilled, tokens)
 
 

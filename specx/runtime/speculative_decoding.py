@@ -186,9 +186,10 @@ def generate_speculative(
                 count = _emit(verdict.emitted(draft), b, emitted, histories, active, eos,
                               max_new_tokens)  # fmt: skip
                 # Accepted tokens cut off by eos or the token budget are not counted.
-                stats[b].record(_depth(draft), min(len(verdict.accepted), count - 1))
+                depth = _depth(draft)
+                stats[b].record(depth, min(len(verdict.accepted), count - 1))
                 if controller is not None:
-                    controller.observe(int(b), _depth(draft), len(verdict.accepted))
+                    controller.observe(int(b), depth, len(verdict.accepted))
         verified = time.perf_counter()
         draft_s += tock - tick
         verify_s += verified - tock
