@@ -22,9 +22,11 @@ from specx.calibration.tree_selection import best_trees, chain_expected, expecte
 from specx.cli import main
 from specx.errors import CalibrationError
 from specx.runtime.backends import open_decoder
+from specx.runtime.calibrated import calibrated_choice
 from specx.runtime.drafters import DrafterOptions, make_drafter
 from specx.runtime.drafters.tree_search import DynamicTree, StaticTree, is_chain_shape
 from specx.runtime.plain_decoding import generate_plain
+from specx.runtime.sampling import SamplingParams
 from specx.runtime.speculative_decoding import generate_speculative
 from specx.runtime.trees import DraftTree
 from specx.runtime.verification import Verdict
@@ -280,3 +282,63 @@ def _timed(generate, seconds: list[float]):
         return result
 
     return run
+
+
+def test_calibration_at_a_temperature_is_its_own_entry_and_generate_picks_the_nearest(
+    artifact, draft_artifacts
+):
+    drafter = f"draft-model:{draft_artifacts['llama']}"
+    options = {**FAST.__dict__, "drafter": drafter, "batches": (1,)}
+    greedy = calibrate_artifact(artifact, PROMPTS, CalibrationOptions(**options))
+    sampled = calibrate_artifact(
+        artifact, PROMPTS, CalibrationOptions(**{**options, "temperature": 0.7, "top_p": 0.9})
+    )
+    recorded = load_manifest(artifact).data["calibration"]
+    key = "draft-model@T=0.7,top_p=0.9"
+    assert sorted(recorded) == ["draft-model", key]
+    assert recorded["draft-model"] == json.loads(json.dumps(greedy))  # untouched by the second
+    assert sampled["sampling"] == {"temperature": 0.7, "top_p": 0.9}
+    assert greedy["sampling"] == {"temperature": 0.0, "top_p": 1.0}
+    reached = sampled["acceptance"]["rounds_reaching_depth"]
+    assert reached[0] > 0  # the probe was verified under the sampled rule
+    assert np.array(sampled["acceptance"]["acceptance_by_depth_and_rank"]).sum(1).max() <= 1
+
+    manifest = load_manifest(artifact)
+    nearest = {
+        t: calibrated_choice(manifest, drafter, SamplingParams(t, top_p=0.9)).key
+        for t in (0.0, 0.3, 0.4, 1.0)
+    }
+    assert nearest == {0.0: "draft-model", 0.3: "draft-model", 0.4: key, 1.0: key}
+    assert calibrated_choice(manifest, drafter).key == "draft-model"
+
+    args = ["generate", str(artifact), "--prompt-ids", "5,9,5,9,5,9", "--max-new-tokens", "8"]
+    args += ["--drafter", drafter, "--json", "--temperature", "0.8", "--seed", "1"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    used = json.loads(result.stdout)["stats"]["calibration"]
+    assert used["entry"] == key and "calibrated at T=0.7,top_p=0.9" in used["tree"]
+
+
+def test_a_failed_calibration_at_a_temperature_leaves_the_manifest_byte_identical(
+    artifact, monkeypatch
+):
+    calibrate_artifact(
+        artifact, PROMPTS, CalibrationOptions(**{**FAST.__dict__, "drafter": "ngram"})
+    )
+    before = (artifact / "manifest.json").read_bytes()
+    sampled = CalibrationOptions(**{**FAST.__dict__, "drafter": "ngram", "temperature": 0.7})
+    with pytest.raises(CalibrationError, match="temperature must be"):
+        calibrate_artifact(artifact, PROMPTS, CalibrationOptions(temperature=-1.0))
+    with pytest.raises(CalibrationError, match="top_p must be"):
+        calibrate_artifact(artifact, PROMPTS, CalibrationOptions(temperature=0.7, top_p=0.0))
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("interrupted")
+
+    monkeypatch.setattr(calibrate_module, "measure_speedup", broken)
+    with pytest.raises(RuntimeError):
+        calibrate_artifact(artifact, PROMPTS, sampled)
+    assert (artifact / "manifest.json").read_bytes() == before
+    result = CliRunner().invoke(main, ["calibrate", str(artifact), "--temperature", "-0.5"])
+    assert result.exit_code == 2 and "temperature must be" in result.output
+    assert (artifact / "manifest.json").read_bytes() == before

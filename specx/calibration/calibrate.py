@@ -24,10 +24,16 @@ model misses (per-round bookkeeping, rank correlations across depths) out of the
 On a build that keeps only chains identical to plain decoding (INT8, see
 `specx.runtime.calibrated.chains_only`), every chain is a candidate and no tree is.
 
-Greedy acceptance is what is measured (the probe tree relies on greedy verification's
-one accepted child per node). The result lands under `calibration[<drafter>]` in
-manifest.json, written atomically after everything succeeded: a failed calibration
-leaves the manifest as it was. `specx generate` then uses the choice by default.
+Acceptance is measured under the rule the loop applies at the calibrated sampling
+setting: greedy verification by default; with `temperature` > 0 (and `top_p`) every run,
+plain and speculative, samples with a fixed seed, so the probe counts what the sampled
+rules accept (the chain rule, the deterministic-siblings rule for trees: each accepts at
+most one child per node, which is all the probe's counting needs) and the candidates are
+timed at that setting. Each setting is its own entry, `calibration[<drafter>]` for greedy
+and `calibration[<drafter>@T=<t>[,top_p=<p>]]` otherwise (`calibration_key`), written
+atomically into manifest.json after everything succeeded: a failed calibration leaves
+the manifest as it was. `specx generate` uses the entry nearest its own sampling setting
+(`specx.runtime.calibrated.calibrated_choice`).
 """
 
 from __future__ import annotations
@@ -49,11 +55,12 @@ from specx.calibration.timing import measure_speedup
 from specx.calibration.tree_selection import RankedTree, best_trees, chain_expected
 from specx.errors import CalibrationError, SpecxError
 from specx.runtime.backends import open_decoder
-from specx.runtime.calibrated import chains_only, choice_shape
+from specx.runtime.calibrated import calibration_key, chains_only, choice_shape
 from specx.runtime.decoder_backend import DecoderBackend
 from specx.runtime.drafters import DrafterOptions, make_drafter
 from specx.runtime.drafters.tree_search import StaticTree
 from specx.runtime.plain_decoding import check_prompts, generate_plain
+from specx.runtime.sampling import SamplingParams
 from specx.runtime.speculative_decoding import generate_speculative
 
 __all__ = [
@@ -79,6 +86,16 @@ class CalibrationOptions:
     batches: tuple[int, ...] = (1, 2, 4, 8)
     threads: int | None = None
     repeats: int = 3  # candidate timings: fastest of this many paired runs per prompt
+    temperature: float = 0.0  # the sampling setting measured at (0: greedy)
+    top_p: float = 1.0
+    seed: int = 0  # of every sampled run, so a calibration can be repeated
+
+    def sampling(self) -> SamplingParams:
+        """The setting every run of the calibration decodes with."""
+        try:
+            return SamplingParams(self.temperature, top_p=self.top_p, seed=self.seed)
+        except ValueError as e:
+            raise CalibrationError(f"calibration sampling: {e}") from e
 
 
 def predicted_speedup(expected_accepted: float, round_seconds: float, plain_seconds: float):
@@ -99,6 +116,7 @@ def calibrate_artifact(
         SpecxError: the artifact or drafter spec is invalid.
     """
     manifest = load_manifest(artifact_dir)
+    sampling = options.sampling()
     prompts = [list(map(int, p)) for p in prompts]
     if not prompts or any(len(p) == 0 for p in prompts):
         raise CalibrationError("calibration needs at least one non-empty prompt")
@@ -129,7 +147,8 @@ def calibrate_artifact(
             raise CalibrationError(f"calibration prompt {index}: {e}") from e
 
     started = time.perf_counter()
-    progress(f"[1/5] plain decoding of {len(prompts)} prompts")
+    setting = "greedy" if sampling.greedy else calibration_key("", sampling)[1:]
+    progress(f"[1/5] plain decoding of {len(prompts)} prompts ({setting})")
     plain = _run(target, None, prompts, options)
     plain_s = plain["decode_s"] / plain["tokens"]
 
@@ -184,7 +203,9 @@ def calibrate_artifact(
     progress(f"[5/5] measuring {len(candidates)} candidates, then the batch curve")
     for candidate in candidates:
         drafter = _drafter(spec, target, choice_shape(candidate), options)
-        timing = measure_speedup(target, drafter, prompts, options.max_new_tokens, options.repeats)
+        timing = measure_speedup(
+            target, drafter, prompts, options.max_new_tokens, options.repeats, 1, sampling
+        )
         candidate["measured_speedup"] = timing.speedup
     choice = dict(max(candidates, key=lambda c: c["measured_speedup"]))
     choice["candidates"] = [
@@ -199,12 +220,14 @@ def calibrate_artifact(
 
     entry = {
         "drafter": spec,
+        "sampling": {"temperature": sampling.temperature, "top_p": sampling.top_p},
         "measured_on": {
             "backend": manifest.data.get("default_build", "ort"),
             "prompts": len(prompts),
             "prompts_sha256": hashlib.sha256(json.dumps(prompts).encode()).hexdigest(),
             "max_new_tokens": options.max_new_tokens,
             "repeats": options.repeats,
+            "seed": options.seed,
             "threads": options.threads,
             "seconds": None,
         },
@@ -238,12 +261,13 @@ def calibrate_artifact(
     }
     entry["measured_on"]["seconds"] = time.perf_counter() - started
     body = manifest_body(manifest)
-    body.setdefault("calibration", {})[spec.partition(":")[0]] = entry
+    key = calibration_key(spec.partition(":")[0], sampling)
+    body.setdefault("calibration", {})[key] = entry
     write_manifest(manifest.root, body)
     progress(
-        f"calibrated {spec}: {choice['label']} ({choice['measured_speedup']:.2f}x on the "
-        f"calibration prompts), {batch_summary(max_batch_spec)}, in "
-        f"{entry['measured_on']['seconds']:.0f}s"
+        f"calibrated {spec} ({setting}): {choice['label']} "
+        f"({choice['measured_speedup']:.2f}x on the calibration prompts), "
+        f"{batch_summary(max_batch_spec)}, in {entry['measured_on']['seconds']:.0f}s"
     )
     return entry
 
@@ -281,13 +305,14 @@ def _drafter(spec: str, target: DecoderBackend, shape: StaticTree, options: Cali
 def _run(target, drafter, prompts, options, observer=None) -> dict[str, Any]:
     """Decodes the prompts one at a time; returns summed times, tokens and rounds."""
     total = {"decode_s": 0.0, "tokens": 0, "draft_s": 0.0, "verify_s": 0.0, "rounds": 0}
+    sampling = options.sampling()
     for prompt in prompts:
         if drafter is None:
-            stats = generate_plain(target, [prompt], options.max_new_tokens).stats
+            stats = generate_plain(target, [prompt], options.max_new_tokens, sampling).stats
             total["decode_s"] += stats["decode_s"]
         else:
             stats = generate_speculative(
-                target, drafter, [prompt], options.max_new_tokens, observer=observer
+                target, drafter, [prompt], options.max_new_tokens, sampling, observer=observer
             ).stats
             total["draft_s"] += stats["draft_s"]
             total["verify_s"] += stats["verify_s"]
@@ -375,7 +400,13 @@ def _batch_curve(target, spec, choice, prompts, options) -> list[dict[str, Any]]
         group = [prompts[i % len(prompts)] for i in range(max(batch, len(prompts)))]
         drafter = _drafter(spec, target, choice_shape(choice), options)
         timing = measure_speedup(
-            target, drafter, group, options.max_new_tokens, options.repeats, batch
+            target,
+            drafter,
+            group,
+            options.max_new_tokens,
+            options.repeats,
+            batch,
+            options.sampling(),
         )
         curve.append(
             {

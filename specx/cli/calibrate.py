@@ -69,6 +69,18 @@ def _prompts(artifact_dir: Path, prompts_file: Path | None, builtin: bool) -> li
     "--probe-top-k", type=POSITIVE, default=4, show_default=True, help="Ranks measured per depth."
 )
 @click.option("--probe-depth", type=POSITIVE, default=6, show_default=True, help="Depths measured.")
+@click.option(
+    "--temperature",
+    type=float,
+    default=0.0,
+    show_default=True,
+    help="Calibrate at the sampling temperature you deploy with (0: greedy). Each setting "
+    "is recorded apart; generate uses the nearest one.",
+)
+@click.option(
+    "--top-p", type=float, default=1.0, show_default=True, help="With --temperature: nucleus p."
+)
+@click.option("--seed", type=int, default=0, show_default=True, help="Of the sampled runs.")
 @click.option("--threads", type=POSITIVE, default=None, help="ONNX Runtime threads.")
 @click.option("--json", "as_json", is_flag=True, help="Print the calibration entry as JSON.")
 def calibrate(
@@ -80,6 +92,9 @@ def calibrate(
     repeats: int,
     probe_top_k: int,
     probe_depth: int,
+    temperature: float,
+    top_p: float,
+    seed: int,
     threads: int | None,
     as_json: bool,
 ) -> None:
@@ -88,14 +103,11 @@ def calibrate(
     Records acceptance by depth, draft rank and confidence, the draft cost and the verify
     curve t(N) on this machine and backend; chooses the static tree per node budget, the
     chain length, EAGLE-2 parameters and the largest batch where speculation pays off,
-    by predicted speedup. `specx generate` uses the choice by default.
+    by predicted speedup. `specx generate` uses the choice by default. With --temperature,
+    every run samples (seeded) and acceptance is what the sampled rules accept.
     """
     from specx.calibration.calibrate import CalibrationOptions, calibrate_artifact
 
-    try:
-        prompts = _prompts(artifact_dir, prompts_file, builtin=True)
-    except GenerationError as e:
-        raise CalibrationError(str(e)) from e
     options = CalibrationOptions(
         drafter=drafter,
         probe_top_k=probe_top_k,
@@ -103,7 +115,15 @@ def calibrate(
         max_new_tokens=max_new_tokens,
         threads=threads,
         repeats=repeats,
+        temperature=temperature,
+        top_p=top_p,
+        seed=seed,
     )
+    options.sampling()  # a bad setting is refused before the prompts are read
+    try:
+        prompts = _prompts(artifact_dir, prompts_file, builtin=True)
+    except GenerationError as e:
+        raise CalibrationError(str(e)) from e
     entry = calibrate_artifact(artifact_dir, prompts[:max_prompts], options, progress)
     if as_json:
         click.echo(json.dumps(entry, indent=2))

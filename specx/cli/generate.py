@@ -280,7 +280,7 @@ def _speculative(target, manifest, request: _Request, options, max_batch_spec, t
     from specx.runtime.speculative_decoding import generate_speculative
 
     shape, num_draft_tokens = options.shape, options.num_draft_tokens
-    calibrated = calibrated_choice(manifest, options.drafter)
+    calibrated = calibrated_choice(manifest, options.drafter, request.sampling)
     use_calibration = calibrated is not None and shape is None and num_draft_tokens is None
     from_calibration = use_calibration and max_batch_spec is None
     if use_calibration:
@@ -313,6 +313,7 @@ def _speculative(target, manifest, request: _Request, options, max_batch_spec, t
     )
     if use_calibration:
         result.stats["calibration"] = {
+            "entry": calibrated.key,
             "tree": calibrated.description,
             "max_batch_spec": calibrated.max_batch_spec,
             "predicted_speedup": calibrated.predicted_speedup,

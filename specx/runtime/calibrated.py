@@ -1,7 +1,10 @@
 """The tree, chain length and batch threshold `specx calibrate` recorded for a drafter.
 
 `specx generate` uses them when the user does not choose (`--tree`, `--num-draft-tokens`,
-`--max-batch-spec`), and reports the predicted speedup next to the measured one.
+`--max-batch-spec`), and reports the predicted speedup next to the measured one. A drafter
+may be calibrated at several sampling settings (`calibration_key`); generation uses the
+one nearest its own: the closest temperature, then the closest top_p (an entry without a
+recorded setting is greedy, as every calibration was before settings were recorded).
 """
 
 from __future__ import annotations
@@ -11,10 +14,12 @@ from dataclasses import dataclass
 from specx.artifact import MANIFEST_NAME, Manifest
 from specx.errors import ArtifactError, SpecxError
 from specx.runtime.drafters.tree_search import DynamicTree, StaticTree, TreeShape
+from specx.runtime.sampling import SamplingParams
 
 __all__ = [
     "CalibratedChoice",
     "calibrated_choice",
+    "calibration_key",
     "chains_only",
     "choice_shape",
     "greedy_identity",
@@ -29,6 +34,19 @@ class CalibratedChoice:
     max_batch_spec: int
     predicted_speedup: float  # measured on the calibration prompts; 1.0 when speculation is off
     description: str
+    key: str  # the manifest entry: calibration[key]
+
+
+def calibration_key(drafter: str, sampling: SamplingParams) -> str:
+    """The manifest key of a drafter's calibration at a sampling setting.
+
+    The drafter's name for greedy (the key calibrations always had), else the name with
+    the temperature, and top_p where it truncates: "eagle@T=0.7,top_p=0.9".
+    """
+    if sampling.greedy:
+        return drafter
+    key = f"{drafter}@T={sampling.temperature:g}"
+    return key + (f",top_p={sampling.top_p:g}" if sampling.top_p < 1.0 else "")
 
 
 def choice_shape(choice: dict) -> TreeShape:
@@ -40,12 +58,21 @@ def choice_shape(choice: dict) -> TreeShape:
     return StaticTree.chain(choice["chain_length"])
 
 
-def calibrated_choice(manifest: Manifest, drafter: str) -> CalibratedChoice | None:
-    """The recorded choice for `drafter` (its name before any `:`), or None."""
+def calibrated_choice(
+    manifest: Manifest, drafter: str, sampling: SamplingParams | None = None
+) -> CalibratedChoice | None:
+    """The recorded choice for `drafter` (its name before any `:`) nearest `sampling`, or None."""
     name = drafter.partition(":")[0]
-    entry = (manifest.data.get("calibration") or {}).get(name)
-    if entry is None:
+    recorded = {
+        key: entry
+        for key, entry in (manifest.data.get("calibration") or {}).items()
+        if key.partition("@")[0] == name
+    }
+    if not recorded:
         return None
+    wanted = sampling or SamplingParams()
+    key = min(recorded, key=lambda k: _distance(manifest, k, recorded[k], wanted))
+    entry = recorded[key]
     try:
         choice = entry["choice"]
         shape = choice_shape(choice)
@@ -53,12 +80,28 @@ def calibrated_choice(manifest: Manifest, drafter: str) -> CalibratedChoice | No
         predicted = float(entry["expected_speedup"])
     except (KeyError, TypeError, ValueError, SpecxError) as e:
         raise ArtifactError(
-            f"{manifest.root / MANIFEST_NAME}: calibration.{name} is malformed ({e!r}); "
+            f"{manifest.root / MANIFEST_NAME}: calibration.{key} is malformed ({e!r}); "
             f"run specx calibrate again"
         ) from e
+    if key != name:
+        label += f" (calibrated at {key.partition('@')[2]})"
     if max_batch_spec == 0:
         label += " (calibration: speculation does not pay off here, decoding plainly)"
-    return CalibratedChoice(shape, max_batch_spec, predicted, label)
+    return CalibratedChoice(shape, max_batch_spec, predicted, label, key)
+
+
+def _distance(manifest: Manifest, key: str, entry: dict, wanted: SamplingParams):
+    """(|temperature difference|, |top_p difference|) of an entry's setting from `wanted`."""
+    setting = entry.get("sampling") or {"temperature": 0.0, "top_p": 1.0}
+    try:
+        temperature, top_p = float(setting["temperature"]), float(setting["top_p"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise ArtifactError(
+            f"{manifest.root / MANIFEST_NAME}: calibration.{key}.sampling is malformed "
+            f"({e!r}); run specx calibrate again"
+        ) from e
+    top_p_wanted = 1.0 if wanted.greedy else wanted.top_p
+    return abs(temperature - wanted.temperature), abs(top_p - top_p_wanted)
 
 
 def greedy_identity(manifest: Manifest) -> str:
