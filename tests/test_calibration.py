@@ -309,7 +309,11 @@ def test_calibration_at_a_temperature_is_its_own_entry_and_generate_picks_the_ne
         for t in (0.0, 0.3, 0.4, 1.0)
     }
     assert nearest == {0.0: "draft-model", 0.3: "draft-model", 0.4: key, 1.0: key}
-    assert calibrated_choice(manifest, drafter).key == "draft-model"
+    greedy_choice = calibrated_choice(manifest, drafter)
+    assert greedy_choice.key == "draft-model"
+    costs = greedy_choice.costs  # the controller's seed: this entry's own measurements
+    assert costs.verify_s[1] == pytest.approx(1e-3 * greedy["costs"]["plain_ms_per_token"])
+    assert len(costs.acceptance) == 3 and costs.draft_s > 0
 
     args = ["generate", str(artifact), "--prompt-ids", "5,9,5,9,5,9", "--max-new-tokens", "8"]
     args += ["--drafter", drafter, "--json", "--temperature", "0.8", "--seed", "1"]

@@ -7,7 +7,7 @@ import pytest
 
 from conftest import HEAD_VOCAB
 from specx.artifact import load_manifest
-from specx.runtime.controller import AdaptiveController, FixedSizes, truncated
+from specx.runtime.controller import AdaptiveController, FixedSizes, RecordedCosts, truncated
 from specx.runtime.drafters import DrafterOptions, make_drafter
 from specx.runtime.drafters.draft_model import DraftModelDrafter
 from specx.runtime.drafters.ngram import NGramDrafter
@@ -113,3 +113,20 @@ def test_the_controller_weighs_acceptance_against_cost():
     usual = lambda sizes: max(set(sizes[-20:]), key=sizes[-20:].count)  # noqa: E731
     assert usual(cheap_sizes) >= 4 and usual(dear_sizes) <= 2
     assert cheap.summary()["sizes_chosen"] and dear.summary()["controller"] == "adaptive"
+
+
+def test_a_controller_seeded_with_recorded_costs_drafts_from_its_first_round():
+    costs = {1: 1.0, 2: 1.05, 3: 1.1, 5: 1.2, 9: 1.4}
+    good = RecordedCosts(costs, draft_s=0.1, acceptance=(0.9, 0.9, 0.85, 0.8))
+    bad = RecordedCosts(costs, draft_s=0.1, acceptance=(0.05, 0.05))
+    sizes = {}
+    for name, recorded in (("good", good), ("bad", bad), ("none", None)):
+        controller = AdaptiveController(recorded=recorded)
+        controller.start(1, 8)
+        sizes[name] = [int(controller.sizes(np.array([True]))[0])]
+        controller.observe(0, sizes[name][0], 0)
+        controller.timed(1 + sizes[name][0], 1.0, 0.0)
+        sizes[name].append(int(controller.sizes(np.array([True]))[0]))
+    assert sizes["good"][0] == 8  # deep acceptance, cheap verify: the whole draft at once
+    assert sizes["bad"][0] == 0  # nothing is accepted: plain steps from the start
+    assert sizes["none"] == [0, 1]  # unseeded: a measured plain step, then a one-node draft

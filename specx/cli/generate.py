@@ -290,6 +290,8 @@ def _speculative(target, manifest, request: _Request, options, max_batch_spec, t
             shape = calibrated.shape
         if max_batch_spec is None:
             max_batch_spec = calibrated.max_batch_spec
+    # The calibration's costs describe its own shape: they seed the controller for it only.
+    recorded = calibrated.costs if use_calibration else None
     drafter_options = DrafterOptions(num_draft_tokens, shape, *options.ngram, threads)
     drafting = make_drafter(options.drafter, target, drafter_options)
     identity = greedy_identity(manifest)
@@ -309,7 +311,7 @@ def _speculative(target, manifest, request: _Request, options, max_batch_spec, t
         request.eos,
         max_batch_spec,
         progress=request.progress(f"decoding with {drafting.name}"),
-        controller=None if options.fixed else AdaptiveController(),
+        controller=None if options.fixed else AdaptiveController(recorded=recorded),
     )
     if use_calibration:
         result.stats["calibration"] = {

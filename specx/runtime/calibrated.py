@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from specx.artifact import MANIFEST_NAME, Manifest
 from specx.errors import ArtifactError, SpecxError
+from specx.runtime.controller import RecordedCosts
 from specx.runtime.drafters.tree_search import DynamicTree, StaticTree, TreeShape
 from specx.runtime.sampling import SamplingParams
 
@@ -35,6 +36,7 @@ class CalibratedChoice:
     predicted_speedup: float  # measured on the calibration prompts; 1.0 when speculation is off
     description: str
     key: str  # the manifest entry: calibration[key]
+    costs: RecordedCosts  # what the calibration measured, the controller's starting point
 
 
 def calibration_key(drafter: str, sampling: SamplingParams) -> str:
@@ -78,6 +80,7 @@ def calibrated_choice(
         shape = choice_shape(choice)
         label, max_batch_spec = str(choice["label"]), int(entry["max_batch_spec"])
         predicted = float(entry["expected_speedup"])
+        costs = _recorded_costs(entry)
     except (KeyError, TypeError, ValueError, SpecxError) as e:
         raise ArtifactError(
             f"{manifest.root / MANIFEST_NAME}: calibration.{key} is malformed ({e!r}); "
@@ -87,7 +90,27 @@ def calibrated_choice(
         label += f" (calibrated at {key.partition('@')[2]})"
     if max_batch_spec == 0:
         label += " (calibration: speculation does not pay off here, decoding plainly)"
-    return CalibratedChoice(shape, max_batch_spec, predicted, label, key)
+    return CalibratedChoice(shape, max_batch_spec, predicted, label, key, costs)
+
+
+def _recorded_costs(entry: dict) -> RecordedCosts:
+    """Round costs and top-1 acceptance by depth from a calibration entry (seconds)."""
+    costs, choice = entry["costs"], entry["choice"]
+    curve = costs["verify_curve"]
+    overhead = max(float(costs["verify_overhead_ms"]), 0.0)
+    verify = {
+        int(n): 1e-3 * (float(ms) + overhead)
+        for n, ms in zip(curve["tokens"], curve["ms"], strict=True)
+    }
+    verify[1] = 1e-3 * float(costs["plain_ms_per_token"])  # a round with no draft: a plain step
+    draft = costs["draft_ms"]
+    draft_ms = (
+        float(draft["per_round"])
+        + float(draft["per_depth"]) * int(choice["depth"])
+        + float(draft["per_node"]) * int(choice["nodes"])
+    )
+    acceptance = tuple(float(row[0]) for row in entry["acceptance"]["acceptance_by_depth_and_rank"])
+    return RecordedCosts(verify, 1e-3 * draft_ms, acceptance)
 
 
 def _distance(manifest: Manifest, key: str, entry: dict, wanted: SamplingParams):
