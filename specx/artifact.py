@@ -290,6 +290,12 @@ class Manifest:
         return build["graphs"][name]
 
     @property
+    def chat_template_file(self) -> Path | None:
+        """The artifact's chat template (`specx.runtime.chat`), or None when it has none."""
+        name = self.data.get("chat_template")
+        return None if name is None else self.root / name
+
+    @property
     def tokenizer_file(self) -> Path | None:
         """The artifact's tokenizer.json, or None when it was exported without one."""
         name = self.data.get("tokenizer")

@@ -133,11 +133,12 @@ def check_manifest_types(where: str, data: dict[str, Any]) -> None:
                 raise ArtifactError(f"{where}: builds.{name}.{key} must be a string")
         for graph, entry in _object(f"{where}: builds.{name}.graphs", build.get("graphs")).items():
             _graph(f"{where}: builds.{name}.graphs.{graph}", entry)
-    for key in ("default_build", "tokenizer"):
+    for key in ("default_build", "tokenizer", "chat_template"):
         if data.get(key) is not None and not isinstance(data[key], str):
             raise ArtifactError(f"{where}: {key} must be a string or null")
-    if data.get("tokenizer") is not None and not _relative_file(data["tokenizer"]):
-        raise ArtifactError(f"{where}: tokenizer must be a relative path inside the artifact")
+    for key in ("tokenizer", "chat_template"):
+        if data.get(key) is not None and not _relative_file(data[key]):
+            raise ArtifactError(f"{where}: {key} must be a relative path inside the artifact")
     for key in ("drafter", "calibration"):
         if data.get(key) is not None:
             _object(f"{where}: {key}", data[key])

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -23,8 +21,7 @@ from specx.cli.common import (
 from specx.errors import GenerationError
 
 if TYPE_CHECKING:
-    from specx.runtime.drafters.tree_search import TreeShape
-    from specx.runtime.sampling import SamplingParams
+    pass
 
 __all__ = ["COMMANDS", "DecodeProgress", "generate", "print_stats"]
 
@@ -191,151 +188,56 @@ def generate(
     Runs the artifact's default build (`specx build`); without one, the exported graphs on
     ONNX Runtime (CPU).
     """
-    from specx.artifact import load_manifest
-    from specx.runtime.backends import open_decoder
     from specx.runtime.drafters.tree_search import parse_tree_spec
+    from specx.runtime.engine import Speculation, load
     from specx.runtime.prompts import read_prompts
-    from specx.runtime.sampling import SamplingParams
-    from specx.runtime.tokenizer import TextTokenizer
 
     _check_options(ctx, drafter, temperature)
-    sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     shape = parse_tree_spec(tree) if tree else None
-    manifest = load_manifest(artifact_dir)
-    tokenizer = TextTokenizer(manifest.tokenizer_file) if manifest.tokenizer_file else None
-    encode = tokenizer.encode if tokenizer else None
+    engine = load(artifact_dir, threads=threads)
+    encode = engine.tokenizer.encode if engine.tokenizer else None
     prompts = read_prompts(prompt, prompt_ids, prompts_file, encode)
-    target = open_decoder(manifest, threads=threads)
-    eos = () if ignore_eos else manifest.model["eos_token_ids"]
-    request = _Request(prompts, max_new_tokens, sampling, eos, prompts_file is not None)
-    if drafter is None:
-        result = _plain(target, request)
-    else:
-        options = _SpeculativeOptions(
-            drafter, num_draft_tokens, shape, (ngram_min, ngram_max, ngram_matches), fixed_draft
+    speculation = None
+    if drafter is not None:
+        ngram = (ngram_min, ngram_max, ngram_matches)
+        speculation = Speculation(
+            drafter, num_draft_tokens, shape, ngram, max_batch_spec, not fixed_draft
         )
-        result = _speculative(target, manifest, request, options, max_batch_spec, threads)
-        if compare:
-            plain = _plain(target, request)
-            result.stats["compare"] = {
-                "plain": plain.stats,
-                "speedup": plain.stats["ms_per_token"] / result.stats["ms_per_token"],
-                "identical_tokens": plain.tokens == result.tokens,
-            }
-    result.stats["backend"] = manifest.data.get("default_build", "ort")
-    texts = [tokenizer.decode(t) if tokenizer else None for t in result.tokens]
-    if as_json:
-        click.echo(json.dumps({"tokens": result.tokens, "text": texts, "stats": result.stats}))
-        return
-    for i, (tokens, text) in enumerate(zip(result.tokens, texts, strict=True)):
-        if len(texts) > 1:
-            click.echo(f"--- completion {i + 1}/{len(texts)} ---")
-        click.echo(text if text is not None else " ".join(map(str, tokens)))
-    print_stats(result.stats)
+    options = {
+        "max_new_tokens": max_new_tokens,
+        "temperature": temperature,
+        "top_k": top_k,
+        "top_p": top_p,
+        "seed": seed,
+        "ignore_eos": ignore_eos,
+    }
+    show = prompts_file is not None or len(prompts) > 1
 
+    def progress(label: str) -> DecodeProgress | None:
+        return DecodeProgress(label, len(prompts), max_new_tokens) if show else None
 
-@dataclass(frozen=True)
-class _Request:
-    """One generate call's prompts, budget, sampling and stop tokens."""
-
-    prompts: list[list[int]]
-    max_new_tokens: int
-    sampling: SamplingParams
-    eos: Sequence[int]
-    from_file: bool
-
-    def progress(self, label: str) -> DecodeProgress | None:
-        """Progress lines for a prompts file or a batch; None for a single prompt."""
-        if not self.from_file and len(self.prompts) == 1:
-            return None
-        return DecodeProgress(label, len(self.prompts), self.max_new_tokens)
-
-
-@dataclass(frozen=True)
-class _SpeculativeOptions:
-    drafter: str
-    num_draft_tokens: int | None
-    shape: TreeShape | None
-    ngram: tuple[int, int, int]  # min, max, matches
-    fixed: bool  # no per-round controller
-
-
-def _plain(target, request: _Request):
-    from specx.runtime.plain_decoding import generate_plain
-
-    return generate_plain(
-        target,
-        request.prompts,
-        request.max_new_tokens,
-        request.sampling,
-        request.eos,
-        request.progress("decoding plainly"),
+    label = "decoding plainly" if drafter is None else f"decoding with {drafter}"
+    done = engine.generate_batch(
+        prompts, **options, speculation=speculation, progress=progress(label)
     )
-
-
-def _speculative(target, manifest, request: _Request, options, max_batch_spec, threads):
-    from specx.runtime.calibrated import calibrated_choice, greedy_identity
-    from specx.runtime.controller import AdaptiveController
-    from specx.runtime.drafters import DrafterOptions, make_drafter
-    from specx.runtime.speculative_decoding import generate_speculative
-
-    shape, num_draft_tokens = options.shape, options.num_draft_tokens
-    calibrated = calibrated_choice(manifest, options.drafter, request.sampling)
-    use_calibration = calibrated is not None and shape is None and num_draft_tokens is None
-    from_calibration = use_calibration and max_batch_spec is None
-    if use_calibration:
-        if options.drafter.startswith("ngram"):
-            num_draft_tokens = calibrated.shape.max_nodes  # a chain
-        else:
-            shape = calibrated.shape
-        if max_batch_spec is None:
-            max_batch_spec = calibrated.max_batch_spec
-    # The calibration's costs describe its own shape: they seed the controller for it only.
-    recorded = calibrated.costs if use_calibration else None
-    drafter_options = DrafterOptions(num_draft_tokens, shape, *options.ngram, threads)
-    drafting = make_drafter(options.drafter, target, drafter_options)
-    identity = greedy_identity(manifest)
-    if identity == "none" or (identity == "chains" and not drafting.drafts_chains):
-        kept = "for no draft" if identity == "none" else "for chain drafts only"
-        warn(
-            f"the {manifest.data.get('default_build')} build keeps greedy speculation "
-            f"identical to its plain decoding {kept}; a token can differ where int8 rounding "
-            "flips a near-tie (pass a chain, build with --block-size 32, or calibrate)"
-        )
-    result = generate_speculative(
-        target,
-        drafting,
-        request.prompts,
-        request.max_new_tokens,
-        request.sampling,
-        request.eos,
-        max_batch_spec,
-        progress=request.progress(f"decoding with {drafting.name}"),
-        controller=None if options.fixed else AdaptiveController(recorded=recorded),
-    )
-    if use_calibration:
-        result.stats["calibration"] = {
-            "entry": calibrated.key,
-            "tree": calibrated.description,
-            "max_batch_spec": calibrated.max_batch_spec,
-            "predicted_speedup": calibrated.predicted_speedup,
+    stats = dict(done[0].stats.details)
+    if compare and drafter is not None:
+        plain = engine.generate_batch(prompts, **options, progress=progress("decoding plainly"))
+        stats["compare"] = {
+            "plain": dict(plain[0].stats.details),
+            "speedup": plain[0].stats.ms_per_token / stats["ms_per_token"],
+            "identical_tokens": [c.tokens for c in plain] == [c.tokens for c in done],
         }
-    if from_calibration and "speculation" in result.stats:
-        result.stats["speculation"] = _calibrated_off(calibrated.max_batch_spec, request)
-    return result
-
-
-def _calibrated_off(max_batch_spec: int, request: _Request) -> str:
-    if max_batch_spec == 0:
-        return (
-            "off: the calibration (specx calibrate) found no batch size where speculation "
-            "pays on this machine; --max-batch-spec overrides it"
-        )
-    return (
-        f"off: the calibration (specx calibrate) found that speculation pays up to batch "
-        f"{max_batch_spec}, and this batch is {len(request.prompts)}; --max-batch-spec "
-        "overrides it"
-    )
+    if as_json:
+        texts = [c.text for c in done]
+        click.echo(json.dumps({"tokens": [c.tokens for c in done], "text": texts, "stats": stats}))
+        return
+    for i, completion in enumerate(done):
+        if len(done) > 1:
+            click.echo(f"--- completion {i + 1}/{len(done)} ---")
+        text = completion.text
+        click.echo(text if text is not None else " ".join(map(str, completion.tokens)))
+    print_stats(stats)
 
 
 def print_stats(stats: dict[str, Any]) -> None:

@@ -23,6 +23,7 @@ from specx.export.decoder import RotaryEmbedding, TargetDecoder
 from specx.export.onnx_graph import export_streamed, graph_entry, save_graph_streamed
 from specx.export.streamed_weights import Prewriter, planned_weights
 from specx.graphs.model_io import DataFile
+from specx.runtime.chat import CHAT_TEMPLATE_FILE, read_checkpoint_template
 
 __all__ = ["DEFAULT_MAX_CONTEXT", "export_target", "io_names"]
 
@@ -250,6 +251,10 @@ def export_target(
         if tokenizer.is_file():
             shutil.copyfile(tokenizer, staging / "tokenizer.json")
         body["tokenizer"] = "tokenizer.json" if tokenizer.is_file() else None
+        chat = read_checkpoint_template(checkpoint_dir)
+        if chat is not None:  # for `Engine.chat` and the server's /v1/chat/completions
+            (staging / CHAT_TEMPLATE_FILE).write_text(chat.to_json(), encoding="utf-8")
+            body["chat_template"] = CHAT_TEMPLATE_FILE
         progress(f"[4/5] hashing {len(checkpoint.files)} source weight files")
         body["source"]["weights"] = digests.result()
         progress("[5/5] writing manifest.json")

@@ -36,7 +36,7 @@ class CalibratedChoice:
     predicted_speedup: float  # measured on the calibration prompts; 1.0 when speculation is off
     description: str
     key: str  # the manifest entry: calibration[key]
-    costs: RecordedCosts  # what the calibration measured, the controller's starting point
+    costs: RecordedCosts | None  # what the calibration measured: the controller's start
 
 
 def calibration_key(drafter: str, sampling: SamplingParams) -> str:
@@ -93,8 +93,13 @@ def calibrated_choice(
     return CalibratedChoice(shape, max_batch_spec, predicted, label, key, costs)
 
 
-def _recorded_costs(entry: dict) -> RecordedCosts:
-    """Round costs and top-1 acceptance by depth from a calibration entry (seconds)."""
+def _recorded_costs(entry: dict) -> RecordedCosts | None:
+    """Round costs and top-1 acceptance by depth from a calibration entry (seconds).
+
+    None for an entry without measurements (written by hand: the choice alone).
+    """
+    if "costs" not in entry and "acceptance" not in entry:
+        return None
     costs, choice = entry["costs"], entry["choice"]
     curve = costs["verify_curve"]
     overhead = max(float(costs["verify_overhead_ms"]), 0.0)

@@ -17,6 +17,7 @@ from specx.runtime.sampling import SamplingParams, sample, sampling_probs
 __all__ = [
     "GenerationResult",
     "Progress",
+    "TokenSink",
     "check_prompts",
     "decode_rates",
     "generate_plain",
@@ -25,6 +26,9 @@ __all__ = [
 
 # progress(tokens emitted so far, sequences finished), called after every target forward.
 Progress = Callable[[int, int], None]
+# sink(row, tokens): a row's tokens as soon as they are final (streaming); returning False
+# ends that row there (a stop string was found, the client went away).
+TokenSink = Callable[[int, list[int]], bool]
 
 
 @dataclass
@@ -95,11 +99,13 @@ def generate_plain(
     sampling: SamplingParams | None = None,
     eos_token_ids: Sequence[int] = (),
     progress: Progress | None = None,
+    sink: TokenSink | None = None,
 ) -> GenerationResult:
     """Decodes one token per target forward for each prompt, batched.
 
     Greedy takes the argmax; otherwise tokens are drawn from `sampling_probs`. A
-    sequence stops after emitting an eos token; the batch stops when all have.
+    sequence stops after emitting an eos token, or where `sink` says so; the batch stops
+    when all have.
     """
     sampling = sampling or SamplingParams()
     needed = check_prompts(prompts, max_new_tokens, target.capacity, target.vocab_size)
@@ -111,6 +117,7 @@ def generate_plain(
     prefill_s = time.perf_counter() - started
     generated = np.zeros((len(prompts), max_new_tokens), dtype=np.int64)
     done = np.zeros(len(prompts), dtype=bool)
+    stopped = np.full(len(prompts), max_new_tokens)  # where the sink ended each row
     steps = emitted = 0
     for step in range(max_new_tokens):
         if sampling.greedy:
@@ -120,6 +127,8 @@ def generate_plain(
         generated[:, step] = tokens
         steps = step + 1
         emitted += int((~done).sum())
+        if sink is not None:
+            done |= _sink_step(sink, tokens, done, stopped, step)
         done |= (tokens[:, None] == eos).any(-1)  # np.isin costs ~30 us a step here
         last = done.all() or step == max_new_tokens - 1
         if progress is not None:
@@ -132,7 +141,9 @@ def generate_plain(
         logits = step_out.logits[:, 0]
         cache.lengths += 1
     total_s = time.perf_counter() - started
-    tokens_out = [_until_eos(row[:steps], eos) for row in generated]
+    tokens_out = [
+        _until_eos(row[: min(steps, n)], eos) for row, n in zip(generated, stopped, strict=True)
+    ]
     new_tokens = sum(len(t) for t in tokens_out)
     return GenerationResult(
         tokens=tokens_out,
@@ -167,6 +178,15 @@ def decode_rates(
         "ms_per_token": 1e3 * decode_s / max(new_tokens - batch, 1),
         "ms_per_step": 1e3 * decode_s / max(decode_forwards, 1),
     }
+
+
+def _sink_step(sink: TokenSink, tokens: np.ndarray, done: np.ndarray, stopped, step: int):
+    """Hands each running row its token; returns the rows the sink ended (their length set)."""
+    ended = np.zeros_like(done)
+    for b in np.flatnonzero(~done):
+        if not sink(int(b), [int(tokens[b])]):
+            ended[b], stopped[b] = True, step + 1
+    return ended
 
 
 def _until_eos(row: np.ndarray, eos: np.ndarray) -> list[int]:

@@ -26,6 +26,7 @@ from specx.runtime.metrics import AcceptanceStats
 from specx.runtime.plain_decoding import (
     GenerationResult,
     Progress,
+    TokenSink,
     check_prompts,
     decode_rates,
     generate_plain,
@@ -96,6 +97,7 @@ def generate_speculative(
     observer: RoundObserver | None = None,
     progress: Progress | None = None,
     controller: Controller | None = None,
+    sink: TokenSink | None = None,
 ) -> GenerationResult:
     """Decodes speculatively; output equals `generate_plain`'s (greedy: token for token).
 
@@ -103,11 +105,14 @@ def generate_speculative(
     trees no longer pays off. `observer(row, draft, verdict)` sees every verified draft
     (calibration records which nodes were accepted). A `controller` (`specx.runtime.
     controller`) sizes each row's draft each round, down to none; without one every row
-    keeps its whole draft.
+    keeps its whole draft. `sink` gets each row's tokens per round as they are verified
+    (streaming) and may end a row.
     """
     sampling = sampling or SamplingParams()
     if max_batch_spec is not None and len(prompts) > max_batch_spec:
-        result = generate_plain(target, prompts, max_new_tokens, sampling, eos_token_ids, progress)
+        result = generate_plain(
+            target, prompts, max_new_tokens, sampling, eos_token_ids, progress, sink
+        )
         result.stats["speculation"] = f"off: batch {len(prompts)} > max_batch_spec {max_batch_spec}"
         return result
     if drafter.max_nodes + 1 > target.max_tree_tokens:
@@ -142,6 +147,8 @@ def generate_speculative(
     emitted = [[int(t)] for t in first]
     histories = [list(p) + e for p, e in zip(prompts, emitted, strict=True)]
     active = np.array([not (e[-1] in eos or max_new_tokens <= 1) for e in emitted])
+    if sink is not None:
+        active &= [sink(b, list(e)) for b, e in enumerate(emitted)]
     draft_s = verify_s = 0.0
     forwards = 0
     if controller is not None:
@@ -154,7 +161,7 @@ def generate_speculative(
             tock = time.perf_counter()
             width = 1
             _plain_round(target, drafter, cache, histories, emitted, active, sampling, rng,
-                         eos, max_new_tokens, stats)  # fmt: skip
+                         eos, max_new_tokens, stats, sink)  # fmt: skip
         else:
             if sizes is None:
                 proposed = drafter.propose(histories, drafting, sampling, rng)
@@ -184,7 +191,7 @@ def generate_speculative(
                 # The drafter's own tree: a kept prefix has the same node indices.
                 drafter.accept(b, proposed[b], verdict.accepted, path_taps)
                 count = _emit(verdict.emitted(draft), b, emitted, histories, active, eos,
-                              max_new_tokens)  # fmt: skip
+                              max_new_tokens, sink)  # fmt: skip
                 # Accepted tokens cut off by eos or the token budget are not counted.
                 depth = _depth(draft)
                 stats[b].record(depth, min(len(verdict.accepted), count - 1))
@@ -220,7 +227,7 @@ def generate_speculative(
     )
 
 
-def _emit(tokens, row, emitted, histories, active, eos, max_new_tokens) -> int:
+def _emit(tokens, row, emitted, histories, active, eos, max_new_tokens, sink=None) -> int:
     """Appends a round's tokens to a row until eos or the budget; returns how many."""
     count = 0
     for token in tokens:
@@ -230,11 +237,24 @@ def _emit(tokens, row, emitted, histories, active, eos, max_new_tokens) -> int:
         if token in eos or len(emitted[row]) >= max_new_tokens:
             active[row] = False
             break
+    if sink is not None and not sink(int(row), emitted[row][-count:]):
+        active[row] = False
     return count
 
 
 def _plain_round(
-    target, drafter, cache, histories, emitted, active, sampling, rng, eos, max_new_tokens, stats
+    target,
+    drafter,
+    cache,
+    histories,
+    emitted,
+    active,
+    sampling,
+    rng,
+    eos,
+    max_new_tokens,
+    stats,
+    sink=None,
 ) -> None:
     """One decoding step for every row, drafts left out.
 
@@ -251,7 +271,7 @@ def _plain_round(
     cache.lengths[rows] = lengths[rows] + 1
     for b in rows:
         drafter.accept(b, EMPTY_DRAFT, [], None if output.taps is None else output.taps[b, :1])
-        _emit([int(tokens[b])], b, emitted, histories, active, eos, max_new_tokens)
+        _emit([int(tokens[b])], b, emitted, histories, active, eos, max_new_tokens, sink)
         stats[b].record(0, 0)
 
 

@@ -20,9 +20,9 @@ class TextTokenizer:
         except Exception as e:  # tokenizers raises a bare Exception on malformed files
             raise ArtifactError(f"{path}: not a valid tokenizer.json: {e}") from e
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of `text`, special tokens added as the tokenizer's post-processor says."""
-        return self._tokenizer.encode(text).ids
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`, special tokens added as the post-processor says (if asked)."""
+        return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int]) -> str:
         """Text of `ids`, special tokens skipped."""

@@ -1,0 +1,435 @@
+"""The public API: `specx.load(artifact)` -> an `Engine` that generates, streams and chats.
+
+    import specx
+    engine = specx.load("artifacts/llama", threads=2)
+    done = engine.generate("def fib(n):", max_new_tokens=64, speculation="ngram")
+    print(done.text, done.stats.acceptance_length)
+    for chunk in engine.stream("def fib(n):", speculation="suffix"):
+        print(chunk.text, end="", flush=True)
+
+An engine is what `specx generate` runs: the artifact's manifest verified, its default
+build opened once, and per request the default a user gets from the command line (the
+calibration entry nearest the request's sampling setting, the per-round controller seeded
+from it; `Speculation` overrides each part). Outputs are the target's: greedy speculative
+decoding equals plain decoding token for token. Results are dataclasses; `Stats.details`
+keeps everything the decoding loop measured, JSON-ready.
+
+One request decodes at a time per engine (a lock): the target's KV cache and the drafters'
+state are per call. Drafters are built once per configuration and reused, so a draft
+model's session opens once and suffix drafting learns from the engine's earlier requests.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from specx.artifact import Manifest, load_manifest
+from specx.errors import GenerationError
+from specx.runtime.backends import open_decoder
+from specx.runtime.chat import ChatTemplate
+from specx.runtime.detokenize import TextStream
+from specx.runtime.plain_decoding import (
+    GenerationResult,
+    Progress,
+    TokenSink,
+    check_prompts,
+    generate_plain,
+)
+from specx.runtime.sampling import SamplingParams
+from specx.runtime.tokenizer import TextTokenizer
+
+__all__ = ["Chunk", "Completion", "Engine", "Speculation", "Stats", "load"]
+
+logger = logging.getLogger("specx")
+Prompt = str | Sequence[int]
+FinishReason = Literal["stop", "length"]
+
+
+@dataclass(frozen=True)
+class Speculation:
+    """How a request drafts. Fields left None take the calibration's choice, else defaults.
+
+    drafter: ngram | suffix | draft-model:ARTIFACT | eagle3 | eagle | mtp | medusa.
+    tree: chain:K, dynamic:TOTAL,DEPTH,TOPK, static:FILE or a JSON choice list (or a
+    parsed `TreeShape`). adaptive: the per-round controller (`specx.runtime.controller`);
+    False drafts the whole tree every round.
+    """
+
+    drafter: str
+    num_draft_tokens: int | None = None
+    tree: Any = None
+    ngram: tuple[int, int, int] = (1, 3, 1)  # shortest and longest n-gram, matches merged
+    max_batch_spec: int | None = None
+    adaptive: bool = True
+
+
+@dataclass(frozen=True)
+class Stats:
+    """One decoding run (a batch shares it): what users compare across systems."""
+
+    mode: str  # "plain" | "speculative"
+    drafter: str | None
+    backend: str
+    batch: int
+    prompt_tokens: int
+    new_tokens: int
+    prefill_s: float
+    decode_s: float
+    ms_per_token: float  # decode time per decoded token (after each sequence's first)
+    acceptance_length: float  # tokens per target forward per sequence, bonus counted; 1 plain
+    acceptance_by_position: tuple[float, ...]
+    draft_s: float
+    verify_s: float
+    speculation: str  # "on", or why it was off
+    calibration: str | None  # the manifest entry used (calibration[...]), if any
+    details: Mapping[str, Any] = field(repr=False)  # everything the loop reported
+
+    @classmethod
+    def of(cls, stats: Mapping[str, Any]) -> Stats:
+        """From a decoding loop's stats."""
+        return cls(
+            mode=stats["mode"],
+            drafter=stats.get("drafter"),
+            backend=stats["backend"],
+            batch=stats["batch"],
+            prompt_tokens=stats["prompt_tokens"],
+            new_tokens=stats["new_tokens"],
+            prefill_s=stats["prefill_s"],
+            decode_s=stats["decode_s"],
+            ms_per_token=stats["ms_per_token"],
+            acceptance_length=stats.get("acceptance_length", 1.0),
+            acceptance_by_position=tuple(stats.get("acceptance_by_position", ())),
+            draft_s=stats.get("draft_s", 0.0),
+            verify_s=stats.get("verify_s", 0.0),
+            speculation=stats.get("speculation", "on" if stats["mode"] != "plain" else "off"),
+            calibration=(stats.get("calibration") or {}).get("entry"),
+            details=dict(stats),
+        )
+
+
+@dataclass(frozen=True)
+class Completion:
+    """One prompt's result. `text` is None when the artifact has no tokenizer."""
+
+    prompt_tokens: list[int]
+    tokens: list[int]  # generated (eos included when hit; up to the one completing a stop)
+    text: str | None  # decoded, cut before the first stop string
+    finish_reason: FinishReason  # "stop": eos or a stop string; "length": max_new_tokens
+    stats: Stats
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """What `Engine.stream` yields per verified round: new tokens and the text they add."""
+
+    tokens: list[int]
+    text: str
+    completion: Completion | None = None  # on the last chunk: the whole result
+
+
+@dataclass(frozen=True)
+class _Request:
+    prompts: list[list[int]]
+    max_new_tokens: int
+    sampling: SamplingParams
+    stop: tuple[str, ...]
+    eos: tuple[int, ...]
+    speculation: Speculation | None
+
+
+class Engine:
+    """An opened artifact (see the module docstring). Build with `load`."""
+
+    def __init__(self, manifest: Manifest, threads: int | None = None):
+        self.manifest, self.threads = manifest, threads
+        self.target = open_decoder(manifest, threads=threads)
+        file = manifest.tokenizer_file
+        self.tokenizer = TextTokenizer(file) if file else None
+        chat = manifest.chat_template_file
+        self.chat_template = ChatTemplate.load(chat) if chat else None
+        self._lock = threading.Lock()
+        self._drafters: dict[tuple, Any] = {}
+
+    @property
+    def name(self) -> str:
+        """The artifact's directory name (the model name the server reports)."""
+        return self.manifest.root.name
+
+    @property
+    def capacity(self) -> int:
+        """Prompt + generated tokens one sequence may hold."""
+        return self.target.capacity
+
+    def encode(self, prompt: Prompt) -> list[int]:
+        """Token ids of a text prompt (special tokens added), or the ids given."""
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise GenerationError(
+                    f"{self.manifest.root} has no tokenizer: pass the prompt as token ids"
+                )
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = list(prompt)
+            if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+                raise GenerationError("a prompt of token ids must hold non-negative integers")
+        if not ids:
+            raise GenerationError("the prompt is empty")
+        return ids
+
+    def chat_prompt(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+        """Token ids of `messages` through the checkpoint's chat template."""
+        if self.chat_template is None or self.tokenizer is None:
+            raise GenerationError(
+                f"{self.manifest.root} has no chat template (the checkpoint had none at export)"
+            )
+        text = self.chat_template.render(messages)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def generate(self, prompt: Prompt, **options: Any) -> Completion:
+        """Completes one prompt; options as `generate_batch`."""
+        return self.generate_batch([prompt], **options)[0]
+
+    def chat(self, messages: Sequence[Mapping[str, Any]], **options: Any) -> Completion:
+        """Answers `messages` (the chat template's generation prompt); options as `generate`."""
+        return self.generate(self.chat_prompt(messages), **options)
+
+    def generate_batch(
+        self,
+        prompts: Sequence[Prompt],
+        max_new_tokens: int = 64,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        stop: Sequence[str] = (),
+        ignore_eos: bool = False,
+        speculation: Speculation | str | None = None,
+        progress: Progress | None = None,
+    ) -> list[Completion]:
+        """Completes prompts as one batch: plainly, or speculatively with `speculation`.
+
+        Raises:
+            GenerationError: bad prompts or options, before any decoding.
+        """
+        request = self._request(
+            prompts, max_new_tokens, temperature, top_k, top_p, seed, stop, ignore_eos, speculation
+        )
+        texts = [self._text_stream(request) for _ in request.prompts]
+
+        def sink(row: int, tokens: list[int]) -> bool:
+            texts[row].push(tokens)
+            return not texts[row].stopped
+
+        result = self._decode(request, sink if request.stop else None, progress)
+        return self._completions(request, result, texts)
+
+    def stream(self, prompt: Prompt, **options: Any) -> Iterator[Chunk]:
+        """Yields each verified round's tokens and text; the last chunk has the `Completion`.
+
+        Closing the iterator early ends the decoding at its next round.
+        """
+        request = self._request([prompt], **options)
+        text = self._text_stream(request)
+        chunks: queue.Queue = queue.Queue()
+        gone = threading.Event()
+
+        def sink(row: int, tokens: list[int]) -> bool:
+            before = len(text.tokens)
+            delta = text.push(tokens)
+            chunks.put(Chunk(text.tokens[before:], delta))
+            return not (text.stopped or gone.is_set())
+
+        def work() -> None:
+            try:
+                result = self._decode(request, sink, None)
+                chunks.put(self._completions(request, result, [text])[0])
+            except BaseException as e:  # handed to the consumer's thread
+                chunks.put(e)
+
+        worker = threading.Thread(target=work, name="specx-stream", daemon=True)
+        worker.start()
+        try:
+            while True:
+                item = chunks.get()
+                if isinstance(item, BaseException):
+                    raise item
+                if isinstance(item, Completion):
+                    yield Chunk([], text.finish(), item)
+                    return
+                yield item
+        finally:
+            gone.set()
+            worker.join()
+
+    def _request(
+        self,
+        prompts: Sequence[Prompt],
+        max_new_tokens: int = 64,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        stop: Sequence[str] = (),
+        ignore_eos: bool = False,
+        speculation: Speculation | str | None = None,
+    ) -> _Request:
+        if isinstance(prompts, str) or not prompts:
+            raise GenerationError("prompts must be a non-empty list of prompts")
+        ids = [self.encode(p) for p in prompts]
+        try:
+            sampling = SamplingParams(temperature, top_k, top_p, seed)
+        except ValueError as e:
+            raise GenerationError(str(e)) from e
+        if isinstance(stop, str):
+            stop = (stop,)
+        if stop and self.tokenizer is None:
+            raise GenerationError("stop strings need the artifact's tokenizer")
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise GenerationError(
+                f"max_new_tokens must be a positive integer, got {max_new_tokens}"
+            )
+        if isinstance(speculation, str):
+            speculation = Speculation(speculation)
+        check_prompts(ids, max_new_tokens, self.target.capacity, self.target.vocab_size)
+        eos = () if ignore_eos else tuple(self.manifest.model["eos_token_ids"])
+        return _Request(ids, max_new_tokens, sampling, tuple(stop), eos, speculation)
+
+    def _text_stream(self, request: _Request) -> TextStream:
+        decode = self.tokenizer.decode if self.tokenizer else (lambda ids: "")
+        return TextStream(decode, request.stop)
+
+    def _decode(
+        self, request: _Request, sink: TokenSink | None, progress: Progress | None
+    ) -> GenerationResult:
+        with self._lock:
+            if request.speculation is None:
+                result = generate_plain(
+                    self.target,
+                    request.prompts,
+                    request.max_new_tokens,
+                    request.sampling,
+                    request.eos,
+                    progress,
+                    sink,
+                )
+            else:
+                result = self._speculative(request, sink, progress)
+        result.stats["backend"] = self.manifest.data.get("default_build", "ort")
+        return result
+
+    def _speculative(self, request: _Request, sink, progress) -> GenerationResult:
+        from specx.runtime.calibrated import calibrated_choice
+        from specx.runtime.controller import AdaptiveController
+        from specx.runtime.speculative_decoding import generate_speculative
+
+        spec = request.speculation
+        calibrated = calibrated_choice(self.manifest, spec.drafter, request.sampling)
+        chosen = calibrated is not None and spec.tree is None and spec.num_draft_tokens is None
+        drafter = self._drafter(spec, calibrated.shape if chosen else None)
+        max_batch_spec = spec.max_batch_spec
+        if max_batch_spec is None and chosen:
+            max_batch_spec = calibrated.max_batch_spec
+        # The calibration's costs describe its own shape: they seed the controller for it only.
+        recorded = calibrated.costs if chosen else None
+        result = generate_speculative(
+            self.target,
+            drafter,
+            request.prompts,
+            request.max_new_tokens,
+            request.sampling,
+            request.eos,
+            max_batch_spec,
+            progress=progress,
+            controller=AdaptiveController(recorded=recorded) if spec.adaptive else None,
+            sink=sink,
+        )
+        if chosen:
+            result.stats["calibration"] = {
+                "entry": calibrated.key,
+                "tree": calibrated.description,
+                "max_batch_spec": calibrated.max_batch_spec,
+                "predicted_speedup": calibrated.predicted_speedup,
+            }
+            if spec.max_batch_spec is None and "speculation" in result.stats:
+                result.stats["speculation"] = _calibrated_off(
+                    calibrated.max_batch_spec, len(request.prompts)
+                )
+        return result
+
+    def _drafter(self, spec: Speculation, calibrated_shape):
+        """The drafter for `spec`, built once per configuration (see the module docstring)."""
+        from specx.runtime.calibrated import greedy_identity
+        from specx.runtime.drafters import DrafterOptions, make_drafter
+        from specx.runtime.drafters.tree_search import parse_tree_spec
+
+        shape = parse_tree_spec(spec.tree) if isinstance(spec.tree, str) else spec.tree
+        count = spec.num_draft_tokens
+        if calibrated_shape is not None:
+            if spec.drafter.startswith("ngram"):
+                count = calibrated_shape.max_nodes  # a chain
+            else:
+                shape = calibrated_shape
+        key = (spec.drafter, count, repr(shape), spec.ngram)
+        if key not in self._drafters:
+            options = DrafterOptions(count, shape, *spec.ngram, self.threads)
+            drafter = make_drafter(spec.drafter, self.target, options)
+            identity = greedy_identity(self.manifest)
+            if identity == "none" or (identity == "chains" and not drafter.drafts_chains):
+                kept = "for no draft" if identity == "none" else "for chain drafts only"
+                logger.warning(
+                    "the %s build keeps greedy speculation identical to its plain decoding %s; "
+                    "a token can differ where int8 rounding flips a near-tie (pass a chain, "
+                    "build with --block-size 32, or calibrate)",
+                    self.manifest.data.get("default_build"),
+                    kept,
+                )
+            self._drafters[key] = drafter
+        return self._drafters[key]
+
+    def _completions(
+        self, request: _Request, result: GenerationResult, texts: list[TextStream]
+    ) -> list[Completion]:
+        stats = Stats.of(result.stats)
+        completions = []
+        for prompt, tokens, text in zip(request.prompts, result.tokens, texts, strict=True):
+            if text.stopped:
+                reason: FinishReason = "stop"
+                tokens = tokens[: len(text.tokens)]
+            else:
+                reason = "stop" if tokens and tokens[-1] in request.eos else "length"
+            if self.tokenizer is None:
+                decoded = None
+            elif request.stop:
+                decoded = text.text if text.stopped else self.tokenizer.decode(tokens)
+            else:
+                decoded = self.tokenizer.decode(tokens)
+            completions.append(Completion(prompt, tokens, decoded, reason, stats))
+        return completions
+
+
+def load(artifact: str | Path, threads: int | None = None) -> Engine:
+    """Opens an artifact (manifest and file hashes verified) for generation.
+
+    Raises:
+        ArtifactError: not a specx artifact, or a file does not match its hash.
+    """
+    return Engine(load_manifest(artifact), threads)
+
+
+def _calibrated_off(max_batch_spec: int, batch: int) -> str:
+    if max_batch_spec == 0:
+        return (
+            "off: the calibration (specx calibrate) found no batch size where speculation "
+            "pays on this machine; max_batch_spec (--max-batch-spec) overrides it"
+        )
+    return (
+        f"off: the calibration (specx calibrate) found that speculation pays up to batch "
+        f"{max_batch_spec}, and this batch is {batch}; max_batch_spec (--max-batch-spec) "
+        "overrides it"
+    )
