@@ -32,8 +32,12 @@ from typing import Any, Literal
 from specx.artifact import Manifest, load_manifest
 from specx.errors import GenerationError
 from specx.runtime.backends import open_decoder
+from specx.runtime.calibrated import CalibratedChoice, calibrated_choice, greedy_identity
 from specx.runtime.chat import ChatTemplate
+from specx.runtime.controller import AdaptiveController
 from specx.runtime.detokenize import TextStream
+from specx.runtime.drafters import DrafterOptions, make_drafter
+from specx.runtime.drafters.tree_search import parse_tree_spec
 from specx.runtime.plain_decoding import (
     GenerationResult,
     Progress,
@@ -42,9 +46,10 @@ from specx.runtime.plain_decoding import (
     generate_plain,
 )
 from specx.runtime.sampling import SamplingParams
+from specx.runtime.speculative_decoding import generate_speculative
 from specx.runtime.tokenizer import TextTokenizer
 
-__all__ = ["Chunk", "Completion", "Engine", "Speculation", "Stats", "load"]
+__all__ = ["Chunk", "Completion", "DraftPlan", "Engine", "Speculation", "Stats", "load"]
 
 logger = logging.getLogger("specx")
 Prompt = str | Sequence[int]
@@ -67,6 +72,34 @@ class Speculation:
     ngram: tuple[int, int, int] = (1, 3, 1)  # shortest and longest n-gram, matches merged
     max_batch_spec: int | None = None
     adaptive: bool = True
+
+
+@dataclass(frozen=True)
+class DraftPlan:
+    """A request's drafting, resolved: drafter options, batch threshold, controller seed.
+
+    What `Speculation` leaves open comes from the calibration entry nearest the request's
+    sampling setting (`calibrated`, None when none applies); its recorded costs seed the
+    controller, for the calibrated shape only.
+    """
+
+    drafter: str
+    options: DrafterOptions
+    max_batch_spec: int | None
+    adaptive: bool
+    calibrated: CalibratedChoice | None
+
+    @property
+    def key(self) -> tuple:
+        """Equal for plans that build the same drafter."""
+        return (self.drafter, repr(self.options))
+
+    def controller(self) -> AdaptiveController | None:
+        """A fresh per-round controller (None when drafts are kept whole)."""
+        if not self.adaptive:
+            return None
+        recorded = None if self.calibrated is None else self.calibrated.costs
+        return AdaptiveController(recorded=recorded)
 
 
 @dataclass(frozen=True)
@@ -323,74 +356,69 @@ class Engine:
         result.stats["backend"] = self.manifest.data.get("default_build", "ort")
         return result
 
-    def _speculative(self, request: _Request, sink, progress) -> GenerationResult:
-        from specx.runtime.calibrated import calibrated_choice
-        from specx.runtime.controller import AdaptiveController
-        from specx.runtime.speculative_decoding import generate_speculative
-
-        spec = request.speculation
-        calibrated = calibrated_choice(self.manifest, spec.drafter, request.sampling)
-        chosen = calibrated is not None and spec.tree is None and spec.num_draft_tokens is None
-        drafter = self._drafter(spec, calibrated.shape if chosen else None)
+    def plan(self, speculation: Speculation, sampling: SamplingParams) -> DraftPlan:
+        """What a request with `speculation` at `sampling` drafts with (see `DraftPlan`)."""
+        spec = speculation
+        shape = parse_tree_spec(spec.tree) if isinstance(spec.tree, str) else spec.tree
+        count = spec.num_draft_tokens
+        calibrated = calibrated_choice(self.manifest, spec.drafter, sampling)
+        if calibrated is not None and shape is None and count is None:
+            if spec.drafter.startswith("ngram"):
+                count = calibrated.shape.max_nodes  # a chain
+            else:
+                shape = calibrated.shape
+        else:
+            calibrated = None  # the request chose its own shape: nothing of it applies
         max_batch_spec = spec.max_batch_spec
-        if max_batch_spec is None and chosen:
+        if max_batch_spec is None and calibrated is not None:
             max_batch_spec = calibrated.max_batch_spec
-        # The calibration's costs describe its own shape: they seed the controller for it only.
-        recorded = calibrated.costs if chosen else None
+        options = DrafterOptions(count, shape, *spec.ngram, self.threads)
+        return DraftPlan(spec.drafter, options, max_batch_spec, spec.adaptive, calibrated)
+
+    def new_drafter(self, plan: DraftPlan):
+        """A fresh drafter for `plan` (warns where the build does not keep drafts lossless)."""
+        drafter = make_drafter(plan.drafter, self.target, plan.options)
+        identity = greedy_identity(self.manifest)
+        if identity == "none" or (identity == "chains" and not drafter.drafts_chains):
+            kept = "for no draft" if identity == "none" else "for chain drafts only"
+            logger.warning(
+                "the %s build keeps greedy speculation identical to its plain decoding %s; "
+                "a token can differ where int8 rounding flips a near-tie (pass a chain, "
+                "build with --block-size 32, or calibrate)",
+                self.manifest.data.get("default_build"),
+                kept,
+            )
+        return drafter
+
+    def _speculative(self, request: _Request, sink, progress) -> GenerationResult:
+        plan = self.plan(request.speculation, request.sampling)
+        if plan.key not in self._drafters:
+            self._drafters[plan.key] = self.new_drafter(plan)
         result = generate_speculative(
             self.target,
-            drafter,
+            self._drafters[plan.key],
             request.prompts,
             request.max_new_tokens,
             request.sampling,
             request.eos,
-            max_batch_spec,
+            plan.max_batch_spec,
             progress=progress,
-            controller=AdaptiveController(recorded=recorded) if spec.adaptive else None,
+            controller=plan.controller(),
             sink=sink,
         )
-        if chosen:
+        calibrated = plan.calibrated
+        if calibrated is not None:
             result.stats["calibration"] = {
                 "entry": calibrated.key,
                 "tree": calibrated.description,
                 "max_batch_spec": calibrated.max_batch_spec,
                 "predicted_speedup": calibrated.predicted_speedup,
             }
-            if spec.max_batch_spec is None and "speculation" in result.stats:
+            if request.speculation.max_batch_spec is None and "speculation" in result.stats:
                 result.stats["speculation"] = _calibrated_off(
                     calibrated.max_batch_spec, len(request.prompts)
                 )
         return result
-
-    def _drafter(self, spec: Speculation, calibrated_shape):
-        """The drafter for `spec`, built once per configuration (see the module docstring)."""
-        from specx.runtime.calibrated import greedy_identity
-        from specx.runtime.drafters import DrafterOptions, make_drafter
-        from specx.runtime.drafters.tree_search import parse_tree_spec
-
-        shape = parse_tree_spec(spec.tree) if isinstance(spec.tree, str) else spec.tree
-        count = spec.num_draft_tokens
-        if calibrated_shape is not None:
-            if spec.drafter.startswith("ngram"):
-                count = calibrated_shape.max_nodes  # a chain
-            else:
-                shape = calibrated_shape
-        key = (spec.drafter, count, repr(shape), spec.ngram)
-        if key not in self._drafters:
-            options = DrafterOptions(count, shape, *spec.ngram, self.threads)
-            drafter = make_drafter(spec.drafter, self.target, options)
-            identity = greedy_identity(self.manifest)
-            if identity == "none" or (identity == "chains" and not drafter.drafts_chains):
-                kept = "for no draft" if identity == "none" else "for chain drafts only"
-                logger.warning(
-                    "the %s build keeps greedy speculation identical to its plain decoding %s; "
-                    "a token can differ where int8 rounding flips a near-tie (pass a chain, "
-                    "build with --block-size 32, or calibrate)",
-                    self.manifest.data.get("default_build"),
-                    kept,
-                )
-            self._drafters[key] = drafter
-        return self._drafters[key]
 
     def _completions(
         self, request: _Request, result: GenerationResult, texts: list[TextStream]

@@ -43,7 +43,14 @@ from specx.runtime.trees import (
 )
 from specx.runtime.verification import Coin, RandomCoin, Verdict, verify
 
-__all__ = ["RoundObserver", "Verifier", "generate_speculative", "verify_inputs"]
+__all__ = [
+    "EMPTY_DRAFT",
+    "RoundObserver",
+    "Verifier",
+    "depth_of",
+    "generate_speculative",
+    "verify_inputs",
+]
 
 Verifier = Callable[[np.ndarray, DraftTree, Coin, bool], Verdict]
 RoundObserver = Callable[[int, DraftTree, Verdict], None]
@@ -193,7 +200,7 @@ def generate_speculative(
                 count = _emit(verdict.emitted(draft), b, emitted, histories, active, eos,
                               max_new_tokens, sink)  # fmt: skip
                 # Accepted tokens cut off by eos or the token budget are not counted.
-                depth = _depth(draft)
+                depth = depth_of(draft)
                 stats[b].record(depth, min(len(verdict.accepted), count - 1))
                 if controller is not None:
                     controller.observe(int(b), depth, len(verdict.accepted))
@@ -278,5 +285,6 @@ def _plain_round(
 EMPTY_DRAFT = DraftTree.empty()
 
 
-def _depth(draft: DraftTree) -> int:
+def depth_of(draft: DraftTree) -> int:
+    """Levels of a draft tree (0 for an empty draft)."""
     return int(depths(draft.parents).max()) + 1 if len(draft) else 0

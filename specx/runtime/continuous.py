@@ -1,0 +1,225 @@
+"""Continuous batching: sequences join a running batch between rounds and leave when done.
+
+A `ContinuousBatch` owns one KV cache of `slots` sequences at the artifact's capacity.
+`admit` prefills a request into a free slot (alone, through a view of that slot's rows)
+and draws its first token; `step` runs one round for every running sequence: each one's
+own drafter proposes (sized by its own controller), the target verifies every tree in
+one forward, and each sequence is verified under its own sampling parameters and random
+stream, exactly as `generate_speculative` verifies a row. A sequence that finished (eos,
+its token budget, or its sink said stop) frees its slot for the next `admit`.
+
+Why per-sequence drafters: a joining request must not reset the others' draft state, and
+the drafters keep per-batch state from `start`; so each sequence gets a drafter of its own
+(batch 1; the caller pools them), and drafting is one call per sequence per round rather
+than one per batch. Verification, the expensive part, stays batched. Where more
+sequences run than `max_batch_spec`, nobody drafts that round (a plain step for all).
+
+The forward covers slots [0, highest running slot]; free slots below it ride along at
+length 0 (their rows are overwritten at the next admit), so new requests take the lowest
+free slot.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from specx.runtime.controller import AdaptiveController, truncated
+from specx.runtime.decoder_backend import DecoderBackend
+from specx.runtime.drafters.base import Drafter
+from specx.runtime.kv_cache import KVCache
+from specx.runtime.metrics import AcceptanceStats
+from specx.runtime.plain_decoding import TokenSink, check_prompts, prefill
+from specx.runtime.sampling import SamplingParams, sample, sampling_probs
+from specx.runtime.speculative_decoding import EMPTY_DRAFT, depth_of, verify_inputs
+from specx.runtime.trees import DraftTree
+from specx.runtime.verification import RandomCoin, verify
+
+__all__ = ["BatchSequence", "ContinuousBatch"]
+
+
+@dataclass
+class BatchSequence:
+    """One request in the batch: its prompt, budget, sampling, drafter and token sink."""
+
+    prompt: list[int]
+    max_new_tokens: int
+    sampling: SamplingParams
+    eos: frozenset[int]
+    sink: TokenSink  # gets each round's tokens; returning False ends the sequence
+    drafter: Drafter | None = None  # its own (batch 1); None decodes plainly
+    controller: AdaptiveController | None = None  # sizes its drafts; None keeps them whole
+    emitted: list[int] = field(default_factory=list)
+    stats: AcceptanceStats = field(default_factory=AcceptanceStats)
+    finished: bool = False
+
+    def __post_init__(self) -> None:
+        self.history = list(self.prompt)
+        self.rng = np.random.default_rng(self.sampling.seed)
+        self.coin = RandomCoin(self.rng)
+
+    def emit(self, tokens: list[int]) -> int:
+        """Appends tokens until eos or the budget, hands them to the sink; returns how many."""
+        taken = []
+        for token in tokens:
+            taken.append(int(token))
+            if token in self.eos or len(self.emitted) + len(taken) >= self.max_new_tokens:
+                self.finished = True
+                break
+        self.emitted += taken
+        self.history += taken
+        if not self.sink(0, taken):
+            self.finished = True
+        return len(taken)
+
+
+class ContinuousBatch:
+    """The running batch (see the module docstring)."""
+
+    def __init__(
+        self, target: DecoderBackend, slots: int, max_batch_spec: int | None = None
+    ) -> None:
+        self.target, self.max_batch_spec = target, max_batch_spec
+        self.cache: KVCache = target.allocate_cache(slots)
+        self.rows: list[BatchSequence | None] = [None] * slots
+        self._views: dict[int, KVCache] = {}
+        self.draft_s = self.verify_s = 0.0
+        self.rounds = 0
+
+    @property
+    def running(self) -> int:
+        """Sequences in the batch."""
+        return sum(row is not None for row in self.rows)
+
+    @property
+    def free(self) -> int:
+        """Slots a request could take now."""
+        return len(self.rows) - self.running
+
+    def check(self, sequence: BatchSequence) -> int:
+        """Refuses a request that cannot fit a slot (GenerationError), before any work.
+
+        Returns the slots it needs (prompt, budget and the drafter's scratch).
+        """
+        drafter = sequence.drafter
+        scratch = 0 if drafter is None else max(drafter.max_nodes + 1, drafter.scratch_slots)
+        return check_prompts(
+            [sequence.prompt],
+            sequence.max_new_tokens,
+            self.cache.capacity,
+            self.target.vocab_size,
+            scratch,
+        )
+
+    def admit(self, sequence: BatchSequence) -> int:
+        """Prefills `sequence` into the lowest free slot, emits its first token; its slot."""
+        needed = self.check(sequence)
+        slot = self.rows.index(None)
+        view = self.cache.row(slot)
+        logits, output = prefill(self.target, view, [sequence.prompt])
+        if sequence.drafter is not None:
+            taps = None if sequence.drafter.taps == "none" else [output.taps[0]]
+            sequence.drafter.start([sequence.prompt], needed, taps)
+        if sequence.drafter is None:
+            sequence.controller = None  # nothing to size
+        elif sequence.controller is not None:
+            sequence.controller.start(1, sequence.drafter.max_nodes)
+        first = _choose(logits[0], sequence.sampling, sequence.rng)
+        self.rows[slot] = sequence
+        sequence.emit([first])
+        return slot
+
+    def step(self) -> list[BatchSequence]:
+        """One round for every running sequence; returns those that finished (slots freed)."""
+        done = self._release()
+        if not self.running:
+            return done
+        high = max(i for i, row in enumerate(self.rows) if row is not None) + 1
+        rows = self.rows[:high]
+        tick = time.perf_counter()
+        proposed, drafts = self._draft(rows)
+        tock = time.perf_counter()
+        cache = self._view(high)
+        roots = np.array([r.history[-1] if r else 0 for r in rows], dtype=np.int64)
+        lengths = np.array([cache.lengths[i] if r else 0 for i, r in enumerate(rows)])
+        input_ids, positions, mask = verify_inputs(roots, drafts, lengths, self.target.vocab_size)
+        output = self.target.forward(cache, input_ids, positions, mask, lengths)
+        for b, row in enumerate(rows):
+            if row is not None:
+                self._commit(b, row, output, lengths[b], proposed[b], drafts[b])
+        verified = time.perf_counter()
+        self.draft_s += tock - tick
+        self.verify_s += verified - tock
+        self.rounds += 1
+        for row in rows:
+            if row is not None and row.controller is not None:
+                row.controller.timed(input_ids.shape[1], verified - tock, tock - tick)
+        return done + self._release()
+
+    def _draft(self, rows: list[BatchSequence | None]) -> tuple[list[DraftTree], list[DraftTree]]:
+        """Each running sequence's proposal and the prefix it keeps this round."""
+        proposed = [EMPTY_DRAFT] * len(rows)
+        kept = [EMPTY_DRAFT] * len(rows)
+        if self.max_batch_spec is not None and self.running > self.max_batch_spec:
+            return proposed, kept
+        for b, row in enumerate(rows):
+            if row is None or row.drafter is None:
+                continue
+            active = np.ones(1, dtype=bool)
+            if row.controller is None:
+                proposed[b] = kept[b] = row.drafter.propose([row.history], active, row.sampling,
+                                                            row.rng)[0]  # fmt: skip
+                continue
+            size = int(row.controller.sizes(active)[0])
+            if size:
+                proposed[b] = row.drafter.propose(
+                    [row.history], active, row.sampling, row.rng, budget=size
+                )[0]
+                kept[b] = truncated(proposed[b], size)
+        return proposed, kept
+
+    def _commit(self, b, row: BatchSequence, output, length, proposed, draft) -> None:
+        """Verifies row b's tree under its own sampling, keeps the path, emits the tokens."""
+        logits = output.logits[b, : 1 + len(draft)]
+        greedy = row.sampling.greedy
+        probs = logits if greedy else sampling_probs(logits, row.sampling)
+        verdict = verify(probs, draft, row.coin, greedy)
+        path = np.array([0] + [i + 1 for i in verdict.accepted])
+        self.cache.keep_path(b, int(length), path)
+        self.cache.lengths[b] = length + len(path)
+        if row.drafter is not None:
+            taps = None if output.taps is None else output.taps[b, path]
+            row.drafter.accept(0, proposed, verdict.accepted, taps)
+        count = row.emit(verdict.emitted(draft))
+        depth = depth_of(draft)
+        row.stats.record(depth, min(len(verdict.accepted), count - 1))
+        if row.controller is not None:
+            row.controller.observe(0, depth, len(verdict.accepted))
+
+    def _release(self) -> list[BatchSequence]:
+        done = []
+        for slot, row in enumerate(self.rows):
+            if row is not None and row.finished:
+                self.rows[slot] = None
+                self.cache.lengths[slot] = 0
+                done.append(row)
+        return done
+
+    def _view(self, high: int) -> KVCache:
+        # One view object per width, so the target's binding is reused across rounds.
+        if high not in self._views:
+            self._views[high] = KVCache(
+                keys=[k[:high] for k in self.cache.keys],
+                values=[v[:high] for v in self.cache.values],
+                lengths=self.cache.lengths[:high],
+                spare_slots=self.cache.spare_slots,
+            )
+        return self._views[high]
+
+
+def _choose(logits: np.ndarray, sampling: SamplingParams, rng: np.random.Generator) -> int:
+    if sampling.greedy:
+        return int(logits.argmax())
+    return int(sample(sampling_probs(logits[None], sampling), rng)[0])
