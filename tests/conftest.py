@@ -10,6 +10,10 @@ import pytest
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
 SHARED = Path(__file__).resolve().parents[2] / "shared"
 MAX_CONTEXT = 128
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n"
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
 
 
 @pytest.fixture(scope="session")
@@ -175,3 +179,22 @@ def head_artifacts(head_target, head_dirs, tmp_path_factory) -> dict[str, Path]:
         name: export_target(head_target, root / name, max_context=96, drafter=spec)
         for name, spec in specs.items()
     }
+
+
+@pytest.fixture(scope="session")
+def chat_artifact(checkpoints, tmp_path_factory):
+    """The llama checkpoint with a chat template in its tokenizer_config.json, exported."""
+    import json
+    import shutil
+
+    from specx.export.target_export import export_target
+
+    root = tmp_path_factory.mktemp("chat")
+    checkpoint = shutil.copytree(checkpoints["llama"], root / "checkpoint")
+    config = {
+        "chat_template": CHAT_TEMPLATE,
+        "bos_token": {"content": "<|endoftext|>"},
+        "eos_token": "<|endoftext|>",
+    }
+    (checkpoint / "tokenizer_config.json").write_text(json.dumps(config))
+    return export_target(checkpoint, root / "artifact", max_context=128)

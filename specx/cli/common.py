@@ -44,6 +44,7 @@ NATURAL = IntRange(min=0)
 EXTRA_MODULES = {
     "export": ("torch", "onnx", "onnxscript", "onnx_ir", "transformers", "safetensors"),
     "gpu": ("tensorrt", "triton", "polygraphy"),
+    "serve": ("fastapi", "uvicorn"),
 }
 
 

@@ -6,13 +6,14 @@ and draws its first token; `step` runs one round for every running sequence: eac
 own drafter proposes (sized by its own controller), the target verifies every tree in
 one forward, and each sequence is verified under its own sampling parameters and random
 stream, exactly as `generate_speculative` verifies a row. A sequence that finished (eos,
-its token budget, or its sink said stop) frees its slot for the next `admit`.
+its token budget, or its sink said stop) frees its slot for the next `admit`. A sequence
+drafts only while the batch runs at most its `max_batch_spec` sequences (the batch-size
+switch of `generate_speculative`, per sequence).
 
 Why per-sequence drafters: a joining request must not reset the others' draft state, and
 the drafters keep per-batch state from `start`; so each sequence gets a drafter of its own
 (batch 1; the caller pools them), and drafting is one call per sequence per round rather
-than one per batch. Verification, the expensive part, stays batched. Where more
-sequences run than `max_batch_spec`, nobody drafts that round (a plain step for all).
+than one per batch. Verification, the expensive part, stays batched.
 
 The forward covers slots [0, highest running slot]; free slots below it ride along at
 length 0 (their rows are overwritten at the next admit), so new requests take the lowest
@@ -40,7 +41,7 @@ from specx.runtime.verification import RandomCoin, verify
 __all__ = ["BatchSequence", "ContinuousBatch"]
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity: the batch's rows are these objects
 class BatchSequence:
     """One request in the batch: its prompt, budget, sampling, drafter and token sink."""
 
@@ -51,8 +52,10 @@ class BatchSequence:
     sink: TokenSink  # gets each round's tokens; returning False ends the sequence
     drafter: Drafter | None = None  # its own (batch 1); None decodes plainly
     controller: AdaptiveController | None = None  # sizes its drafts; None keeps them whole
+    max_batch_spec: int | None = None  # drafts only while the batch runs at most this many
     emitted: list[int] = field(default_factory=list)
     stats: AcceptanceStats = field(default_factory=AcceptanceStats)
+    drafted: int = 0  # draft nodes the target verified
     finished: bool = False
 
     def __post_init__(self) -> None:
@@ -78,10 +81,8 @@ class BatchSequence:
 class ContinuousBatch:
     """The running batch (see the module docstring)."""
 
-    def __init__(
-        self, target: DecoderBackend, slots: int, max_batch_spec: int | None = None
-    ) -> None:
-        self.target, self.max_batch_spec = target, max_batch_spec
+    def __init__(self, target: DecoderBackend, slots: int) -> None:
+        self.target = target
         self.cache: KVCache = target.allocate_cache(slots)
         self.rows: list[BatchSequence | None] = [None] * slots
         self._views: dict[int, KVCache] = {}
@@ -162,10 +163,11 @@ class ContinuousBatch:
         """Each running sequence's proposal and the prefix it keeps this round."""
         proposed = [EMPTY_DRAFT] * len(rows)
         kept = [EMPTY_DRAFT] * len(rows)
-        if self.max_batch_spec is not None and self.running > self.max_batch_spec:
-            return proposed, kept
+        running = self.running
         for b, row in enumerate(rows):
             if row is None or row.drafter is None:
+                continue
+            if row.max_batch_spec is not None and running > row.max_batch_spec:
                 continue
             active = np.ones(1, dtype=bool)
             if row.controller is None:
@@ -193,6 +195,7 @@ class ContinuousBatch:
             taps = None if output.taps is None else output.taps[b, path]
             row.drafter.accept(0, proposed, verdict.accepted, taps)
         count = row.emit(verdict.emitted(draft))
+        row.drafted += len(draft)
         depth = depth_of(draft)
         row.stats.record(depth, min(len(verdict.accepted), count - 1))
         if row.controller is not None:

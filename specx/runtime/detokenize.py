@@ -63,8 +63,8 @@ class TextStream:
         return 0
 
     def finish(self) -> str:
-        """The text still held back, once the sequence has ended."""
-        return self._take(len(self.text.rstrip("\ufffd") if not self.stopped else self.text))
+        """The text still held back, once the sequence has ended (nothing more will come)."""
+        return self._take(len(self.text))
 
     def _take(self, upto: int) -> str:
         delta = self.text[self._shown : upto] if upto > self._shown else ""

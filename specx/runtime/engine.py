@@ -186,8 +186,9 @@ class Engine:
         self.tokenizer = TextTokenizer(file) if file else None
         chat = manifest.chat_template_file
         self.chat_template = ChatTemplate.load(chat) if chat else None
-        self._lock = threading.Lock()
-        self._drafters: dict[tuple, Any] = {}
+        self.lock = threading.Lock()  # held by whoever runs the target (one at a time)
+        self._drafters: dict[tuple, list[Any]] = {}  # plan key -> drafters not in use
+        self._pool_lock = threading.Lock()
 
     @property
     def name(self) -> str:
@@ -198,6 +199,10 @@ class Engine:
     def capacity(self) -> int:
         """Prompt + generated tokens one sequence may hold."""
         return self.target.capacity
+
+    def decode_text(self, ids: list[int]) -> str:
+        """Text of generated ids (special tokens skipped); "" without a tokenizer."""
+        return self.tokenizer.decode(ids) if self.tokenizer else ""
 
     def encode(self, prompt: Prompt) -> list[int]:
         """Token ids of a text prompt (special tokens added), or the ids given."""
@@ -334,13 +339,12 @@ class Engine:
         return _Request(ids, max_new_tokens, sampling, tuple(stop), eos, speculation)
 
     def _text_stream(self, request: _Request) -> TextStream:
-        decode = self.tokenizer.decode if self.tokenizer else (lambda ids: "")
-        return TextStream(decode, request.stop)
+        return TextStream(self.decode_text, request.stop)
 
     def _decode(
         self, request: _Request, sink: TokenSink | None, progress: Progress | None
     ) -> GenerationResult:
-        with self._lock:
+        with self.lock:
             if request.speculation is None:
                 result = generate_plain(
                     self.target,
@@ -392,20 +396,11 @@ class Engine:
 
     def _speculative(self, request: _Request, sink, progress) -> GenerationResult:
         plan = self.plan(request.speculation, request.sampling)
-        if plan.key not in self._drafters:
-            self._drafters[plan.key] = self.new_drafter(plan)
-        result = generate_speculative(
-            self.target,
-            self._drafters[plan.key],
-            request.prompts,
-            request.max_new_tokens,
-            request.sampling,
-            request.eos,
-            plan.max_batch_spec,
-            progress=progress,
-            controller=plan.controller(),
-            sink=sink,
-        )
+        drafter = self.take_drafter(plan)
+        try:
+            result = self._run_speculative(request, plan, drafter, sink, progress)
+        finally:
+            self.give_back(plan, drafter)
         calibrated = plan.calibrated
         if calibrated is not None:
             result.stats["calibration"] = {
@@ -419,6 +414,37 @@ class Engine:
                     calibrated.max_batch_spec, len(request.prompts)
                 )
         return result
+
+    def _run_speculative(self, request, plan, drafter, sink, progress) -> GenerationResult:
+        return generate_speculative(
+            self.target,
+            drafter,
+            request.prompts,
+            request.max_new_tokens,
+            request.sampling,
+            request.eos,
+            plan.max_batch_spec,
+            progress=progress,
+            controller=plan.controller(),
+            sink=sink,
+        )
+
+    def take_drafter(self, plan: DraftPlan):
+        """A drafter for `plan` not in use: a pooled one, else a new one (`give_back` it)."""
+        with self._pool_lock:
+            pool = self._drafters.setdefault(plan.key, [])
+            if pool:
+                return pool.pop()
+        return self.new_drafter(plan)
+
+    def give_back(self, plan: DraftPlan, drafter) -> None:
+        """Returns a drafter to the pool for the next request with the same plan."""
+        with self._pool_lock:
+            self._drafters.setdefault(plan.key, []).append(drafter)
+
+    def check_drafter(self, plan: DraftPlan) -> None:
+        """Raises SpecxError now if `plan`'s drafter cannot be built (built once, pooled)."""
+        self.give_back(plan, self.take_drafter(plan))
 
     def _completions(
         self, request: _Request, result: GenerationResult, texts: list[TextStream]

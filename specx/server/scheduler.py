@@ -1,0 +1,238 @@
+"""The server's decoding thread: a bounded queue in front of one `ContinuousBatch`.
+
+Requests are admitted into free KV slots between rounds (continuous batching, see
+`specx.runtime.continuous`); when every slot is taken they wait in a queue of bounded
+length, and past it `submit` raises `QueueFull` (the HTTP layer answers 503 with
+Retry-After). Each job's events (tokens with their text, then its end) are handed to its
+`deliver` callback from this thread; a cancelled job (the client went away) ends at the
+next round and frees its slot. Each running request has a drafter of its own, taken from
+the engine's pool for its drafting plan and given back when it ends.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from specx.errors import SpecxError
+from specx.runtime.continuous import BatchSequence, ContinuousBatch
+from specx.runtime.detokenize import TextStream
+from specx.runtime.engine import DraftPlan, Engine
+from specx.runtime.sampling import SamplingParams
+from specx.server.metrics import Metrics
+
+__all__ = ["Finished", "Job", "QueueFull", "Scheduler", "TokensEvent"]
+
+logger = logging.getLogger("specx")
+
+
+class QueueFull(SpecxError):
+    """Every slot is busy and the queue is at its bound: retry later."""
+
+
+@dataclass(frozen=True)
+class TokensEvent:
+    """A round's tokens for one request and the text they made final."""
+
+    tokens: list[int]
+    text: str
+
+
+@dataclass(frozen=True)
+class Finished:
+    """A request's end: its whole result."""
+
+    tokens: list[int]
+    text: str
+    tail: str  # text held back until the end (not yet in any TokensEvent)
+    finish_reason: str  # "stop" | "length" | "cancelled" | "error"
+    prompt_tokens: int
+    rounds: int
+    drafted: int
+    accepted: int
+    acceptance_length: float
+    acceptance_by_position: list[float]
+    error: str | None = None
+
+
+@dataclass
+class Job:
+    """One request: what to decode and where its events go."""
+
+    prompt: list[int]
+    max_new_tokens: int
+    sampling: SamplingParams
+    stop: tuple[str, ...]
+    eos: frozenset[int]
+    plan: DraftPlan | None
+    deliver: Callable[[TokensEvent | Finished], None]  # called from the scheduler thread
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    submitted: float = field(default_factory=time.perf_counter)
+
+
+class Scheduler:
+    """Owns the engine's target while serving (see the module docstring)."""
+
+    def __init__(self, engine: Engine, slots: int, queue_size: int, metrics: Metrics):
+        self.engine, self.queue_size, self.metrics = engine, queue_size, metrics
+        self.batch = ContinuousBatch(engine.target, slots)
+        self._waiting: deque[Job] = deque()
+        self._running: dict[int, tuple[Job, BatchSequence, TextStream]] = {}
+        self._cond = threading.Condition()
+        self._closing = False
+        self._thread = threading.Thread(target=self._run, name="specx-scheduler", daemon=True)
+        metrics.slots = slots
+
+    def start(self) -> None:  # noqa: D102
+        self._thread.start()
+
+    def close(self) -> None:
+        """Stops the thread after its current round; waiting jobs end as cancelled."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify()
+        self._thread.join()
+
+    def check(self, job: Job) -> None:
+        """Refuses a job that cannot fit a slot (GenerationError), before it is queued."""
+        probe = BatchSequence(job.prompt, job.max_new_tokens, job.sampling, job.eos, _keep)
+        self.batch.check(probe)
+
+    def submit(self, job: Job) -> None:
+        """Queues `job`; raises QueueFull when the queue is at its bound."""
+        with self._cond:
+            self._drop_cancelled()  # a client that left gives its place back at once
+            if len(self._waiting) >= self.queue_size:
+                raise QueueFull(f"{len(self._waiting)} requests are waiting; retry later")
+            self._waiting.append(job)
+            self.metrics.queue_depth = len(self._waiting)
+            self._cond.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not (self._waiting or self.batch.running or self._closing):
+                    self._cond.wait()
+                if self._closing:
+                    break
+                self._drop_cancelled()
+                admit = []
+                while self._waiting and self.batch.free - len(admit) > 0:
+                    admit.append(self._waiting.popleft())
+                self.metrics.queue_depth = len(self._waiting)
+            try:
+                with self.engine.lock:
+                    for job in admit:
+                        self._admit(job)
+                    self._round()
+            except Exception as e:  # noqa: BLE001 - the server must keep serving
+                logger.exception("decoding round failed")
+                for slot in list(self._running):
+                    self._end(slot, "error", str(e))
+        for job in self._waiting:
+            self._finish(job, _cancelled(job))
+
+    def _drop_cancelled(self) -> None:
+        for job in [j for j in self._waiting if j.cancelled.is_set()]:
+            self._waiting.remove(job)
+            self._finish(job, _cancelled(job))
+        self.metrics.queue_depth = len(self._waiting)
+
+    def _finish(self, job: Job, done: Finished) -> None:
+        self.metrics.finished(done)
+        job.deliver(done)
+
+    def _admit(self, job: Job) -> None:
+        if job.cancelled.is_set():
+            self._finish(job, _cancelled(job))
+            return
+        text = TextStream(self.engine.decode_text, job.stop)
+        drafter = self._take_drafter(job.plan)
+
+        def sink(_row: int, tokens: list[int]) -> bool:
+            before = len(text.tokens)
+            delta = text.push(tokens)
+            job.deliver(TokensEvent(text.tokens[before:], delta))
+            return not (text.stopped or job.cancelled.is_set())
+
+        sequence = BatchSequence(
+            job.prompt,
+            job.max_new_tokens,
+            job.sampling,
+            job.eos,
+            sink,
+            drafter,
+            None if job.plan is None else job.plan.controller(),
+            None if job.plan is None else job.plan.max_batch_spec,
+        )
+        try:
+            slot = self.batch.admit(sequence)
+        except SpecxError as e:
+            self._give_back(job.plan, drafter)
+            self._finish(job, _failed(job, str(e)))
+            return
+        self._running[slot] = (job, sequence, text)
+        self.metrics.admitted(time.perf_counter() - job.submitted)
+
+    def _round(self) -> None:
+        started = time.perf_counter()
+        draft_s, verify_s = self.batch.draft_s, self.batch.verify_s
+        finished = self.batch.step()
+        for slot in [s for s, (_, seq, _) in self._running.items() if seq in finished]:
+            job, _, text = self._running[slot]
+            reason = "cancelled" if job.cancelled.is_set() and not text.stopped else None
+            self._end(slot, reason)
+        self.metrics.round(
+            self.batch.running,
+            time.perf_counter() - started,
+            self.batch.draft_s - draft_s,
+            self.batch.verify_s - verify_s,
+        )
+
+    def _end(self, slot: int, reason: str | None, error: str | None = None) -> None:
+        job, sequence, text = self._running.pop(slot)
+        if error is not None:  # the batch is in an unknown state for this row: free it
+            self.batch.rows[slot] = None
+        tokens = sequence.emitted[: len(text.tokens)] if text.stopped else sequence.emitted
+        if reason is None:
+            stopped = text.stopped or (tokens and tokens[-1] in job.eos)
+            reason = "stop" if stopped else "length"
+        summary = sequence.stats.summary()
+        done = Finished(
+            tokens=list(tokens),
+            text=text.text,
+            tail=text.finish(),
+            finish_reason=reason,
+            prompt_tokens=len(job.prompt),
+            rounds=summary["rounds"],
+            drafted=sequence.drafted,
+            accepted=summary["accepted_tokens"],
+            acceptance_length=summary["acceptance_length"],
+            acceptance_by_position=summary["acceptance_by_position"],
+            error=error,
+        )
+        self._give_back(job.plan, sequence.drafter)
+        self._finish(job, done)
+
+    def _take_drafter(self, plan: DraftPlan | None):
+        return None if plan is None else self.engine.take_drafter(plan)
+
+    def _give_back(self, plan: DraftPlan | None, drafter) -> None:
+        if plan is not None and drafter is not None:
+            self.engine.give_back(plan, drafter)
+
+
+def _keep(_row: int, _tokens: list[int]) -> bool:
+    return True
+
+
+def _cancelled(job: Job) -> Finished:
+    return Finished([], "", "", "cancelled", len(job.prompt), 0, 0, 0, 0.0, [])
+
+
+def _failed(job: Job, error: str) -> Finished:
+    return Finished([], "", "", "error", len(job.prompt), 0, 0, 0, 0.0, [], error)

@@ -1,0 +1,214 @@
+"""`specx serve`: real servers on 127.0.0.1, real HTTP (httpx and the openai client)."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+
+import pytest
+
+import specx
+
+httpx = pytest.importorskip("httpx")
+uvicorn = pytest.importorskip("uvicorn")
+from specx.server.app import ServeOptions, create_app  # noqa: E402
+
+PROMPTS = [[5, 9, 5, 9, 5, 9, 13], [7, 3, 11], [2, 4, 6, 8, 2, 4, 6, 8, 2], [1, 2, 3, 4, 5]]
+
+
+@contextmanager
+def serving(artifact, step_s: float = 0.0, **options):
+    """A real server on a free 127.0.0.1 port; yields its base URL, stops on exit.
+
+    `step_s` slows every target forward down, so requests stay in flight while a test
+    acts on them (the tiny model decodes 100 tokens in a blink).
+    """
+    engine = specx.load(artifact, threads=2)
+    if step_s:
+        forward = engine.target.forward
+
+        def slow(*args, **kwargs):
+            time.sleep(step_s)
+            return forward(*args, **kwargs)
+
+        engine.target.forward = slow
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    config = uvicorn.Config(
+        create_app(engine, ServeOptions(**options)), host="127.0.0.1", port=port,
+        log_level="error",
+    )  # fmt: skip
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{port}", engine
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def server(artifacts):
+    with serving(artifacts["llama"], slots=4, queue_size=64, drafter="ngram") as running:
+        yield running
+
+
+def complete(url, **body):
+    response = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def stream(url, path="/v1/completions", **body):
+    """(concatenated text, token ids, the last chunk, number of [DONE])."""
+    text, tokens, last, done = "", [], None, 0
+    with httpx.stream("POST", f"{url}{path}", json={**body, "stream": True}, timeout=60) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if not line:
+                continue
+            payload = line.removeprefix("data: ")
+            if payload == "[DONE]":
+                done += 1
+                continue
+            last = json.loads(payload)
+            choice = last["choices"][0]
+            text += choice.get("text") or choice.get("delta", {}).get("content") or ""
+            tokens += choice["token_ids"]
+    return text, tokens, last, done
+
+
+def test_concurrent_greedy_requests_equal_generate(server):
+    url, engine = server
+    cases = [
+        (prompt, tokens, drafter)
+        for prompt, tokens in zip(PROMPTS, (24, 5, 17, 30), strict=True)
+        for drafter in (None, "ngram", "suffix")
+    ]
+    expected = [engine.generate(p, max_new_tokens=n).tokens for p, n, _ in cases]
+    sampled = {"temperature": 0.8, "top_p": 0.9, "seed": 7, "max_tokens": 12, "prompt": [3, 1]}
+
+    def run(case):
+        prompt, tokens, drafter = case
+        return complete(url, prompt=prompt, max_tokens=tokens, temperature=0, drafter=drafter)
+
+    with ThreadPoolExecutor(8) as pool:
+        sampled_runs = [pool.submit(complete, url, **sampled) for _ in range(2)]
+        results = list(pool.map(run, cases))
+    for result, tokens, (_, _, drafter) in zip(results, expected, cases, strict=True):
+        choice = result["choices"][0]
+        assert choice["token_ids"] == tokens, drafter
+        assert choice["text"] == engine.decode_text(tokens)
+        assert result["usage"]["completion_tokens"] == len(tokens)
+        assert result["speculative"]["acceptance_length"] >= 1.0
+    first, second = (f.result()["choices"][0]["token_ids"] for f in sampled_runs)
+    assert first == second and len(first) == 12  # a seed reproduces a sampled response
+
+
+def test_streamed_chunks_concatenate_to_the_response(server):
+    url, _ = server
+    for drafter in (None, "ngram"):
+        body = {"prompt": "def f(x):", "max_tokens": 20, "temperature": 0, "drafter": drafter}
+        whole = complete(url, **body)["choices"][0]
+        text, tokens, last, done = stream(url, **body)
+        assert (text, tokens) == (whole["text"], whole["token_ids"]) and done == 1
+        assert last["choices"][0]["finish_reason"] == whole["finish_reason"]
+        assert last["usage"]["completion_tokens"] == len(tokens)
+
+
+def test_chat_completions_with_the_openai_client(chat_artifact):
+    openai = pytest.importorskip("openai")
+    messages = [{"role": "user", "content": "Sort a list"}]
+    with serving(chat_artifact, slots=2) as (url, engine):
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused")
+        assert [m.id for m in client.models.list().data] == [engine.name]
+        answer = client.chat.completions.create(
+            model=engine.name, messages=messages, max_tokens=10, temperature=0
+        )
+        expected = engine.chat(messages, max_new_tokens=10)
+        assert answer.choices[0].message.content == expected.text
+        assert answer.usage.prompt_tokens == len(expected.prompt_tokens)
+        parts = client.chat.completions.create(
+            model=engine.name, messages=messages, max_tokens=10, temperature=0, stream=True
+        )
+        assert "".join(p.choices[0].delta.content or "" for p in parts) == expected.text
+        text = client.completions.create(model=engine.name, prompt="x = ", max_tokens=6)
+        assert text.choices[0].finish_reason in ("stop", "length")
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "message"),
+    [
+        (b"{not json", 400, "not valid JSON"),
+        ({"model": "gpt-4", "prompt": "x"}, 404, "does not exist"),
+        ({"prompt": [1] * 200}, 400, "capacity"),
+        ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens must be > 0"),
+        ({"prompt": "x", "temperature": -0.5}, 400, "temperature must be >= 0"),
+        ({"prompt": "x", "top_p": 1.5}, 400, "top_p must be in (0, 1]"),
+        ({"prompt": "x", "top_p": 0}, 400, "top_p must be in (0, 1]"),
+        ({"prompt": ""}, 400, "prompt must be"),
+        ({"prompt": "x", "drafter": "telepathy"}, 400, "unknown drafter"),
+        ({"prompt": "x", "n": 2}, 400, "n must be 1"),
+        ({"prompt": "x" * (2 << 20)}, 413, "over"),
+    ],
+)
+def test_bad_requests_get_a_4xx_json_error_and_the_server_keeps_serving(
+    server, body, status, message
+):
+    url, _ = server
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    response = httpx.post(f"{url}/v1/completions", content=content, timeout=60)
+    assert response.status_code == status
+    assert message in response.json()["error"]["message"]
+    assert httpx.get(f"{url}/health").json()["status"] == "ok"
+    assert complete(url, prompt=[1, 2], max_tokens=2)["usage"]["completion_tokens"] == 2
+
+
+def test_a_client_disconnect_frees_its_slot_and_a_full_queue_answers_503(artifacts):
+    with serving(artifacts["llama"], step_s=0.02, slots=1, queue_size=1) as (url, _):
+        body = {"prompt": [5, 9], "max_tokens": 100, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as long:
+            lines = long.iter_lines()  # kept: a dropped iterator closes the connection
+            next(lines)  # running: it holds the only slot
+            with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as queued:
+                full = httpx.post(f"{url}/v1/completions", json={"prompt": "x"}, timeout=60)
+                assert full.status_code == 503 and full.headers["Retry-After"] == "1"
+                assert "retry later" in full.json()["error"]["message"]
+                queued.close()
+            long.close()  # both clients leave mid-stream
+        done = complete(url, prompt=[1, 2], max_tokens=3)  # the slot is free again
+        assert done["usage"]["completion_tokens"] == 3
+        metrics = httpx.get(f"{url}/metrics").text
+        assert 'specx_finished_total{reason="cancelled"} 2' in metrics
+        assert "specx_batch_running 0" in metrics and "specx_queue_depth 0" in metrics
+
+
+def test_64_concurrent_streams_all_complete_once(artifacts):
+    with serving(artifacts["llama"], slots=8, queue_size=64, drafter="ngram") as (url, engine):
+        lengths = [4 + (i * 7) % 20 for i in range(64)]
+        prompts = [PROMPTS[i % len(PROMPTS)] + [i % 50 + 1] for i in range(64)]
+        expected = [
+            engine.generate(p, max_new_tokens=n, ignore_eos=True).tokens
+            for p, n in zip(prompts, lengths, strict=True)
+        ]
+
+        def run(i):
+            body = {"prompt": prompts[i], "max_tokens": lengths[i], "temperature": 0}
+            return stream(url, **body, ignore_eos=True)
+
+        with ThreadPoolExecutor(64) as pool:
+            results = list(pool.map(run, range(64)))
+        for (_, tokens, last, done), want in zip(results, expected, strict=True):
+            assert tokens == want and done == 1 and last["choices"][0]["finish_reason"]
+        metrics = httpx.get(f"{url}/metrics").text
+        assert 'specx_finished_total{reason="length"} 64' in metrics
