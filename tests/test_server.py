@@ -212,3 +212,113 @@ def test_64_concurrent_streams_all_complete_once(artifacts):
             assert tokens == want and done == 1 and last["choices"][0]["finish_reason"]
         metrics = httpx.get(f"{url}/metrics").text
         assert 'specx_finished_total{reason="length"} 64' in metrics
+
+
+def test_ray_serve_replicas_share_the_load_and_survive_a_killed_replica(artifacts):
+    """2 replicas on a local Ray instance; one is killed mid-load."""
+    ray = pytest.importorskip("ray")
+    pytest.importorskip("ray.serve")
+    from ray import serve
+
+    from specx.server.ray_serve import RayOptions, deploy
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    options = ServeOptions(slots=1, queue_size=64)  # one slot: requests stay in flight
+    url = deploy(artifacts["llama"], 1, options, RayOptions(replicas=2, port=port))
+    try:
+        _ray_load_with_a_kill(ray, url)
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def _ray_load_with_a_kill(ray, url):
+    body = {"max_tokens": 60, "temperature": 0, "ignore_eos": True, "stream": True}
+    opened = []
+    with ThreadPoolExecutor(48) as pool:
+
+        def run(i):
+            prompt = PROMPTS[i % len(PROMPTS)] + [i % 50 + 1]
+            out = {"prompt": prompt, "tokens": [], "done": 0, "error": None}
+            with httpx.stream("POST", f"{url}/v1/completions", json={**body, "prompt": prompt},
+                              timeout=120) as r:  # fmt: skip
+                out["status"], out["replica"] = r.status_code, r.headers.get("x-specx-replica")
+                opened.append(out["replica"])
+                for line in r.iter_lines():
+                    payload = line.removeprefix("data: ")
+                    if not line or payload == "[DONE]":
+                        out["done"] += payload == "[DONE]"
+                        continue
+                    chunk = json.loads(payload)
+                    if "error" in chunk:
+                        out["error"] = chunk["error"]
+                    else:
+                        out["tokens"] += chunk["choices"][0]["token_ids"]
+            return out
+
+        futures = [pool.submit(run, i) for i in range(48)]
+        deadline = time.monotonic() + 60
+        while len(opened) < 48 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        victim = max(set(opened), key=opened.count)  # the replica with most requests open
+        ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
+        results = [f.result() for f in futures]
+    assert len(set(opened)) == 2, "Ray routed every request to one replica"
+    failed = [r for r in results if r["error"] is not None]
+    assert failed and all(r["replica"] == victim for r in failed)
+    for r in failed:  # a clear, retryable error, never a silent truncation
+        assert r["error"]["type"] == "replica_unavailable" and "retry" in r["error"]["message"]
+        assert r["done"] == 0
+    survivors = [r for r in results if r["error"] is None]
+    assert survivors and all(r["done"] == 1 and len(r["tokens"]) == 60 for r in survivors)
+    deadline = time.monotonic() + 60  # the deployment recovers: a new replica replaces it
+    while True:
+        again = httpx.post(
+            f"{url}/v1/completions", json={"prompt": [1, 2], "max_tokens": 3}, timeout=60
+        )
+        if again.status_code == 200 and again.headers["x-specx-replica"] != victim:
+            break
+        assert time.monotonic() < deadline, again.text
+        time.sleep(0.5)
+    assert again.json()["usage"]["completion_tokens"] == 3
+
+
+def test_the_serve_command_serves_and_refuses_bad_options(artifacts, tmp_path):
+    import subprocess
+    import sys
+
+    from click.testing import CliRunner
+
+    from specx.cli import main
+
+    for args, message in [
+        ([str(tmp_path)], "not a specx artifact"),
+        ([str(artifacts["llama"]), "--drafter", "telepathy"], "unknown drafter"),
+        ([str(artifacts["llama"]), "--replicas", "3"], "--replicas applies only to --ray"),
+    ]:
+        result = CliRunner().invoke(main, ["serve", *args])
+        assert result.exit_code == 2 and message in result.output, result.output
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    command = [sys.executable, "-m", "specx.cli", "serve", str(artifacts["llama"]), "--port",
+               str(port), "--threads", "2", "--drafter", "suffix"]  # fmt: skip
+    server = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert server.poll() is None, server.stderr.read()
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "specx serve did not come up"
+            time.sleep(0.2)
+        done = complete(f"http://127.0.0.1:{port}", prompt=[5, 9, 5, 9], max_tokens=8)
+        assert done["usage"]["completion_tokens"] == 8 and done["speculative"]["rounds"] >= 1
+    finally:
+        server.terminate()
+        server.wait(timeout=30)

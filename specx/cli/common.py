@@ -45,6 +45,7 @@ EXTRA_MODULES = {
     "export": ("torch", "onnx", "onnxscript", "onnx_ir", "transformers", "safetensors"),
     "gpu": ("tensorrt", "triton", "polygraphy"),
     "serve": ("fastapi", "uvicorn"),
+    "ray": ("ray",),
 }
 
 

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import click
 
-from specx.cli.common import POSITIVE, progress, require_extra
+from specx.cli.common import POSITIVE, only_applies, passed, progress, require_extra
+from specx.errors import SpecxError
 
 __all__ = ["COMMANDS", "serve"]
 
@@ -39,7 +40,25 @@ __all__ = ["COMMANDS", "serve"]
     "--max-body-bytes", type=POSITIVE, default=1 << 20, show_default=True, help="413 beyond."
 )
 @click.option("--threads", type=POSITIVE, default=None, help="ONNX Runtime threads.")
+@click.option(
+    "--ray",
+    "on_ray",
+    is_flag=True,
+    help="Deploy on Ray Serve: --replicas replicas behind one HTTP gateway (needs ray[serve]).",
+)
+@click.option("--replicas", type=POSITIVE, default=2, show_default=True, help="With --ray.")
+@click.option(
+    "--address",
+    default=None,
+    help="With --ray: the Ray cluster to join ('auto' or HOST:PORT) [default: start a local one].",
+)
+@click.option(
+    "--cpus-per-replica", type=click.FloatRange(0), default=1.0, show_default=True,
+    help="With --ray: CPUs Ray reserves for each replica.",
+)  # fmt: skip
+@click.pass_context
 def serve(
+    ctx: click.Context,
     artifact_dir: Path,
     host: str,
     port: int,
@@ -48,6 +67,10 @@ def serve(
     drafter: str | None,
     max_body_bytes: int,
     threads: int | None,
+    on_ray: bool,
+    replicas: int,
+    address: str | None,
+    cpus_per_replica: float,
 ) -> None:
     """Serve ARTIFACT_DIR over an OpenAI-compatible HTTP API.
 
@@ -55,18 +78,48 @@ def serve(
     /metrics; concurrent requests are decoded together (continuous batching).
     """
     require_extra("serve", "serve")
-    import uvicorn
-
+    ray_only = passed(ctx, "replicas", "address", "cpus_per_replica")
+    if ray_only and not on_ray:
+        raise SpecxError(only_applies(ray_only, "--ray"))
+    if on_ray:
+        require_extra("serve --ray", "ray")
     from specx.runtime.engine import Speculation, load
     from specx.runtime.sampling import SamplingParams
-    from specx.server.app import ServeOptions, create_app
+    from specx.server.service import ServeOptions
 
-    engine = load(artifact_dir, threads=threads)
+    engine = load(artifact_dir, threads=threads)  # checked here, before any replica starts
     if drafter is not None:  # a bad default is refused now, not on the first request
         engine.check_drafter(engine.plan(Speculation(drafter), SamplingParams()))
     options = ServeOptions(slots, queue_size, drafter, max_body_bytes)
+    if on_ray:
+        _serve_on_ray(artifact_dir, threads, options, replicas, address, cpus_per_replica,
+                      host, port)  # fmt: skip
+        return
+    import uvicorn
+
+    from specx.server.app import create_app
+
     progress(f"serving {engine.name} on http://{host}:{port} ({slots} slots, drafter {drafter})")
     uvicorn.run(create_app(engine, options), host=host, port=port, log_level="warning")
+
+
+def _serve_on_ray(artifact_dir, threads, options, replicas, address, cpus, host, port) -> None:
+    import signal
+    import threading
+
+    from specx.server.ray_serve import RayOptions, deploy
+
+    url = deploy(artifact_dir, threads, options, RayOptions(replicas, address, cpus, host, port))
+    progress(f"serving on Ray Serve at {url} ({replicas} replicas); Ctrl-C stops it")
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        stop.wait()
+    except KeyboardInterrupt:
+        pass
+    from ray import serve as ray_serve
+
+    ray_serve.shutdown()
 
 
 COMMANDS = (serve,)

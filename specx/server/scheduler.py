@@ -90,6 +90,11 @@ class Scheduler:
     def start(self) -> None:  # noqa: D102
         self._thread.start()
 
+    @property
+    def alive(self) -> bool:
+        """Whether the decoding thread runs (health checks)."""
+        return self._thread.is_alive()
+
     def close(self) -> None:
         """Stops the thread after its current round; waiting jobs end as cancelled."""
         with self._cond:

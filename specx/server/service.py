@@ -1,0 +1,178 @@
+"""Request handling shared by the local server and Ray replicas: bytes in, replies out.
+
+A `Service` owns an engine's scheduler and metrics. `open` checks a raw request body and
+queues its job (or raises `ApiError`, counted); `reply` waits for a non-streamed result;
+`sse` yields a streamed one as server-sent events. Both end the job if their caller goes
+away (`disconnected`, or the coroutine/generator being cancelled or closed), which frees
+its slot at the next round. The HTTP layers (`specx.server.app`, `specx.server.ray_serve`)
+only move bytes and status codes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+
+from specx.errors import SpecxError
+from specx.runtime.engine import Engine, Speculation
+from specx.server.metrics import Metrics
+from specx.server.protocol import (
+    ApiError,
+    GenerateRequest,
+    new_id,
+    parse_request,
+    response_body,
+    stream_chunk,
+)
+from specx.server.scheduler import Finished, Job, QueueFull, Scheduler, TokensEvent
+
+__all__ = ["Opened", "Reply", "ServeOptions", "Service"]
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    """How the server batches and what it accepts."""
+
+    slots: int = 8  # sequences decoded together (KV cache rows)
+    queue_size: int = 64  # requests waiting for a slot before 503
+    drafter: str | None = None  # default drafting for requests that name none
+    max_body_bytes: int = 1 << 20
+    retry_after_s: int = 1
+
+
+@dataclass(frozen=True)
+class Reply:
+    """A JSON response: status, body and extra headers."""
+
+    status: int
+    body: dict
+    headers: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class Opened:
+    """A queued request: its checked form, job, event queue and response id."""
+
+    request: GenerateRequest
+    job: Job
+    events: asyncio.Queue
+    rid: str
+
+
+class Service:
+    """One engine behind the OpenAI API (see the module docstring)."""
+
+    def __init__(self, engine: Engine, options: ServeOptions):
+        self.engine, self.options = engine, options
+        self.metrics = Metrics()
+        self.scheduler = Scheduler(engine, options.slots, options.queue_size, self.metrics)
+
+    def start(self) -> None:  # noqa: D102
+        self.scheduler.start()
+
+    def close(self) -> None:  # noqa: D102
+        self.scheduler.close()
+
+    def models(self) -> dict:
+        """The /v1/models body."""
+        model = {"id": self.engine.name, "object": "model", "created": 0, "owned_by": "specx",
+                 "max_model_len": self.engine.capacity}  # fmt: skip
+        return {"object": "list", "data": [model]}
+
+    def error(self, e: ApiError, chat: bool) -> Reply:
+        """`e` as a reply, counted (503s carry Retry-After)."""
+        self.metrics.request(_endpoint(chat), e.status)
+        retry = {"Retry-After": str(self.options.retry_after_s)} if e.status == 503 else {}
+        return Reply(e.status, e.body(), retry)
+
+    def open(self, raw: bytes, chat: bool) -> Opened:
+        """Checks and queues a request body; raises ApiError (4xx, or 503 when full)."""
+        if len(raw) > self.options.max_body_bytes:
+            raise ApiError(413, f"the request body is over {self.options.max_body_bytes} bytes")
+        try:
+            body = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise ApiError(400, f"the request body is not valid JSON: {e}") from e
+        request = parse_request(body, chat, self.engine.name, self.options.drafter)
+        job, events = self._job(request)
+        try:
+            self.scheduler.check(job)
+            self.scheduler.submit(job)
+        except QueueFull as e:
+            raise ApiError(503, str(e), kind="server_overloaded") from e
+        except SpecxError as e:
+            raise ApiError(400, str(e)) from e
+        self.metrics.request(_endpoint(chat), 200)
+        return Opened(request, job, events, new_id(chat))
+
+    async def reply(self, opened: Opened, disconnected: Callable[[], Awaitable[bool]]) -> Reply:
+        """The non-streamed response; the job ends early if `disconnected()` turns true."""
+        try:
+            while True:
+                try:
+                    event = await asyncio.wait_for(opened.events.get(), timeout=0.25)
+                except TimeoutError:
+                    if await disconnected():
+                        return Reply(499, {})
+                    continue
+                if isinstance(event, Finished):
+                    break
+        finally:
+            opened.job.cancelled.set()  # a no-op once it finished
+        if event.finish_reason == "error":
+            return self.error(ApiError(500, f"decoding failed: {event.error}"), opened.request.chat)
+        return Reply(200, response_body(opened.request, event, self.engine.name, opened.rid))
+
+    async def sse(self, opened: Opened) -> AsyncIterator[str]:
+        """Server-sent events: a chunk per round, the final one with stats, then [DONE]."""
+        request, name, rid, first = opened.request, self.engine.name, opened.rid, True
+        try:
+            while True:
+                event = await opened.events.get()
+                if isinstance(event, TokensEvent):
+                    if event.text or event.tokens:
+                        chunk = stream_chunk(request, name, rid, event.text, event.tokens,
+                                             first=first)  # fmt: skip
+                        first = False
+                        yield f"data: {json.dumps(chunk)}\n\n"
+                    continue
+                if event.finish_reason == "error":
+                    yield f"data: {json.dumps(ApiError(500, str(event.error)).body())}\n\n"
+                else:
+                    chunk = stream_chunk(request, name, rid, event.tail, [], event, first=first)
+                    yield f"data: {json.dumps(chunk)}\n\n"
+                yield "data: [DONE]\n\n"
+                return
+        finally:  # also when the client disconnects: the request ends at the next round
+            opened.job.cancelled.set()
+
+    def _job(self, request: GenerateRequest) -> tuple[Job, asyncio.Queue]:
+        engine = self.engine
+        try:
+            if request.chat:
+                prompt = engine.chat_prompt(request.messages)
+            else:
+                prompt = engine.encode(request.prompt)
+            if request.stop and engine.tokenizer is None:
+                raise ApiError(400, "stop strings need the artifact's tokenizer", "stop")
+            plan = None
+            if request.drafter is not None:
+                plan = engine.plan(Speculation(request.drafter), request.sampling)
+                engine.check_drafter(plan)
+        except SpecxError as e:
+            raise ApiError(400, str(e)) from e
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+        eos = frozenset(() if request.ignore_eos else engine.manifest.model["eos_token_ids"])
+
+        def deliver(event: TokensEvent | Finished) -> None:
+            loop.call_soon_threadsafe(events.put_nowait, event)
+
+        job = Job(prompt, request.max_tokens, request.sampling, request.stop, eos, plan, deliver)
+        return job, events
+
+
+def _endpoint(chat: bool) -> str:
+    return "/v1/chat/completions" if chat else "/v1/completions"
