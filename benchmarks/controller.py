@@ -3,11 +3,18 @@
 For each target (pyref-7m; pyref-deep when `benchmarks/pyref_deep.py` wrote it), drafter
 (ngram, suffix, and every trained head found under --heads: trained against pyref-7m, whose
 last hidden state pyref-deep shares), temperature (0, 0.7, 1.0) and batch (1, 4): plain
-decoding, the drafter at its default configuration with every draft kept (`--fixed-draft`),
-and the default `specx generate` (the adaptive controller), on the ORT-lowered build; groups
-of prompts run interleaved, fastest of --repeats per group; decode time only.
+decoding, the drafter at its default configuration with every draft kept (`--fixed-draft`:
+chains of 4, suffix's 16 nodes), and the default `specx generate` (what `specx.load(...)
+.generate_batch(..., speculation=DRAFTER)` does: the calibration entry nearest the
+temperature when there is one, the controller seeded from it), on the ORT-lowered build;
+groups of prompts run interleaved, fastest of --repeats per group; decode time only. All
+three go through one `Engine`.
 
-    python benchmarks/controller.py [--prompts 8] [--new-tokens 64] [--repeats 2]
+With --calibrate, every drafter but suffix (which sizes its own trees) is first calibrated
+at each temperature (`specx calibrate --temperature T`, batches 1, 2, 4) on --prompts other
+prompts of the same sets, as a deployment would at build time.
+
+    python benchmarks/controller.py [--prompts 8] [--new-tokens 64] [--repeats 2] [--calibrate]
 
 Writes benchmarks/results/controller.json and prints a markdown table.
 """
@@ -56,43 +63,54 @@ def artifacts(work: Path, heads: Path) -> dict[str, dict[str, Path]]:
     return built
 
 
-def measure_cell(target, make_drafter, prompts, batch, sampling, args) -> dict:
-    from specx.runtime.controller import AdaptiveController
-    from specx.runtime.plain_decoding import generate_plain
-    from specx.runtime.speculative_decoding import generate_speculative
+def measure_cell(engine, drafter, prompts, batch, temperature, args) -> dict:
+    from specx.runtime.engine import Speculation
 
-    modes = {
-        "plain": lambda group, s: generate_plain(target, group, args.new_tokens, s),
-        "fixed": lambda group, s: generate_speculative(
-            target, make_drafter(), group, args.new_tokens, s
-        ),
-        "default": lambda group, s: generate_speculative(
-            target, make_drafter(), group, args.new_tokens, s, controller=AdaptiveController()
-        ),
-    }
+    fixed = Speculation(drafter, num_draft_tokens=16 if drafter == "suffix" else 4,
+                        adaptive=False)  # fmt: skip
+    options = {"max_new_tokens": args.new_tokens, "temperature": temperature, "seed": 0,
+               "ignore_eos": True}  # fmt: skip
+    modes = {"plain": None, "fixed": fixed, "default": drafter}
     decode = dict.fromkeys(modes, 0.0)
-    identical, sizes = True, {}
+    identical, sizes, calibration = True, {}, None
     for start in range(0, len(prompts), batch):
         group = prompts[start : start + batch]
-        best: dict[str, object] = {}
+        best: dict[str, list] = {}
         for r in range(args.repeats):
             names = list(modes)[r % 3 :] + list(modes)[: r % 3]
             for name in names:
-                result = modes[name](group, sampling)
-                if name not in best or result.stats["decode_s"] < best[name].stats["decode_s"]:
-                    best[name] = result
-        for name, result in best.items():
-            decode[name] += result.stats["decode_s"]
-        if sampling.greedy:
-            identical &= all(best[m].tokens == best["plain"].tokens for m in ("fixed", "default"))
-        for size, count in best["default"].stats["sizes_chosen"].items():
+                done = engine.generate_batch(group, **options, speculation=modes[name])
+                if name not in best or done[0].stats.decode_s < best[name][0].stats.decode_s:
+                    best[name] = done
+        for name, done in best.items():
+            decode[name] += done[0].stats.decode_s
+        if temperature == 0:
+            plain = [c.tokens for c in best["plain"]]
+            identical &= all([c.tokens for c in best[m]] == plain for m in ("fixed", "default"))
+        stats = best["default"][0].stats
+        calibration = stats.calibration or calibration
+        for size, count in stats.details.get("sizes_chosen", {}).items():
             sizes[size] = sizes.get(size, 0) + count
     return {
         "fixed_speedup": decode["plain"] / decode["fixed"],
         "default_speedup": decode["plain"] / decode["default"],
-        "identical_to_plain": identical if sampling.greedy else None,
+        "identical_to_plain": identical if temperature == 0 else None,
         "default_sizes_chosen": sizes,
+        "calibration_entry": calibration,
+        "default_speculation": stats.speculation,
     }
+
+
+def calibrate(artifact, drafter, temperature, prompts, args) -> None:
+    from specx.calibration.calibrate import CalibrationOptions, calibrate_artifact
+
+    options = CalibrationOptions(
+        drafter=drafter, max_new_tokens=args.new_tokens, batches=(1, 2, 4), repeats=2,
+        threads=args.threads, temperature=temperature,
+    )  # fmt: skip
+    entry = calibrate_artifact(artifact, prompts, options)
+    log(f"  calibrated {drafter} at T={temperature}: {entry['choice']['label']}, "
+        f"max_batch_spec {entry['max_batch_spec']}")  # fmt: skip
 
 
 def main() -> None:
@@ -102,19 +120,19 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--heads", type=Path, default=Path.home() / ".cache/specx/pyref-heads")
+    parser.add_argument("--calibrate", action="store_true", help="calibrate every drafter first")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/controller.json"))
     args = parser.parse_args()
     if not (SHARED / "models" / "pyref-7m" / "config.json").is_file():
         log(f"{SHARED} has no pyref-7m; nothing measured")
         return
-    from specx.artifact import load_manifest
-    from specx.runtime.drafters import DrafterOptions, make_drafter
-    from specx.runtime.ort_target import OrtTarget
-    from specx.runtime.sampling import SamplingParams
+    from specx.runtime.engine import load
 
-    prompts = load_prompts("humaneval.jsonl", args.prompts // 2) + load_prompts(
-        "mt_bench.jsonl", args.prompts - args.prompts // 2
-    )
+    half = args.prompts // 2
+    humaneval = load_prompts("humaneval.jsonl", 2 * half)
+    mt_bench = load_prompts("mt_bench.jsonl", 2 * (args.prompts - half))
+    prompts = humaneval[:half] + mt_bench[: args.prompts - half]
+    held_out = humaneval[half:] + mt_bench[args.prompts - half :]  # calibration's own
     work = Path(tempfile.mkdtemp(prefix="specx-controller-"))
     report: dict = {
         "benchmark": "controller",
@@ -124,19 +142,22 @@ def main() -> None:
         "machine": {"platform": platform.platform(), "threads": args.threads},
         "prompts": len(prompts),
         "new_tokens": args.new_tokens,
+        "calibrated": args.calibrate,
         "results": {},
     }
     for target_name, by_kind in artifacts(work, args.heads).items():
         for kind, artifact in by_kind.items():
-            target = OrtTarget(load_manifest(artifact), threads=args.threads)
             for drafter in ["ngram", "suffix"] if kind == "none" else [kind]:
-                make = lambda d=drafter, t=target: make_drafter(d, t, DrafterOptions())  # noqa: E731
+                if args.calibrate and drafter != "suffix":
+                    for temperature in TEMPERATURES:
+                        calibrate(artifact, drafter, temperature, held_out, args)
+            engine = load(artifact, threads=args.threads)
+            for drafter in ["ngram", "suffix"] if kind == "none" else [kind]:
                 for temperature in TEMPERATURES:
                     for batch in BATCHES:
-                        sampling = SamplingParams(temperature, seed=0)
                         key = f"{target_name} {drafter} T={temperature} batch {batch}"
                         log(key)
-                        row = measure_cell(target, make, prompts, batch, sampling, args)
+                        row = measure_cell(engine, drafter, prompts, batch, temperature, args)
                         report["results"][key] = row
                         log(f"  fixed {row['fixed_speedup']:.2f}x, default "
                             f"{row['default_speedup']:.2f}x")  # fmt: skip
