@@ -130,3 +130,14 @@ def test_a_controller_seeded_with_recorded_costs_drafts_from_its_first_round():
     assert sizes["good"][0] == 8  # deep acceptance, cheap verify: the whole draft at once
     assert sizes["bad"][0] == 0  # nothing is accepted: plain steps from the start
     assert sizes["none"] == [0, 1]  # unseeded: a measured plain step, then a one-node draft
+
+
+def test_peers_that_wait_for_a_draft_raise_the_bar_for_it():
+    """In a continuous batch a row's draft delays every peer: it must pay for the forward."""
+    costs = {1: 1.0, 2: 1.3, 3: 1.4, 5: 1.6, 9: 2.0}
+    recorded = RecordedCosts(costs, draft_s=0.2, acceptance=(0.7, 0.6, 0.5))
+    alone, crowded = AdaptiveController(recorded=recorded), AdaptiveController(recorded=recorded)
+    for controller in (alone, crowded):
+        controller.start(1, 8)
+    assert alone.sizes(np.array([True]))[0] > 0  # 1.7+ tokens per round beats 1 per step
+    assert crowded.sizes(np.array([True]), peers=15)[0] == 0  # not at 16 rows a forward

@@ -174,7 +174,7 @@ class ContinuousBatch:
                 proposed[b] = kept[b] = row.drafter.propose([row.history], active, row.sampling,
                                                             row.rng)[0]  # fmt: skip
                 continue
-            size = int(row.controller.sizes(active)[0])
+            size = int(row.controller.sizes(active, peers=running - 1)[0])
             if size:
                 proposed[b] = row.drafter.propose(
                     [row.history], active, row.sampling, row.rng, budget=size

@@ -19,9 +19,11 @@ cost model T(k) learnt from the loop's own timings,
 
 over k in {0, 1, 2, 4, ...} up to the drafter's budget. In a batch every row uses the
 lowest p_d among the active rows: the batch finishes with its slowest row, so a draft
-size pays only if it pays for that one. A sequence at k = 0 is probed with a one-node
-draft now and then (`AdaptiveController`), so one that becomes predictable gets speculation
-back.
+size pays only if it pays for that one. With P peers (sequences of the same forward that
+have controllers of their own, as in continuous batching), the rate is the forward's:
+(P + 1 + sum ...) / T(k) against (P + 1) / T(0), since every peer waits for this draft.
+A sequence at k = 0 is probed with a one-node draft now and then (`AdaptiveController`), so
+one that becomes predictable gets speculation back.
 
 Seeded with a calibration's recorded costs and acceptance (`RecordedCosts`, from `specx
 calibrate` at the nearest sampling setting), T(k) and p_d start from those measurements
@@ -59,8 +61,12 @@ class Controller(Protocol):
         """Resets per-sequence state for a new batch."""
         ...
 
-    def sizes(self, active: np.ndarray) -> np.ndarray:
-        """[B] nodes each sequence keeps this round (0: no draft); 0 for inactive rows."""
+    def sizes(self, active: np.ndarray, peers: int = 0) -> np.ndarray:
+        """[B] nodes each sequence keeps this round (0: no draft); 0 for inactive rows.
+
+        `peers`: sequences outside this controller decoded in the same forward (continuous
+        batching gives each sequence a controller of its own), who wait for its draft too.
+        """
         ...
 
     def observe(self, row: int, depth: int, accepted: int) -> None:
@@ -103,7 +109,7 @@ class FixedSizes:
     def start(self, batch: int, max_nodes: int) -> None:  # noqa: D102
         self._round = 0
 
-    def sizes(self, active: np.ndarray) -> np.ndarray:  # noqa: D102
+    def sizes(self, active: np.ndarray, peers: int = 0) -> np.ndarray:  # noqa: D102
         size = self.cycle[self._round % len(self.cycle)]
         self._round += 1
         self._chosen[size] += int(active.sum())
@@ -172,9 +178,14 @@ class AdaptiveController:
         self.probing = np.zeros(batch, dtype=bool)
         self.hit = np.zeros(batch, dtype=bool)  # the row's last round accepted a draft token
         self._floor: np.ndarray | None = None
+        self._peers = 0
 
-    def sizes(self, active: np.ndarray) -> np.ndarray:  # noqa: D102
+    def sizes(self, active: np.ndarray, peers: int = 0) -> np.ndarray:  # noqa: D102
         self.round += 1
+        self._peers = peers
+        if len(active) == 1 and self.round < self.next_probe[0]:  # one idle row: the usual case
+            self._chosen[0] += int(active[0])  # of a continuous batch's rows, kept cheap
+            return np.zeros(1, dtype=np.int64)
         chosen = np.zeros(len(active), dtype=np.int64)
         rows = np.flatnonzero(active)
         waiting = (self.next_probe[rows] > 0) & (self.round < self.next_probe[rows])
@@ -230,10 +241,13 @@ class AdaptiveController:
         accept = self._estimates(row) if self._floor is None else self._floor
         reach = np.concatenate([[1.0], np.cumprod(accept)])  # P(accept depth d)
         margin = self.margin if self._floor is None else self.batch_margin
-        best, best_rate = 0, (1.0 + margin) / self.costs.time(0)
+        # Peers emit one token a round whatever this row does, and wait for its draft: the
+        # draft must raise the whole forward's tokens per second, not just this row's.
+        peers = self._peers
+        best, best_rate = 0, (peers + 1.0 + margin) / self.costs.time(0)
         for size in self.candidates[1:]:
             expected = reach[: min(size, self.max_depth) + 1].sum()  # 1 + sum of P(depth d)
-            rate = expected / self.costs.time(size)
+            rate = (peers + expected) / self.costs.time(size)
             if rate > best_rate:
                 best, best_rate = size, rate
         return best

@@ -189,6 +189,7 @@ class Engine:
         self.lock = threading.Lock()  # held by whoever runs the target (one at a time)
         self._drafters: dict[tuple, list[Any]] = {}  # plan key -> drafters not in use
         self._pool_lock = threading.Lock()
+        self._warned: set[tuple] = set()
 
     @property
     def name(self) -> str:
@@ -383,6 +384,10 @@ class Engine:
         """A fresh drafter for `plan` (warns where the build does not keep drafts lossless)."""
         drafter = make_drafter(plan.drafter, self.target, plan.options)
         identity = greedy_identity(self.manifest)
+        warned = plan.key in self._warned
+        self._warned.add(plan.key)  # once per drafting plan, not per pooled drafter
+        if warned:
+            return drafter
         if identity == "none" or (identity == "chains" and not drafter.drafts_chains):
             kept = "for no draft" if identity == "none" else "for chain drafts only"
             logger.warning(
