@@ -125,12 +125,14 @@ def plot(report: dict, path: Path) -> None:
 
     levels = report["concurrency"]
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
-    for mode, style in (("plain", "o-"), ("speculative", "s-")):
+    for mode, marker, color in (("plain", "o", "tab:blue"), ("speculative", "s", "tab:orange")):
         rows = [report["results"][f"{mode} c={c}"] for c in levels]
-        left.plot(levels, [r["throughput_tokens_per_s"] for r in rows], style, label=mode)
-        right.plot(levels, [r["latency_p50_s"] for r in rows], style, label=f"{mode} p50")
-        right.plot(levels, [r["latency_p95_s"] for r in rows], style, alpha=0.5,
-                   label=f"{mode} p95")  # fmt: skip
+        left.plot(levels, [r["throughput_tokens_per_s"] for r in rows], marker=marker,
+                  color=color, label=mode)  # fmt: skip
+        right.plot(levels, [r["latency_p50_s"] for r in rows], marker=marker, color=color,
+                   label=f"{mode} p50")  # fmt: skip
+        right.plot(levels, [r["latency_p95_s"] for r in rows], marker=marker, color=color,
+                   linestyle="--", alpha=0.6, label=f"{mode} p95")  # fmt: skip
     left.set(xlabel="concurrent requests", ylabel="generated tokens / s", xscale="log",
              title="throughput")  # fmt: skip
     right.set(xlabel="concurrent requests", ylabel="request latency (s)", xscale="log",
