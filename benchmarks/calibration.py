@@ -168,7 +168,7 @@ def main() -> None:
             configs["chain 4 (default)"] = DrafterOptions(4)
             configs["static 7"] = DrafterOptions(tree=StaticTree.from_choices(SMALL_TREE))
             if name != "draft-model":
-                configs["dynamic 12,5,3"] = DrafterOptions(tree=DynamicTree(12, 5, 3))
+                configs["dynamic 12,5,3"] = DrafterOptions(tree=DynamicTree.of_nodes(12, 5, 3))
         log(f"[{name}] held-out: {len(configs)} configurations, each paired with plain")
         results = {
             label: held_out(target, spec, options, held, args.new_tokens, args.repeats)

@@ -10,9 +10,12 @@ temperature when there is one, the controller seeded from it), on the ORT-lowere
 groups of prompts run interleaved, fastest of --repeats per group; decode time only. All
 three go through one `Engine`.
 
-With --calibrate, every drafter but suffix (which sizes its own trees) is first calibrated
-at each temperature (`specx calibrate --temperature T`, batches 1, 2, 4) on --prompts other
-prompts of the same sets, as a deployment would at build time.
+With --calibrate, every drafter is first calibrated at each temperature (`specx calibrate
+--temperature T`, batches 1, 2, 4; suffix drafting, which sizes its own trees, gets its
+batch threshold only) on --prompts other prompts of the same sets, as a deployment would at
+build time. Every timed run starts with cold drafters (`Engine.reset_drafters`): a pooled
+suffix drafter would otherwise have seen the same prompt's output in the previous repeat.
+--only DRAFTERS --merge re-measures some drafters into an existing report.
 
     python benchmarks/controller.py [--prompts 8] [--new-tokens 64] [--repeats 2] [--calibrate]
 
@@ -79,6 +82,9 @@ def measure_cell(engine, drafter, prompts, batch, temperature, args) -> dict:
         for r in range(args.repeats):
             names = list(modes)[r % 3 :] + list(modes)[: r % 3]
             for name in names:
+                # Every run starts cold: a pooled suffix drafter would otherwise have seen
+                # this very prompt's output in the previous repeat.
+                engine.reset_drafters()
                 done = engine.generate_batch(group, **options, speculation=modes[name])
                 if name not in best or done[0].stats.decode_s < best[name][0].stats.decode_s:
                     best[name] = done
@@ -121,6 +127,10 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--heads", type=Path, default=Path.home() / ".cache/specx/pyref-heads")
     parser.add_argument("--calibrate", action="store_true", help="calibrate every drafter first")
+    parser.add_argument("--only", default=None, help="comma-separated drafters to measure")
+    parser.add_argument(
+        "--merge", action="store_true", help="update the cells measured in an existing --out"
+    )
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/controller.json"))
     args = parser.parse_args()
     if not (SHARED / "models" / "pyref-7m" / "config.json").is_file():
@@ -147,12 +157,16 @@ def main() -> None:
     }
     for target_name, by_kind in artifacts(work, args.heads).items():
         for kind, artifact in by_kind.items():
-            for drafter in ["ngram", "suffix"] if kind == "none" else [kind]:
-                if args.calibrate and drafter != "suffix":
+            kinds = ["ngram", "suffix"] if kind == "none" else [kind]
+            kinds = [d for d in kinds if args.only is None or d in args.only.split(",")]
+            if not kinds:
+                continue
+            for drafter in kinds:
+                if args.calibrate:
                     for temperature in TEMPERATURES:
                         calibrate(artifact, drafter, temperature, held_out, args)
             engine = load(artifact, threads=args.threads)
-            for drafter in ["ngram", "suffix"] if kind == "none" else [kind]:
+            for drafter in kinds:
                 for temperature in TEMPERATURES:
                     for batch in BATCHES:
                         key = f"{target_name} {drafter} T={temperature} batch {batch}"
@@ -161,6 +175,13 @@ def main() -> None:
                         report["results"][key] = row
                         log(f"  fixed {row['fixed_speedup']:.2f}x, default "
                             f"{row['default_speedup']:.2f}x")  # fmt: skip
+    if args.merge and args.out.is_file():
+        earlier = json.loads(args.out.read_text())
+        earlier["results"].update(report["results"])
+        earlier.setdefault("merged_runs", []).append(
+            {"specx_commit": report["specx_commit"], "cells": sorted(report["results"])}
+        )
+        report = earlier
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     print("| cell | fixed draft | default (controller) | default / fixed |")

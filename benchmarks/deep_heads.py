@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import pyref_deep  # noqa: E402
 from suite import SHARED, prompts_for  # noqa: E402
 
-CONFIGS = ["chain:2", "chain:3", "chain:4", "chain:5", "dynamic:8,4,2", "dynamic:12,5,3"]
+CONFIGS = ["chain:2", "chain:3", "chain:4", "chain:5", "dynamic:9,3,2", "dynamic:13,4,3"]
 
 
 def log(message: str) -> None:

@@ -213,6 +213,9 @@ def main() -> None:
     from specx.runtime.drafters import DrafterOptions, make_drafter
     from specx.runtime.drafters.medusa import MEDUSA_DEFAULT_TREE
     from specx.runtime.drafters.tree_search import DynamicTree, StaticTree
+
+    # 12 nodes on 5 levels, top-k 3 (EAGLE-2's total_token 13, depth 4), as in earlier runs
+    DYNAMIC_12_5_3 = DynamicTree.of_nodes(12, 5, 3)  # noqa: N806
     from specx.runtime.ort_target import OrtTarget
     from specx.runtime.plain_decoding import generate_plain
     from specx.runtime.sampling import SamplingParams
@@ -251,7 +254,7 @@ def main() -> None:
         ),
         "eagle chain 4": (base, "eagle", DrafterOptions(4)),
         "eagle static 7": (base, "eagle", DrafterOptions(tree=StaticTree.from_choices(small_tree))),
-        "eagle dynamic 12,5,3": (base, "eagle", DrafterOptions(tree=DynamicTree(12, 5, 3))),
+        "eagle dynamic 12,5,3": (base, "eagle", DrafterOptions(tree=DYNAMIC_12_5_3)),
         "eagle3 chain 4": (targets["eagle3"], "eagle3", DrafterOptions(4)),
         "eagle3 static 7": (
             targets["eagle3"],
@@ -261,10 +264,10 @@ def main() -> None:
         "eagle3 dynamic 12,5,3": (
             targets["eagle3"],
             "eagle3",
-            DrafterOptions(tree=DynamicTree(12, 5, 3)),
+            DrafterOptions(tree=DYNAMIC_12_5_3),
         ),
         "mtp chain 3": (targets["mtp"], "mtp", DrafterOptions(3)),
-        "mtp dynamic 12,5,3": (targets["mtp"], "mtp", DrafterOptions(tree=DynamicTree(12, 5, 3))),
+        "mtp dynamic 12,5,3": (targets["mtp"], "mtp", DrafterOptions(tree=DYNAMIC_12_5_3)),
     }
     report = {
         "benchmark": "suite",
@@ -296,7 +299,7 @@ def main() -> None:
     sweep = {}
     plain_ms = report["results"]["plain/greedy"]["ms_per_token"]
     for total in (2, 4, 8, 16, 32, 60):
-        options = DrafterOptions(tree=DynamicTree(total, 6, 4))
+        options = DrafterOptions(tree=DynamicTree.of_nodes(total, 6, 4))
         entry = run_config(
             targets["eagle3"],
             make_drafter("eagle3", targets["eagle3"], options),
@@ -313,9 +316,7 @@ def main() -> None:
     curve = {}
     for batch in (1, 2, 4, 8):
         chunk = (prompts * 8)[:batch]
-        drafter = make_drafter(
-            "eagle3", targets["eagle3"], DrafterOptions(tree=DynamicTree(12, 5, 3))
-        )
+        drafter = make_drafter("eagle3", targets["eagle3"], DrafterOptions(tree=DYNAMIC_12_5_3))
         from specx.runtime.speculative_decoding import generate_speculative
 
         t0 = time.perf_counter()

@@ -252,7 +252,7 @@ def test_on_an_int8_build_only_chains_are_candidates(artifact, draft_artifacts):
     stats, warning = generate("--max-batch-spec", "1")
     assert stats["backend"] == "ort-int8" and stats["compare"]["identical_tokens"]
     assert "warning" not in warning
-    _, warning = generate("--tree", "dynamic:6,3,2")
+    _, warning = generate("--tree", "dynamic:7,2,2")
     assert "chain drafts only" in warning
 
 
@@ -309,11 +309,7 @@ def test_calibration_at_a_temperature_is_its_own_entry_and_generate_picks_the_ne
         for t in (0.0, 0.3, 0.4, 1.0)
     }
     assert nearest == {0.0: "draft-model", 0.3: "draft-model", 0.4: key, 1.0: key}
-    greedy_choice = calibrated_choice(manifest, drafter)
-    assert greedy_choice.key == "draft-model"
-    costs = greedy_choice.costs  # the controller's seed: this entry's own measurements
-    assert costs.verify_s[1] == pytest.approx(1e-3 * greedy["costs"]["plain_ms_per_token"])
-    assert len(costs.acceptance) == 3 and costs.draft_s > 0
+    assert calibrated_choice(manifest, drafter).key == "draft-model"
 
     args = ["generate", str(artifact), "--prompt-ids", "5,9,5,9,5,9", "--max-new-tokens", "8"]
     args += ["--drafter", drafter, "--json", "--temperature", "0.8", "--seed", "1"]
@@ -346,3 +342,31 @@ def test_a_failed_calibration_at_a_temperature_leaves_the_manifest_byte_identica
     result = CliRunner().invoke(main, ["calibrate", str(artifact), "--temperature", "-0.5"])
     assert result.exit_code == 2 and "temperature must be" in result.output
     assert (artifact / "manifest.json").read_bytes() == before
+
+
+def test_suffix_calibration_records_its_batch_threshold_and_generate_uses_it(artifact):
+    """Suffix drafting sizes its own trees: calibration measures its node budget per batch."""
+    options = CalibrationOptions(**{**FAST.__dict__, "drafter": "suffix"})
+    entry = calibrate_artifact(artifact, PROMPTS, options)
+    assert entry["choice"]["tree"] == "budget" and entry["choice"]["nodes"] == 16
+    assert [p["batch"] for p in entry["batch_curve"]] == [1, 2]
+    assert entry["batch_curve"][0]["measured_speedup"] == entry["choice"]["measured_speedup"]
+    choice = calibrated_choice(load_manifest(artifact), "suffix")
+    assert choice.shape is None and choice.nodes == 16
+    args = ["generate", str(artifact), "--prompt-ids", "5,9,5,9,5,9", "--max-new-tokens", "8"]
+    result = CliRunner().invoke(main, [*args, "--drafter", "suffix", "--json"])
+    assert result.exit_code == 0, result.output
+    stats = json.loads(result.stdout)["stats"]
+    assert stats["calibration"]["entry"] == "suffix"
+
+
+def test_a_learning_drafter_is_timed_fresh_every_run(artifact, monkeypatch):
+    target = open_decoder(load_manifest(artifact), threads=2)
+    made = []
+
+    def new_drafter():
+        made.append(make_drafter("suffix", target, DrafterOptions()))
+        return made[-1]
+
+    measure_speedup(target, None, PROMPTS[:2], 6, repeats=2, new_drafter=new_drafter)
+    assert len(made) == 4 and len({id(d) for d in made}) == 4  # 2 prompts x 2 repeats

@@ -146,7 +146,7 @@ def test_export_with_head_and_generate(head_target, head_dirs, tmp_path):
         "--drafter",
         "eagle3",
         "--tree",
-        "dynamic:8,3,3",
+        "dynamic:9,2,3",
         "--compare",
         "--json",
         "--max-new-tokens",

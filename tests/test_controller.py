@@ -7,7 +7,7 @@ import pytest
 
 from conftest import HEAD_VOCAB
 from specx.artifact import load_manifest
-from specx.runtime.controller import AdaptiveController, FixedSizes, RecordedCosts, truncated
+from specx.runtime.controller import AdaptiveController, FixedSizes, truncated
 from specx.runtime.drafters import DrafterOptions, make_drafter
 from specx.runtime.drafters.draft_model import DraftModelDrafter
 from specx.runtime.drafters.ngram import NGramDrafter
@@ -51,7 +51,10 @@ def test_a_draft_model_switching_sizes_equals_plain(artifacts, draft_artifacts, 
     for shape in (StaticTree.chain(5), StaticTree.from_choices([[0], [1], [0, 0], [1, 0]])):
         assert_switching_equals_plain(target, lambda s=shape: DraftModelDrafter(draft, s), prompts)
     assert_switching_equals_plain(
-        target, lambda: DraftModelDrafter(draft, DynamicTree(8, 3, 2)), prompts, batches=(3,)
+        target,
+        lambda: DraftModelDrafter(draft, DynamicTree.of_nodes(8, 3, 2)),
+        prompts,
+        batches=(3,),
     )
 
 
@@ -59,7 +62,7 @@ def test_a_draft_model_switching_sizes_equals_plain(artifacts, draft_artifacts, 
 def test_heads_switching_sizes_equal_plain(name, head_artifacts, rng):
     target = OrtTarget(load_manifest(head_artifacts[name]), threads=2)
     prompts = [rng.integers(1, HEAD_VOCAB, n).tolist() for n in (3, 8, 5)]
-    trees = ["chain:4"] if name == "medusa" else ["chain:4", "dynamic:8,3,3"]
+    trees = ["chain:4"] if name == "medusa" else ["chain:4", "dynamic:9,2,3"]
     for tree in trees:
         options = DrafterOptions(tree=parse_tree_spec(tree))
         make = lambda options=options: make_drafter(name.split("-")[0], target, options)  # noqa: E731
@@ -115,29 +118,11 @@ def test_the_controller_weighs_acceptance_against_cost():
     assert cheap.summary()["sizes_chosen"] and dear.summary()["controller"] == "adaptive"
 
 
-def test_a_controller_seeded_with_recorded_costs_drafts_from_its_first_round():
-    costs = {1: 1.0, 2: 1.05, 3: 1.1, 5: 1.2, 9: 1.4}
-    good = RecordedCosts(costs, draft_s=0.1, acceptance=(0.9, 0.9, 0.85, 0.8))
-    bad = RecordedCosts(costs, draft_s=0.1, acceptance=(0.05, 0.05))
-    sizes = {}
-    for name, recorded in (("good", good), ("bad", bad), ("none", None)):
-        controller = AdaptiveController(recorded=recorded)
-        controller.start(1, 8)
-        sizes[name] = [int(controller.sizes(np.array([True]))[0])]
-        controller.observe(0, sizes[name][0], 0)
-        controller.timed(1 + sizes[name][0], 1.0, 0.0)
-        sizes[name].append(int(controller.sizes(np.array([True]))[0]))
-    assert sizes["good"][0] == 8  # deep acceptance, cheap verify: the whole draft at once
-    assert sizes["bad"][0] == 0  # nothing is accepted: plain steps from the start
-    assert sizes["none"] == [0, 1]  # unseeded: a measured plain step, then a one-node draft
-
-
 def test_peers_that_wait_for_a_draft_raise_the_bar_for_it():
     """In a continuous batch a row's draft delays every peer: it must pay for the forward."""
-    costs = {1: 1.0, 2: 1.3, 3: 1.4, 5: 1.6, 9: 2.0}
-    recorded = RecordedCosts(costs, draft_s=0.2, acceptance=(0.7, 0.6, 0.5))
-    alone, crowded = AdaptiveController(recorded=recorded), AdaptiveController(recorded=recorded)
-    for controller in (alone, crowded):
+    alone, crowded = AdaptiveController(), AdaptiveController()
+    for controller in (alone, crowded):  # the same history: drafts of 2 accepted every round
         controller.start(1, 8)
-    assert alone.sizes(np.array([True]))[0] > 0  # 1.7+ tokens per round beats 1 per step
+        rounds(controller, accepted_at=2, count=12, width_cost=0.1)
+    assert alone.sizes(np.array([True]))[0] > 0  # ~3 tokens for 1.4 steps beats 1 per step
     assert crowded.sizes(np.array([True]), peers=15)[0] == 0  # not at 16 rows a forward

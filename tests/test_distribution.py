@@ -61,7 +61,7 @@ DRAFTERS = {
     "draft-tree-iid": lambda draft: DraftModelDrafter(
         draft, StaticTree.from_choices([[0], [1], [0, 0]]), iid_siblings=True
     ),
-    "draft-dynamic": lambda draft: DraftModelDrafter(draft, DynamicTree(6, 3, 2)),
+    "draft-dynamic": lambda draft: DraftModelDrafter(draft, DynamicTree.of_nodes(6, 3, 2)),
     "ngram": lambda draft: NGramDrafter(3, max_matches=2),
     "suffix": lambda draft: SuffixDrafter(SuffixOptions(max_nodes=4, min_prob=0.0)),
 }

@@ -171,3 +171,116 @@ def test_d2t_must_be_injective(head_dirs, target, tmp_path):
     path = edit(head_dirs["eagle3-modelopt"], tmp_path, change)
     with pytest.raises(CheckpointError, match="maps two draft ids to the same target id"):
         load_head(f"eagle3:{path}", target)
+
+
+def _medusa_dir(directory, tensors, config):
+    directory.mkdir()
+    save_file(tensors, directory / "medusa_lm_head.safetensors")
+    (directory / "config.json").write_text(json.dumps(config))
+    return directory
+
+
+def test_medusa_version_2_equals_version_1_with_the_targets_lm_head(head_target, target, tmp_path):
+    from click.testing import CliRunner
+
+    from specx.cli import main
+
+    config = json.loads((head_target / "config.json").read_text())
+    tensors = load_file(write_medusa(tmp_path / "v1", config) / "medusa_lm_head.safetensors")
+    blocks = {k: v for k, v in tensors.items() if ".linear." in k}  # ResBlocks only
+    lm_head = load_file(head_target / "model.safetensors")["lm_head.weight"]
+    counts = {"medusa_num_heads": 3, "medusa_num_layers": 1}
+    v2 = _medusa_dir(tmp_path / "v2", blocks, {**counts, "version": "2"})
+    twin = {**blocks, **{f"{h}.1.weight": lm_head.clone() for h in range(3)}}
+    v1 = _medusa_dir(tmp_path / "v1-twin", twin, counts)
+    features = torch.randn(2, 5, config["hidden_size"])
+    with torch.no_grad():
+        assert torch.equal(load_head(f"medusa:{v2}", target)(features),
+                           load_head(f"medusa:{v1}", target)(features))  # fmt: skip
+    # Exported and drafting: speculative decoding with the version-2 heads equals plain.
+    out = tmp_path / "artifact"
+    args = ["export", str(head_target), "-o", str(out), "--drafter", f"medusa:{v2}",
+            "--max-context", "64"]  # fmt: skip
+    assert CliRunner().invoke(main, args).exit_code == 0
+    args = ["generate", str(out), "--prompt-ids", "1,2,3,4", "--max-new-tokens", "12",
+            "--ignore-eos", "--drafter", "medusa", "--tree", "chain:3", "--compare",
+            "--json"]  # fmt: skip
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["stats"]["compare"]["identical_tokens"]
+
+
+def test_medusa_versions_are_named_when_they_do_not_fit(head_target, target, tmp_path):
+    config = json.loads((head_target / "config.json").read_text())
+    tensors = load_file(write_medusa(tmp_path / "v1", config) / "medusa_lm_head.safetensors")
+    blocks = {k: v for k, v in tensors.items() if ".linear." in k}
+    counts = {"medusa_num_heads": 3, "medusa_num_layers": 1}
+    unmarked = _medusa_dir(tmp_path / "unmarked", blocks, counts)
+    with pytest.raises(CheckpointError, match='version-2 layout; add "version": "2"'):
+        load_head(f"medusa:{unmarked}", target)
+    future = _medusa_dir(tmp_path / "future", blocks, {**counts, "version": "3"})
+    with pytest.raises(CheckpointError, match="Medusa version '3' is unknown"):
+        load_head(f"medusa:{future}", target)
+
+
+def _speculators_eagle3(official, directory, target_config, **extra):
+    """The official-layout head at `official` rewritten in vllm-project/speculators' layout."""
+    config = json.loads((official / "config.json").read_text())
+    tensors = {
+        k.replace("midlayer.", "layers.0."): v
+        for k, v in load_file(official / "model.safetensors").items()
+    }
+    n = target_config["num_hidden_layers"]
+    layer = {k: v for k, v in config.items() if k not in ("draft_vocab_size", "architectures")}
+    speculators = {
+        "architectures": ["Eagle3Speculator"],
+        "speculators_model_type": "eagle3",
+        "speculators_version": "0.3.0",
+        "draft_vocab_size": config["draft_vocab_size"],
+        "target_hidden_size": None,
+        "norm_before_residual": False,
+        "eagle_aux_hidden_state_layer_ids": [2, n // 2, n - 3],
+        "transformer_layer_config": {"model_type": "llama", **layer, "num_hidden_layers": 1},
+        "speculators_config": {
+            "algorithm": "eagle3",
+            "default_proposal_method": "greedy",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 3}],
+            "verifier": {"name_or_path": "target", "architectures": ["LlamaForCausalLM"]},
+        },
+        **extra,
+    }
+    directory.mkdir()
+    (directory / "config.json").write_text(json.dumps(speculators))
+    save_file(tensors, directory / "model.safetensors")
+    return directory
+
+
+def test_a_speculators_eagle3_head_equals_the_same_head_in_the_official_layout(
+    head_dirs, head_target, target, tmp_path
+):
+    config = json.loads((head_target / "config.json").read_text())
+    converted = _speculators_eagle3(head_dirs["eagle3"], tmp_path / "speculators", config)
+    official = load_head(f"eagle3:{head_dirs['eagle3']}", target)
+    speculators = load_head(f"eagle3:{converted}", target)
+    assert official.config == speculators.config
+    ours, theirs = official.state_dict(), speculators.state_dict()
+    assert ours.keys() == theirs.keys()
+    assert all(torch.equal(ours[k], theirs[k]) for k in ours)
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({"speculators_model_type": "dflash"}, "speculators_model_type 'dflash' is not an EAGLE-3"),
+        ({"norm_before_residual": True}, "norm_before_residual: true changes the EAGLE-3 layer"),
+        ({"fc_norm": True}, "fc_norm: true"),
+        ({"eagle_aux_hidden_state_layer_ids": [1, 2, 3]}, "states entering layers"),
+    ],
+)
+def test_speculators_variants_specx_does_not_load_are_named(
+    head_dirs, head_target, target, tmp_path, extra, message
+):
+    config = json.loads((head_target / "config.json").read_text())
+    converted = _speculators_eagle3(head_dirs["eagle3"], tmp_path / "s", config, **extra)
+    with pytest.raises(CheckpointError, match=message):
+        load_head(f"eagle3:{converted}", target)

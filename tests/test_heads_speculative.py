@@ -22,14 +22,14 @@ from specx.runtime.sampling import SamplingParams
 from specx.runtime.speculative_decoding import generate_speculative
 from specx.runtime.verification import verify
 
-TREES = ["chain:3", "[[0],[1],[2],[0,0],[0,1],[1,0],[0,0,0]]", "dynamic:8,3,3"]
+TREES = ["chain:3", "[[0],[1],[2],[0,0],[0,1],[1,0],[0,0,0]]", "dynamic:9,2,3"]
 HEADS = {
     "eagle3": TREES,
-    "eagle3-modelopt": ["dynamic:10,4,2"],
+    "eagle3-modelopt": ["dynamic:11,3,2"],
     "eagle": TREES,
     "mtp-deepseek": TREES,
-    "mtp-qwen3_next": ["chain:2", "dynamic:6,2,3"],
-    "mtp-mimo": ["chain:2", "dynamic:6,2,3"],
+    "mtp-qwen3_next": ["chain:2", "dynamic:7,1,3"],
+    "mtp-mimo": ["chain:2", "dynamic:7,1,3"],
     "medusa": ["chain:4", "[[0],[1],[0,0],[0,1],[1,0],[0,0,0],[0,0,0,0]]"],
 }
 
@@ -67,10 +67,10 @@ def test_medusa_default_tree(head_artifacts):
 
 
 DISTRIBUTION_CASES = [
-    ("eagle3", "dynamic:6,3,2"),
-    ("eagle", "dynamic:16,3,6"),
+    ("eagle3", "dynamic:7,2,2"),
+    ("eagle", "dynamic:17,2,6"),
     ("eagle", "chain:3"),
-    ("mtp-deepseek", "dynamic:6,3,2"),
+    ("mtp-deepseek", "dynamic:7,2,2"),
     ("medusa", "[[0],[1],[2],[3],[4],[5],[0,0],[1,0]]"),
     ("medusa", "chain:3"),
 ]
@@ -96,7 +96,7 @@ def test_sampling_matches_plain(name, tree, head_artifacts):
 # Random heads agree with the target rarely; these cases accept often enough that a
 # wrong residual (sampled chain) or a missing p(c) <- 0 (top-k tree) shows.
 @pytest.mark.parametrize(
-    ("name", "tree"), [("eagle3", "chain:3"), ("eagle3", "dynamic:6,3,2"), ("medusa", "chain:3")]
+    ("name", "tree"), [("eagle3", "chain:3"), ("eagle3", "dynamic:7,2,2"), ("medusa", "chain:3")]
 )
 def test_broken_verifier_is_detected(name, tree, head_artifacts):
     target = OrtTarget(load_manifest(head_artifacts[name]), threads=2)
@@ -147,7 +147,7 @@ def test_eagle3_d2t_maps_draft_ids_to_target_ids(head_target, head_dirs, head_ar
     # Across many greedy and sampled rounds, no proposal leaves the draft vocabulary.
     for sampling in (SamplingParams(), SamplingParams(temperature=1.0, seed=0)):
         tree_drafter = make_drafter(
-            "eagle3", target, DrafterOptions(tree=parse_tree_spec("dynamic:8,3,3"))
+            "eagle3", target, DrafterOptions(tree=parse_tree_spec("dynamic:9,2,3"))
         )
         chain_drafter = make_drafter("eagle3", target, DrafterOptions(tree=StaticTree.chain(3)))
         for drafter in (tree_drafter, chain_drafter):

@@ -63,9 +63,11 @@ def test_the_lowered_graph_equals_the_exported_graph(family, batch, artifacts, t
         and ops.count("GroupQueryAttention") == manifest.model["num_layers"]
     )
     assert ops.count("SkipSimplifiedLayerNormalization") == 2 * manifest.model["num_layers"]
-    # RoPE moves into GQA, except after Qwen3's per-head q/k norms (not on ORT's CPU).
-    rotary = {n.attributes["do_rotary"].value for n in lowered.graph if n.op_type.startswith("Gr")}
-    assert rotary == {int(family != "qwen3")} and ("Cos" in ops) == (family == "qwen3")
+    # RoPE moves into GQA, except after Qwen3's per-head q/k norms (not on ORT's CPU);
+    # SmolLM3's NoPE layers take GQA without rotary.
+    rotary = [n.attributes["do_rotary"].value for n in lowered.graph if n.op_type.startswith("Gr")]
+    assert rotary == [int(family != "qwen3" and uses) for uses in _rope_layers(manifest)]
+    assert ("Cos" in ops) == (family == "qwen3")
     exported = OrtTarget(manifest.with_build(None), threads=2)
     built = OrtTarget(manifest, threads=2)
     expected = steps(exported, batch, np.random.default_rng(0))
@@ -111,7 +113,7 @@ def test_heads_lowered_too_and_their_trees_equal_plain(name, head_artifacts, tmp
     target = OrtTarget(manifest, threads=2)
     prompts = [rng.integers(1, HEAD_VOCAB, n).tolist() for n in (3, 8, 5)]
     # Medusa drafts static trees only; the others also draft dynamic ones.
-    tree = "[[0], [1], [0, 0], [0, 1], [1, 0]]" if name == "medusa" else "dynamic:8,3,3"
+    tree = "[[0], [1], [0, 0], [0, 1], [1, 0]]" if name == "medusa" else "dynamic:9,2,3"
     for shape in (StaticTree.chain(3), parse_tree_spec(tree)):
         drafter = make_drafter(name.split("-")[0], target, DrafterOptions(tree=shape))
         for batch in (1, 3):
@@ -189,3 +191,10 @@ def test_the_pass_shares_its_inputs_and_removes_the_transposes(artifacts):
     layers = before.count("TreeAttention")
     assert after.count("GroupQueryAttention") == layers and after.count("Where") == 1
     assert after.count("Transpose") < before.count("Transpose") - 2 * layers
+
+
+def _rope_layers(manifest) -> list[bool]:
+    """Which layers rotate q and k, from the exported checkpoint's config."""
+    config = manifest.data["source"]["config"]
+    flags = config.get("no_rope_layers") or [1] * manifest.model["num_layers"]
+    return [bool(f) for f in flags]

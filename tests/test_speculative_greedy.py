@@ -77,7 +77,7 @@ def test_draft_model_chain_and_tree(family, batch, artifacts, draft_artifacts, r
     )
     tree = DraftModelDrafter(draft, StaticTree.from_choices(TREE))
     accepted += assert_equals_plain(target, tree, prompts, batch=batch)
-    dynamic = DraftModelDrafter(draft, DynamicTree(12, 4, 3))
+    dynamic = DraftModelDrafter(draft, DynamicTree.of_nodes(12, 4, 3))
     accepted += assert_equals_plain(target, dynamic, prompts, batch=batch)
     assert accepted > 0
 

@@ -114,7 +114,7 @@ def test_trained_eagle3_drafts_losslessly(teacher_dir, tmp_path):
     source = (Path(CORPUS[0]) / "decoder.py").read_text()
     prompts = [tokenizer.encode(source[i : i + 300])[:40] for i in (0, 2000, 5000)]
     plain = generate_plain(target, prompts, 40)
-    drafter = make_drafter("eagle3", target, DrafterOptions(tree=parse_tree_spec("dynamic:10,4,3")))
+    drafter = make_drafter("eagle3", target, DrafterOptions(tree=parse_tree_spec("dynamic:11,3,3")))
     spec = generate_speculative(target, drafter, prompts, 40)
     assert spec.tokens == plain.tokens
     assert spec.stats["acceptance_length"] > 1.2

@@ -72,7 +72,7 @@ def test_speculation_on_engines_is_lossless(trt_artifacts, name):
 def test_eagle3_head_engines_draft_losslessly(trt_artifacts):
     target = open_decoder(load_manifest(trt_artifacts["eagle3-fp32"]))
     plain = generate_plain(target, PROMPTS, 16)
-    options = DrafterOptions(tree=parse_tree_spec("dynamic:8,3,2"))
+    options = DrafterOptions(tree=parse_tree_spec("dynamic:9,2,2"))
     drafter = make_drafter("eagle3", target, options)
     assert generate_speculative(target, drafter, PROMPTS, 16).tokens == plain.tokens
 

@@ -58,7 +58,7 @@ from specx.runtime.backends import open_decoder
 from specx.runtime.calibrated import calibration_key, chains_only, choice_shape
 from specx.runtime.decoder_backend import DecoderBackend
 from specx.runtime.drafters import DrafterOptions, make_drafter
-from specx.runtime.drafters.tree_search import StaticTree
+from specx.runtime.drafters.tree_search import DynamicTree, StaticTree
 from specx.runtime.plain_decoding import check_prompts, generate_plain
 from specx.runtime.sampling import SamplingParams
 from specx.runtime.speculative_decoding import generate_speculative
@@ -126,12 +126,9 @@ def calibrate_artifact(
             f"{manifest.root} has no drafter to calibrate: export it with --drafter "
             "(eagle3|eagle|medusa|mtp), or pass --drafter ngram | draft-model:ARTIFACT"
         )
-    if spec == "suffix":
-        raise CalibrationError(
-            "suffix drafting sizes its tree each round from the match it finds; there is no "
-            "tree to calibrate (use --num-draft-tokens for its node budget)"
-        )
     target = open_decoder(manifest, options.threads)
+    if spec == "suffix":
+        return _calibrate_budget(manifest, target, spec, prompts, options, sampling, progress)
     top_k = 1 if spec == "ngram" else options.probe_top_k
     depth = _probe_depth(manifest.data, spec, options.probe_depth, top_k, target)
     for index, prompt in enumerate(prompts):
@@ -272,6 +269,68 @@ def calibrate_artifact(
     return entry
 
 
+def _calibrate_budget(manifest, target, spec, prompts, options, sampling, progress):
+    """A drafter that sizes its own trees (suffix): its speedup per batch size, no tree.
+
+    Each speculative run gets a fresh drafter, so nothing learnt from an earlier repeat of
+    the same prompt inflates the measurement (a deployment's warm drafter does better).
+    """
+    started = time.perf_counter()
+    nodes = make_drafter(spec, target, DrafterOptions(threads=options.threads)).max_nodes
+    for index, prompt in enumerate(prompts):
+        try:
+            check_prompts([prompt], options.max_new_tokens, target.capacity,
+                          target.vocab_size, nodes + 1)  # fmt: skip
+        except SpecxError as e:
+            raise CalibrationError(f"calibration prompt {index}: {e}") from e
+    setting = "greedy" if sampling.greedy else calibration_key("", sampling)[1:]
+    progress(f"[1/1] {spec} ({nodes}-node budget, {setting}) vs plain at batch sizes "
+             f"{', '.join(map(str, options.batches))}")  # fmt: skip
+    curve = []
+    for batch in options.batches:
+        group = [prompts[i % len(prompts)] for i in range(max(batch, len(prompts)))]
+        timing = measure_speedup(
+            target, None, group, options.max_new_tokens, options.repeats, batch, sampling,
+            new_drafter=lambda: make_drafter(spec, target, DrafterOptions(threads=options.threads)),
+        )  # fmt: skip
+        curve.append({"batch": batch, "plain_ms_per_token": timing.plain_ms_per_token,
+                      "speculative_ms_per_token": timing.speculative_ms_per_token,
+                      "measured_speedup": timing.speedup,
+                      "acceptance_length": timing.acceptance_length})  # fmt: skip
+    max_batch_spec = 0
+    for point in curve:
+        if point["measured_speedup"] < 1.0:
+            break
+        max_batch_spec = point["batch"]
+    first = curve[0]["measured_speedup"]
+    choice = {"label": f"{spec}, {nodes}-node budget", "tree": "budget", "nodes": nodes,
+              "measured_speedup": first}  # fmt: skip
+    entry = {
+        "drafter": spec,
+        "sampling": {"temperature": sampling.temperature, "top_p": sampling.top_p},
+        "measured_on": {
+            "backend": manifest.data.get("default_build", "ort"),
+            "prompts": len(prompts),
+            "prompts_sha256": hashlib.sha256(json.dumps(prompts).encode()).hexdigest(),
+            "max_new_tokens": options.max_new_tokens,
+            "repeats": options.repeats,
+            "seed": options.seed,
+            "threads": options.threads,
+            "seconds": time.perf_counter() - started,
+        },
+        "choice": choice,
+        "expected_speedup": first if max_batch_spec else 1.0,
+        "batch_curve": curve,
+        "max_batch_spec": max_batch_spec,
+    }
+    body = manifest_body(manifest)
+    body.setdefault("calibration", {})[calibration_key(spec, sampling)] = entry
+    write_manifest(manifest.root, body)
+    progress(f"calibrated {spec} ({setting}): {first:.2f}x at batch 1, "
+             f"{batch_summary(max_batch_spec)}")  # fmt: skip
+    return entry
+
+
 def batch_summary(max_batch_spec: int) -> str:
     """What a batch threshold means for `specx generate`, in words."""
     if max_batch_spec == 0:
@@ -372,11 +431,17 @@ def _candidates(
         speedup, tree = max(scored, key=lambda item: item[0])
         top_k = 1 + max(max(c) for c in tree.choices)
         if top_k > 1:  # top-1 growth is a chain, measured above
+            dynamic = DynamicTree.of_nodes(tree.nodes, tree.depth, top_k)
             candidates.append(
                 {
-                    "label": f"dynamic {tree.nodes},{tree.depth},{top_k}",
+                    "label": f"dynamic {dynamic.total_token},{dynamic.depth},{top_k}",
                     "tree": "dynamic",
-                    "dynamic": {"total_tokens": tree.nodes, "depth": tree.depth, "top_k": top_k},
+                    # EAGLE-2's own parameter names and meaning (total_token counts the root)
+                    "dynamic": {
+                        "total_token": dynamic.total_token,
+                        "depth": dynamic.depth,
+                        "top_k": top_k,
+                    },  # fmt: skip
                     "nodes": tree.nodes,
                     "depth": tree.depth,
                     "expected_accepted": tree.expected_accepted,

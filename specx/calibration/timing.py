@@ -13,7 +13,7 @@ On this project's 2-core machine single runs of the same candidate moved by 20% 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from specx.runtime.decoder_backend import DecoderBackend
@@ -57,11 +57,15 @@ def measure_speedup(
     repeats: int = 3,
     batch: int = 1,
     sampling: SamplingParams | None = None,
+    new_drafter: Callable[[], Drafter] | None = None,
 ) -> PairedTiming:
     """Plain vs speculative decoding of `prompts`, `batch` at a time (see module doc).
 
     Greedy by default; with `sampling` both sides sample with its seed (`identical` then
-    compares the sampled tokens, which a lossless loop need not reproduce).
+    compares the sampled tokens, which a lossless loop need not reproduce). `new_drafter`:
+    a fresh drafter for every speculative run instead of `drafter` (one that learns across
+    requests, as suffix drafting does, would otherwise have seen the prompt's output in an
+    earlier repeat).
     """
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
@@ -72,7 +76,8 @@ def measure_speedup(
     for repeat in range(repeats):
         for g, group in enumerate(groups):
             plain = generate_plain(target, group, max_new_tokens, sampling)
-            spec = generate_speculative(target, drafter, group, max_new_tokens, sampling)
+            fresh = drafter if new_drafter is None else new_drafter()
+            spec = generate_speculative(target, fresh, group, max_new_tokens, sampling)
             plain_s[g] = min(plain_s[g], plain.stats["decode_s"])
             speculative_s[g] = min(
                 speculative_s[g], spec.stats["total_s"] - spec.stats["prefill_s"]

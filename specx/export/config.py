@@ -1,9 +1,9 @@
 """`TargetConfig`: the architecture of a supported HF decoder, read from `config.json`.
 
-Supported families are Llama, Qwen2, Qwen3 (per-head q/k RMSNorm) and Mistral: one
-decoder shape (pre-norm, RoPE, grouped-query attention, SwiGLU MLP) that differs in
-biases, q/k norms and head size. Everything else is refused here, by name, before
-any weight is read.
+Supported families are Llama, Qwen2, Qwen3 (per-head q/k RMSNorm), Mistral and SmolLM3
+(layers without RoPE, `no_rope_layers`): one decoder shape (pre-norm, RoPE, grouped-query
+attention, SwiGLU MLP) that differs in biases, q/k norms, head size and which layers rotate.
+Everything else is refused here, by name, before any weight is read.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from specx.errors import CheckpointError
 
 __all__ = ["SUPPORTED_FAMILIES", "TargetConfig", "load_target_config"]
 
-SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
+SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "smollm3")
 # Rope types whose frequencies do not depend on the sequence length, so one graph serves all.
 _STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
@@ -46,6 +46,11 @@ class TargetConfig:
     max_position_embeddings: int
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
+    rope_layers: tuple[bool, ...] = ()  # per layer: applies RoPE (SmolLM3); () = every layer
+
+    def uses_rope(self, layer: int) -> bool:
+        """Whether layer `layer` rotates q and k (SmolLM3's NoPE layers do not)."""
+        return not self.rope_layers or self.rope_layers[layer]
 
     @property
     def attention_scale(self) -> float:
@@ -106,6 +111,7 @@ def load_target_config(checkpoint_dir: str | Path) -> tuple[TargetConfig, dict[s
         max_position_embeddings=hf.max_position_embeddings,
         bos_token_id=hf.bos_token_id,
         eos_token_ids=_eos_token_ids(checkpoint_dir, hf.eos_token_id),
+        rope_layers=_rope_layers(config_path, hf, family),
     )
     if config.num_heads % config.num_kv_heads:
         raise CheckpointError(
@@ -147,9 +153,21 @@ def _rope(config_path: Path, hf, head_dim: int) -> tuple[tuple[float, ...], floa
     return tuple(float(f) for f in inv_freq), float(scaling)
 
 
+def _rope_layers(config_path: Path, hf, family: str) -> tuple[bool, ...]:
+    if family != "smollm3":
+        return ()
+    flags = list(getattr(hf, "no_rope_layers", None) or [])
+    if len(flags) != hf.num_hidden_layers or any(f not in (0, 1) for f in flags):
+        raise CheckpointError(
+            f"{config_path}: no_rope_layers must hold a 0 or 1 for each of the "
+            f"{hf.num_hidden_layers} layers, got {flags}"
+        )
+    return tuple(bool(f) for f in flags)  # 1: the layer applies RoPE
+
+
 def _sliding_window(hf, family: str) -> int | None:
     window = getattr(hf, "sliding_window", None)
-    if family in ("qwen2", "qwen3") and not getattr(hf, "use_sliding_window", False):
+    if family in ("qwen2", "qwen3", "smollm3") and not getattr(hf, "use_sliding_window", False):
         return None
     return int(window) if window else None
 

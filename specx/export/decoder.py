@@ -92,11 +92,14 @@ def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
 
 
 class Attention(nn.Module):
-    """Self-attention through one TreeAttention op; `input_size` defaults to hidden_size."""
+    """Self-attention through one TreeAttention op; `input_size` defaults to hidden_size.
 
-    def __init__(self, config: TargetConfig, input_size: int | None = None):
+    `rope=False`: q and k are not rotated (SmolLM3's NoPE layers).
+    """
+
+    def __init__(self, config: TargetConfig, input_size: int | None = None, rope: bool = True):
         super().__init__()
-        self.config = config
+        self.config, self.rope = config, rope
         heads, kv_heads, head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         d, d_in = config.hidden_size, input_size or config.hidden_size
         self.q_proj = nn.Linear(d_in, heads * head_dim, bias=config.qkv_bias)
@@ -115,8 +118,9 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(batch, n, c.num_kv_heads, c.head_dim)
         if c.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = _apply_rope(q.transpose(1, 2), cos, sin)
-        k = _apply_rope(k.transpose(1, 2), cos, sin)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
+        if self.rope:
+            q, k = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
         # Training needs gradients, which the exportable custom op does not define.
         attend = tree_attention_reference if self.training else tree_attention
         out, k_cache, v_cache = attend(
@@ -152,12 +156,12 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     """Pre-norm decoder layer; EAGLE-1's first layer has no input norm (`input_norm=False`)."""
 
-    def __init__(self, config: TargetConfig, input_norm: bool = True):
+    def __init__(self, config: TargetConfig, input_norm: bool = True, rope: bool = True):
         super().__init__()
         self.input_layernorm = (
             RMSNorm(config.hidden_size, config.rms_norm_eps) if input_norm else nn.Identity()
         )
-        self.self_attn = Attention(config)
+        self.self_attn = Attention(config, rope=rope)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
@@ -174,7 +178,9 @@ class _Backbone(nn.Module):
     def __init__(self, config: TargetConfig):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, rope=config.uses_rope(i)) for i in range(config.num_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 

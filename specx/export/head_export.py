@@ -108,7 +108,7 @@ def export_head(head: nn.Module, spec: str, staging: Path) -> tuple[dict, dict]:
         "graph": "draft_head",
     }
     if isinstance(head, MedusaHeads):
-        width = head.heads[0][-1].in_features
+        width = head.hidden_size
         b, t = dim("batch"), dim("tokens")
         model = export_module(
             head,

@@ -40,6 +40,8 @@ _FAMILY_CONFIGS = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": None}),
     "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None}),
+    # Every other layer without RoPE, so a tiny model has both kinds.
+    "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM", {"no_rope_layer_interval": 2}),
 }
 
 

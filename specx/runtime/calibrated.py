@@ -13,7 +13,6 @@ from dataclasses import dataclass
 
 from specx.artifact import MANIFEST_NAME, Manifest
 from specx.errors import ArtifactError, SpecxError
-from specx.runtime.controller import RecordedCosts
 from specx.runtime.drafters.tree_search import DynamicTree, StaticTree, TreeShape
 from specx.runtime.sampling import SamplingParams
 
@@ -31,12 +30,12 @@ __all__ = [
 class CalibratedChoice:
     """A calibration's choice for one drafter."""
 
-    shape: TreeShape
+    shape: TreeShape | None  # None: a drafter that sizes its own trees (suffix), see `nodes`
+    nodes: int  # the draft's node budget
     max_batch_spec: int
     predicted_speedup: float  # measured on the calibration prompts; 1.0 when speculation is off
     description: str
     key: str  # the manifest entry: calibration[key]
-    costs: RecordedCosts | None  # what the calibration measured: the controller's start
 
 
 def calibration_key(drafter: str, sampling: SamplingParams) -> str:
@@ -51,12 +50,17 @@ def calibration_key(drafter: str, sampling: SamplingParams) -> str:
     return key + (f",top_p={sampling.top_p:g}" if sampling.top_p < 1.0 else "")
 
 
-def choice_shape(choice: dict) -> TreeShape:
-    """The tree shape a recorded choice (or candidate) describes."""
+def choice_shape(choice: dict) -> TreeShape | None:
+    """The tree shape a recorded choice (or candidate) describes; None for a node budget."""
+    if choice["tree"] == "budget":
+        return None
     if choice["tree"] == "static":
         return StaticTree.from_choices(choice["choices"])
     if choice["tree"] == "dynamic":
-        return DynamicTree(**choice["dynamic"])
+        dynamic = choice["dynamic"]
+        if "total_tokens" in dynamic:  # recorded before `dynamic` took EAGLE-2's meaning
+            return DynamicTree.of_nodes(dynamic["total_tokens"], dynamic["depth"], dynamic["top_k"])
+        return DynamicTree(**dynamic)
     return StaticTree.chain(choice["chain_length"])
 
 
@@ -80,7 +84,7 @@ def calibrated_choice(
         shape = choice_shape(choice)
         label, max_batch_spec = str(choice["label"]), int(entry["max_batch_spec"])
         predicted = float(entry["expected_speedup"])
-        costs = _recorded_costs(entry)
+        nodes = int(choice["nodes"]) if shape is None else shape.max_nodes
     except (KeyError, TypeError, ValueError, SpecxError) as e:
         raise ArtifactError(
             f"{manifest.root / MANIFEST_NAME}: calibration.{key} is malformed ({e!r}); "
@@ -90,32 +94,7 @@ def calibrated_choice(
         label += f" (calibrated at {key.partition('@')[2]})"
     if max_batch_spec == 0:
         label += " (calibration: speculation does not pay off here, decoding plainly)"
-    return CalibratedChoice(shape, max_batch_spec, predicted, label, key, costs)
-
-
-def _recorded_costs(entry: dict) -> RecordedCosts | None:
-    """Round costs and top-1 acceptance by depth from a calibration entry (seconds).
-
-    None for an entry without measurements (written by hand: the choice alone).
-    """
-    if "costs" not in entry and "acceptance" not in entry:
-        return None
-    costs, choice = entry["costs"], entry["choice"]
-    curve = costs["verify_curve"]
-    overhead = max(float(costs["verify_overhead_ms"]), 0.0)
-    verify = {
-        int(n): 1e-3 * (float(ms) + overhead)
-        for n, ms in zip(curve["tokens"], curve["ms"], strict=True)
-    }
-    verify[1] = 1e-3 * float(costs["plain_ms_per_token"])  # a round with no draft: a plain step
-    draft = costs["draft_ms"]
-    draft_ms = (
-        float(draft["per_round"])
-        + float(draft["per_depth"]) * int(choice["depth"])
-        + float(draft["per_node"]) * int(choice["nodes"])
-    )
-    acceptance = tuple(float(row[0]) for row in entry["acceptance"]["acceptance_by_depth_and_rank"])
-    return RecordedCosts(verify, 1e-3 * draft_ms, acceptance)
+    return CalibratedChoice(shape, nodes, max_batch_spec, predicted, label, key)
 
 
 def _distance(manifest: Manifest, key: str, entry: dict, wanted: SamplingParams):

@@ -25,10 +25,11 @@ have controllers of their own, as in continuous batching), the rate is the forwa
 A sequence at k = 0 is probed with a one-node draft now and then (`AdaptiveController`), so
 one that becomes predictable gets speculation back.
 
-Seeded with a calibration's recorded costs and acceptance (`RecordedCosts`, from `specx
-calibrate` at the nearest sampling setting), T(k) and p_d start from those measurements
-instead of a guess, so a sequence drafts from its first round at the size they favour;
-the loop's own timings and verdicts then take over through the same moving averages.
+Starting from a calibration's recorded costs and acceptance instead (so a sequence would
+draft from its first round) was tried and measured worse on pyref-deep at batch 1 (EAGLE-1
+1.22x vs 1.39x, EAGLE-3 1.06x vs 1.22x, n-gram 1.42x vs 1.47x): the calibration's per-round
+overhead and its prompts' acceptance misjudge a given request more than a measured plain
+round and a one-node probe cost. The calibration's part is the batch threshold and the tree.
 """
 
 from __future__ import annotations
@@ -42,16 +43,7 @@ import numpy as np
 
 from specx.runtime.trees import DraftTree
 
-__all__ = ["AdaptiveController", "Controller", "FixedSizes", "RecordedCosts", "truncated"]
-
-
-@dataclass(frozen=True)
-class RecordedCosts:
-    """What a calibration measured: round costs and acceptance, the controller's starting point."""
-
-    verify_s: dict[int, float]  # verify width (root + nodes) -> seconds per round; 1: plain step
-    draft_s: float  # drafting time of one round at the calibrated shape
-    acceptance: tuple[float, ...]  # p_d: the top-1 draft accepted at depth d, given d - 1
+__all__ = ["AdaptiveController", "Controller", "FixedSizes", "truncated"]
 
 
 class Controller(Protocol):
@@ -150,10 +142,8 @@ class AdaptiveController:
         margin: float = 0.05,
         batch_margin: float = 0.5,
         probe_budget: float = 0.03,
-        recorded: RecordedCosts | None = None,
     ):
         self.prior, self.smoothing, self.max_depth = prior, smoothing, max_depth
-        self.recorded = recorded
         # A draft must beat a plain step by this much: the model's error, and in a batch
         # the rows' uneven progress, which no per-depth average sees.
         self.margin, self.batch_margin = margin, batch_margin
@@ -166,10 +156,6 @@ class AdaptiveController:
         self.max_nodes = max_nodes
         self.candidates = sorted({0, max_nodes, *(2**i for i in range(8) if 2**i < max_nodes)})
         self.accept = np.full((batch, self.max_depth), self.prior)  # p_d per row
-        if self.recorded is not None:
-            seed = np.array(self.recorded.acceptance[: self.max_depth] or [self.prior])
-            self.accept[:] = np.pad(seed, (0, self.max_depth - len(seed)), mode="edge")
-            self.costs.seed(self.recorded)
         self.judged = np.zeros((batch, self.max_depth), dtype=np.int64)  # rounds that tested d
         self.round = 0
         # 0: the row drafts; else the round of its next probe (a batch waits for its first).
@@ -189,9 +175,7 @@ class AdaptiveController:
         chosen = np.zeros(len(active), dtype=np.int64)
         rows = np.flatnonzero(active)
         waiting = (self.next_probe[rows] > 0) & (self.round < self.next_probe[rows])
-        # Round 1 measures a plain step unless a calibration already did.
-        costed = self.round > 1 or self.recorded is not None
-        if costed and not waiting.all():  # else every row waits: no estimate needed
+        if self.round > 1 and not waiting.all():  # else every row waits: no estimate needed
             # A batch ends with its slowest row: rows of a batch size by the lowest acceptance.
             floor = np.min([self._estimates(b) for b in rows], axis=0) if len(rows) > 1 else None
             self._floor = floor
@@ -279,11 +263,6 @@ class _RoundCosts:
         self.smoothing = smoothing
         self.verify: dict[int, float] = {}
         self.draft = 0.0
-
-    def seed(self, recorded: RecordedCosts) -> None:
-        """Starts from a calibration's measurements (the loop's own then take over)."""
-        self.verify = dict(recorded.verify_s)
-        self.draft = recorded.draft_s
 
     def record(self, width: int, verify_s: float, draft_s: float) -> None:
         old = self.verify.get(width, verify_s)

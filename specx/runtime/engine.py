@@ -9,8 +9,8 @@
 
 An engine is what `specx generate` runs: the artifact's manifest verified, its default
 build opened once, and per request the default a user gets from the command line (the
-calibration entry nearest the request's sampling setting, the per-round controller seeded
-from it; `Speculation` overrides each part). Outputs are the target's: greedy speculative
+calibration entry nearest the request's sampling setting and the per-round controller;
+`Speculation` overrides each part). Outputs are the target's: greedy speculative
 decoding equals plain decoding token for token. Results are dataclasses; `Stats.details`
 keeps everything the decoding loop measured, JSON-ready.
 
@@ -76,11 +76,10 @@ class Speculation:
 
 @dataclass(frozen=True)
 class DraftPlan:
-    """A request's drafting, resolved: drafter options, batch threshold, controller seed.
+    """A request's drafting, resolved: drafter options, batch threshold, controller.
 
     What `Speculation` leaves open comes from the calibration entry nearest the request's
-    sampling setting (`calibrated`, None when none applies); its recorded costs seed the
-    controller, for the calibrated shape only.
+    sampling setting (`calibrated`, None when none applies).
     """
 
     drafter: str
@@ -98,8 +97,7 @@ class DraftPlan:
         """A fresh per-round controller (None when drafts are kept whole)."""
         if not self.adaptive:
             return None
-        recorded = None if self.calibrated is None else self.calibrated.costs
-        return AdaptiveController(recorded=recorded)
+        return AdaptiveController()
 
 
 @dataclass(frozen=True)
@@ -368,8 +366,8 @@ class Engine:
         count = spec.num_draft_tokens
         calibrated = calibrated_choice(self.manifest, spec.drafter, sampling)
         if calibrated is not None and shape is None and count is None:
-            if spec.drafter.startswith("ngram"):
-                count = calibrated.shape.max_nodes  # a chain
+            if calibrated.shape is None or spec.drafter.startswith("ngram"):
+                count = calibrated.nodes  # n-gram's chain, suffix's node budget
             else:
                 shape = calibrated.shape
         else:
@@ -446,6 +444,15 @@ class Engine:
         """Returns a drafter to the pool for the next request with the same plan."""
         with self._pool_lock:
             self._drafters.setdefault(plan.key, []).append(drafter)
+
+    def reset_drafters(self) -> None:
+        """Drops the pooled drafters and what they learnt across requests.
+
+        Suffix drafting's shared trie remembers earlier requests' outputs; after this the
+        next request drafts as on a fresh engine.
+        """
+        with self._pool_lock:
+            self._drafters.clear()
 
     def check_drafter(self, plan: DraftPlan) -> None:
         """Raises SpecxError now if `plan`'s drafter cannot be built (built once, pooled)."""

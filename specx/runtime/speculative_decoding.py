@@ -128,8 +128,10 @@ def generate_speculative(
             f"that exceeds the {target.max_tree_tokens} verify tokens the artifact was exported "
             "for (--max-tree-tokens)"
         )
-    # Past the history: the verify forward's root + nodes, or the drafter's own tree rows.
-    scratch = max(drafter.max_nodes + 1, drafter.scratch_slots)
+    # Past the history: the verify forward's root + nodes, or the drafter's own tree rows
+    # (+ 1: a finished sequence's history holds its last token too, and its row still
+    # rides along in the drafter's batch).
+    scratch = max(drafter.max_nodes + 1, drafter.scratch_slots + 1)
     needed = check_prompts(prompts, max_new_tokens, target.capacity, target.vocab_size, scratch)
     rng = np.random.default_rng(sampling.seed)
     coin = RandomCoin(rng)

@@ -26,7 +26,7 @@ HEAD_TAPS = {"eagle3": "eagle3", "eagle": "last", "medusa": "last", "mtp": "last
 _LOADERS: dict[str, Callable] = {
     "eagle3": lambda path, ckpt: load_eagle3(path, ckpt.config, ckpt.state_dict),
     "eagle": lambda path, ckpt: load_eagle(path, ckpt.config, ckpt.state_dict),
-    "medusa": lambda path, ckpt: load_medusa(path, ckpt.config),
+    "medusa": lambda path, ckpt: load_medusa(path, ckpt.config, ckpt.state_dict),
     "mtp": lambda path, ckpt: load_mtp(path, ckpt.config, ckpt.state_dict, ckpt.directory),
 }
 

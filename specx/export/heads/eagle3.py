@@ -1,8 +1,19 @@
 """EAGLE-3 head: one decoder layer over [embedding, hidden] with a reduced draft vocabulary.
 
-Formats (SafeAILab/EAGLE `cnets.py`; vLLM/SGLang `llama_eagle3.py`): `midlayer.*` keys with
-`d2t`/`t2d` (official), or `layers.0.*` with an `eagle_config` block and no `t2d`
-(NVIDIA ModelOpt). Target id of draft id i is `i + d2t[i]`.
+Formats (SafeAILab/EAGLE `cnets.py`; vLLM/SGLang `llama_eagle3.py`):
+- official (also SpecForge/SGLang): `midlayer.*` keys with `d2t`/`t2d`, a LlamaConfig-like
+  config.json with `draft_vocab_size`;
+- NVIDIA ModelOpt: `layers.0.*` (or `midlayer.*`), an `eagle_config` block whose
+  `eagle_aux_hidden_state_layer_ids` name layer OUTPUTS (k - 1 for the state entering k),
+  no `t2d`;
+- vllm-project/speculators: config.json with `speculators_model_type: "eagle3"`, the draft
+  layer's LlamaConfig in `transformer_layer_config`, `draft_vocab_size`,
+  `target_hidden_size` and `eagle_aux_hidden_state_layer_ids` (the states ENTERING those
+  layers, vLLM's convention) at the top level, and `layers.0.*` keys (the official keys
+  with `midlayer.` -> `layers.0.`; `d2t`/`t2d` only with a reduced vocabulary). Its
+  variants that change the layer (`norm_before_residual`, `norm_before_fc`, `fc_norm`,
+  `norm_output`) and Qwen3 draft layers are refused by name.
+Target id of draft id i is `i + d2t[i]`.
 """
 
 from __future__ import annotations
@@ -84,19 +95,27 @@ def load_eagle3(directory: str | Path, target: TargetConfig, target_weights) -> 
     ckpt = read_head(directory, WEIGHT_NAMES)
     where = ckpt.directory / "config.json"
     raw = dict(ckpt.config)
-    eagle_config = raw.pop("eagle_config", None) or {}
-    tensors, origin = dict(ckpt.tensors), dict(ckpt.origin)
-    if any(k.startswith("layers.0.") for k in tensors):  # ModelOpt layout
-        for key in [k for k in tensors if k.startswith("layers.0.")]:
-            new = "midlayer." + key[len("layers.0.") :]
-            tensors[new], origin[new] = tensors.pop(key), origin.pop(key)
-    layers = eagle_config.get("eagle_aux_hidden_state_layer_ids")
-    expected_layers = [i - 1 for i in tap_layers("eagle3", target.num_layers)]
+    taps = list(tap_layers("eagle3", target.num_layers))
+    if "speculators_model_type" in raw:
+        raw, layers = _speculators_config(raw, where)
+        expected_layers, meaning = taps, "the states entering layers"
+    else:
+        layers = (raw.pop("eagle_config", None) or {}).get("eagle_aux_hidden_state_layer_ids")
+        expected_layers, meaning = [i - 1 for i in taps], "outputs of layers"
     if layers is not None and list(layers) != expected_layers:
         raise CheckpointError(
             f"{where}: eagle_aux_hidden_state_layer_ids {layers} are not EAGLE-3's taps "
-            f"(outputs of layers {expected_layers} of a {target.num_layers}-layer target)"
+            f"({meaning} {expected_layers} of a {target.num_layers}-layer target)"
         )
+    tensors, origin = dict(ckpt.tensors), dict(ckpt.origin)
+    if any(k.startswith("layers.1.") for k in tensors):
+        raise CheckpointError(
+            f"{ckpt.directory}: more than one draft layer (layers.1.*): only one-layer "
+            "EAGLE-3 heads load"
+        )
+    for key in [k for k in tensors if k.startswith("layers.0.")]:  # ModelOpt, speculators
+        new = "midlayer." + key[len("layers.0.") :]
+        tensors[new], origin[new] = tensors.pop(key), origin.pop(key)
     config = head_attention_config(raw, target, where)
     vocab = raw.get("vocab_size", target.vocab_size)
     if vocab != target.vocab_size:
@@ -126,6 +145,44 @@ def load_eagle3(directory: str | Path, target: TargetConfig, target_weights) -> 
     head.load_state_dict(state, strict=True, assign=True)
     head.rotary = RotaryEmbedding(config)
     return head.eval()
+
+
+SPECULATORS_VARIANTS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
+
+
+def _speculators_config(raw: dict, where: Path) -> tuple[dict, list[int] | None]:
+    """A speculators config.json as the official flat config, and its tap layer ids."""
+    kind = raw["speculators_model_type"]
+    if kind != "eagle3":
+        raise CheckpointError(
+            f"{where}: speculators_model_type {kind!r} is not an EAGLE-3 head; specx loads "
+            "speculators' 'eagle3' checkpoints (its eagle, peagle, dflash, dspark and mtp "
+            "types are other drafters)"
+        )
+    layer = raw.get("transformer_layer_config")
+    if not isinstance(layer, dict):
+        raise CheckpointError(f"{where}: transformer_layer_config must be an object")
+    if layer.get("model_type", "llama") != "llama":
+        raise CheckpointError(
+            f"{where}: transformer_layer_config.model_type {layer['model_type']!r} is not "
+            "supported: specx's EAGLE-3 draft layer is a Llama layer"
+        )
+    if layer.get("num_hidden_layers", 1) != 1:
+        raise CheckpointError(
+            f"{where}: transformer_layer_config.num_hidden_layers "
+            f"{layer['num_hidden_layers']}: only one-layer EAGLE-3 heads load"
+        )
+    for variant in SPECULATORS_VARIANTS:
+        if raw.get(variant):
+            raise CheckpointError(
+                f"{where}: {variant}: true changes the EAGLE-3 layer and is not supported "
+                "(specx's layer is the official one)"
+            )
+    flat = dict(layer)
+    for key in ("draft_vocab_size", "target_hidden_size"):
+        if raw.get(key) is not None:
+            flat[key] = raw[key]
+    return flat, raw.get("eagle_aux_hidden_state_layer_ids")
 
 
 def _d2t(tensors, origin, draft_vocab: int, vocab: int) -> torch.Tensor:

@@ -60,7 +60,7 @@ class FeatureHeadDrafter:
         self.drafts_chains = is_chain_shape(shape)
         self.scratch_slots = shape.forwarded_nodes
         if isinstance(shape, DynamicTree):
-            self.pool_size = shape.top_k + (shape.depth - 1) * shape.top_k**2
+            self.pool_size = shape.top_k + shape.depth * shape.top_k**2
         else:
             self.pool_size = shape.max_nodes
         # Greedy chains of 2+ tokens run as one call where the artifact has the graph; at a

@@ -3,9 +3,11 @@
 Two strategies over one `NodeForward` callback (the drafter's model):
 - static shapes (chains, Medusa-style choice lists): depth by depth, node of rank r takes
   the parent's r-th most likely token, or a sample from q for sampled chains;
-- EAGLE-2 dynamic trees: expand the `top_k` best frontier nodes by their `top_k` children,
-  score = cumulative log-probability, keep the best `top_k` as the next frontier; after
-  `depth` levels keep the best `total_tokens` nodes, parents before children.
+- EAGLE-2 dynamic trees, with the official code's parameters (`DynamicTree`): the root's
+  `top_k` children are the first level; then `depth` times, expand the `top_k` best nodes
+  of the last level (score = cumulative log-probability) by their `top_k` children; of all
+  `top_k + depth * top_k**2` candidates keep the best `total_token - 1` (the official
+  `total_token` counts the root), parents before children.
 
 Nodes live in a per-batch *pool* in creation order (parents before children). The
 callback forwards a set of pool nodes (the same count per row) and returns their logits;
@@ -61,24 +63,52 @@ class StaticTree:
 
 @dataclass(frozen=True)
 class DynamicTree:
-    """EAGLE-2 parameters; defaults are EAGLE-2's (60 tokens, depth 7, top-k 10)."""
+    """EAGLE-2's tree parameters, meaning what the official EAGLE code means by them.
 
-    total_tokens: int = 60
+    `total_token` counts the root: the tree has `total_token - 1` draft nodes. `depth`
+    counts expansions after the root's children: nodes sit on `depth + 1` levels. The
+    defaults are the official defaults (total_token 60, depth 7, top_k 10: 59 nodes on
+    up to 8 levels). `dynamic:60,7,10` on the command line is this tree.
+    """
+
+    total_token: int = 60
     depth: int = 7
     top_k: int = 10
 
     def __post_init__(self) -> None:
-        if min(self.total_tokens, self.depth, self.top_k) < 1:
-            raise TreeError(f"dynamic tree parameters must be >= 1, got {self}")
+        if self.total_token < 2 or self.depth < 0 or self.top_k < 1:
+            raise TreeError(
+                f"dynamic tree parameters need total_token >= 2 (it counts the root), depth "
+                f">= 0 and top_k >= 1, got {self.total_token},{self.depth},{self.top_k}"
+            )
+
+    @classmethod
+    def of_nodes(cls, nodes: int, levels: int, top_k: int) -> DynamicTree:
+        """The tree of `nodes` draft nodes on `levels` levels.
+
+        How specx read `dynamic:` before it took the official meaning; calibrations recorded
+        then are read through this.
+        """
+        return cls(nodes + 1, levels - 1, top_k)
+
+    @property
+    def nodes(self) -> int:
+        """Draft nodes (the root excluded)."""
+        return self.total_token - 1
+
+    @property
+    def levels(self) -> int:
+        """Levels of draft nodes under the root."""
+        return self.depth + 1
 
     @property
     def max_nodes(self) -> int:  # noqa: D102
-        return self.total_tokens
+        return self.nodes
 
     @property
     def forwarded_nodes(self) -> int:
         """Nodes a drafter feeds its model while growing this tree (every frontier but the last)."""
-        return self.top_k * (self.depth - 1)
+        return self.top_k * self.depth
 
 
 TreeShape = StaticTree | DynamicTree
@@ -119,8 +149,8 @@ def parse_tree_spec(spec: str) -> TreeShape:
         return StaticTree.from_choices(json.loads(spec))
     except (ValueError, TypeError, OSError) as e:
         raise TreeError(
-            f"bad tree {spec!r}: use chain:K, dynamic:TOTAL,DEPTH,TOPK, static:FILE or a JSON "
-            f"choice list ({e})"
+            f"bad tree {spec!r}: use chain:K, dynamic:TOTAL,DEPTH,TOPK (EAGLE-2's total_token, "
+            f"depth, top_k), static:FILE or a JSON choice list ({e})"
         ) from e
 
 
@@ -222,7 +252,7 @@ def _grow_dynamic(shape: DynamicTree, root_logits, forward):
     frontier_scores = np.take_along_axis(logp, top, -1)
     frontier = np.broadcast_to(add(top, np.full(top.shape, -1), frontier_scores, 0), top.shape)
     frontier_tokens = top
-    for level in range(1, shape.depth):
+    for level in range(1, shape.levels):
         logits = forward(frontier, frontier_tokens, _gather(pool_parents, frontier))
         logp = _log_softmax(logits)  # [B, k, V]
         children = _top_k(logp, k)  # [B, k, k]
@@ -242,7 +272,7 @@ def _grow_dynamic(shape: DynamicTree, root_logits, forward):
         # Best scores first; ties go to shallower nodes, so a parent is never dropped
         # for its child (a child's score is at most its parent's).
         order = np.lexsort((np.arange(scores.shape[1]), level_of[b], -scores[b]))
-        keep = np.sort(order[: shape.total_tokens])
+        keep = np.sort(order[: shape.nodes])
         index = {int(p): i for i, p in enumerate(keep)}
         tree_parents = np.array([index[int(p)] if p >= 0 else -1 for p in parents[b, keep]])
         parent_scores = np.where(parents[b, keep] >= 0, scores[b, parents[b, keep]], 0.0)
