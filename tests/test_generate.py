@@ -186,3 +186,38 @@ def test_feed_near_the_end_of_the_cache_does_not_pad_past_it(artifacts):
     np.testing.assert_allclose(output.logits[1, :4], reference.logits[0], atol=1e-5)
     np.testing.assert_allclose(cache.keys[0][1, :, :4], alone.keys[0][0, :, :4], atol=1e-6)
     assert np.abs(cache.keys[0][0, :, 15]).sum() > 0  # row 0's token was written in place
+
+
+def test_phi3_longrope_within_its_original_context_equals_transformers(tmp_path):
+    """longrope exports its short factors: exact up to original_max_position_embeddings."""
+    import transformers
+
+    from specx.errors import ExportError
+    from specx.export.target_export import export_target
+
+    half = 8  # head_dim 16
+    rng = np.random.default_rng(0)
+    config = transformers.Phi3Config(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=256, max_position_embeddings=1024,
+        original_max_position_embeddings=64, bos_token_id=0, eos_token_id=0, pad_token_id=0,
+        sliding_window=None,
+        rope_scaling={"type": "longrope", "short_factor": (1 + rng.random(half)).tolist(),
+                      "long_factor": (4 + rng.random(half)).tolist()},
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.Phi3ForCausalLM(config).eval()
+    model.save_pretrained(tmp_path / "phi3")
+    with pytest.raises(ExportError, match="longrope is a fixed table only up to .* 64"):
+        export_target(tmp_path / "phi3", tmp_path / "too-long", max_context=128)
+    artifact = export_target(tmp_path / "phi3", tmp_path / "artifact", max_context=64)
+    target = OrtTarget(load_manifest(artifact), threads=2)
+    prompt = rng.integers(1, 256, 60).tolist()
+    cache = target.allocate_cache(1, 64)
+    output, _ = target.feed(cache, [prompt], np.zeros(1, dtype=np.int64))
+    with torch.no_grad():
+        expected = model(torch.tensor([prompt])).logits[0].numpy()
+    np.testing.assert_allclose(output.logits[0, :60], expected, atol=1e-4, rtol=1e-4)
+    out = model.generate(torch.tensor([prompt[:20]]), max_new_tokens=40, do_sample=False,
+                         eos_token_id=None, pad_token_id=0)  # fmt: skip
+    assert generate_plain(target, [prompt[:20]], 40).tokens[0] == out[0, 20:].tolist()

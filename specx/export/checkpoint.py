@@ -91,6 +91,61 @@ class CheckpointTensors(Mapping[str, torch.Tensor]):
         return len(self._files) + len(self._aliases)
 
 
+class _RowSlice:
+    """Rows [start, stop) of a stored tensor, as a `TensorFile` of that one tensor.
+
+    Phi-3's fused q/k/v and gate/up projections are read this way.
+    """
+
+    def __init__(self, file: TensorFile, key: str, start: int, stop: int):
+        self.file, self.key, self.start, self.stop = file, key, start, stop
+
+    @property
+    def path(self) -> Path:  # noqa: D102
+        return self.file.path
+
+    def shape(self, key: str) -> tuple[int, ...]:  # noqa: D102
+        return (self.stop - self.start, *self.file.shape(self.key)[1:])
+
+    def dtype(self, key: str) -> str:  # noqa: D102
+        return self.file.dtype(self.key)
+
+    def read(self, key: str, buffer: bytearray | None = None) -> RawTensor:  # noqa: D102
+        return self.file.read(self.key).map(lambda a: a[self.start : self.stop])
+
+
+def _split_fused(holder: dict, config: TargetConfig) -> set[str]:
+    """Phi-3's `qkv_proj` and `gate_up_proj` as the decoder's q/k/v and gate/up tensors.
+
+    The fused weights stack them by rows in that order. Returns the fused keys so used.
+    """
+    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    parts = {
+        "self_attn.qkv_proj": [("self_attn.q_proj", 0, q), ("self_attn.k_proj", q, q + kv),
+                               ("self_attn.v_proj", q + kv, q + 2 * kv)],
+        "mlp.gate_up_proj": [("mlp.gate_proj", 0, config.intermediate_size),
+                             ("mlp.up_proj", config.intermediate_size,
+                              2 * config.intermediate_size)],
+    }  # fmt: skip
+    used = set()
+    for layer in range(config.num_layers):
+        for fused, pieces in parts.items():
+            key = f"model.layers.{layer}.{fused}.weight"
+            if key not in holder:
+                continue
+            if holder[key].shape(key)[0] != pieces[-1][2]:
+                raise CheckpointError(
+                    f"{holder[key].path}: tensor {key} has {holder[key].shape(key)[0]} rows, "
+                    f"expected {pieces[-1][2]} from config.json"
+                )
+            for name, start, stop in pieces:
+                holder[f"model.layers.{layer}.{name}.weight"] = _RowSlice(
+                    holder[key], key, start, stop
+                )
+            used.add(key)
+    return used
+
+
 @dataclass(frozen=True)
 class Checkpoint:
     """An opened target checkpoint: parsed config, raw config.json, lazy weights, files."""
@@ -153,6 +208,7 @@ def load_checkpoint(checkpoint_dir: str | Path) -> Checkpoint:
     for path in files:
         opened = open_tensor_file(path)
         holder.update(dict.fromkeys(opened.keys(), opened))
+    fused = _split_fused(holder, config) if config.family == "phi3" else set()
     aliases = {}
     if config.tie_word_embeddings and "lm_head.weight" not in holder:
         if "model.embed_tokens.weight" in holder:
@@ -178,7 +234,11 @@ def load_checkpoint(checkpoint_dir: str | Path) -> Checkpoint:
             raise CheckpointError(
                 f"{source.path}: tensor {stored} has dtype {source.dtype(stored)}"
             )
-    unused = [k for k in holder if k not in expected and not k.endswith(_IGNORED_SUFFIXES)]
+    unused = [
+        k
+        for k in holder
+        if k not in expected and k not in fused and not k.endswith(_IGNORED_SUFFIXES)
+    ]
     if unused:
         log.warning(
             "%s: ignoring %d unused tensors, e.g. %s", checkpoint_dir, len(unused), unused[0]

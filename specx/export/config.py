@@ -1,9 +1,17 @@
 """`TargetConfig`: the architecture of a supported HF decoder, read from `config.json`.
 
-Supported families are Llama, Qwen2, Qwen3 (per-head q/k RMSNorm), Mistral and SmolLM3
-(layers without RoPE, `no_rope_layers`): one decoder shape (pre-norm, RoPE, grouped-query
-attention, SwiGLU MLP) that differs in biases, q/k norms, head size and which layers rotate.
-Everything else is refused here, by name, before any weight is read.
+Supported families are Llama, Qwen2, Qwen3 (per-head q/k RMSNorm), Mistral, SmolLM3
+(layers without RoPE, `no_rope_layers`) and Phi-3 (fused `qkv_proj`/`gate_up_proj`, read as
+q/k/v and gate/up by `specx.export.checkpoint`; `longrope`): one decoder shape (pre-norm,
+RoPE, grouped-query attention, SwiGLU MLP) that differs in biases, q/k norms, head size and
+which layers rotate. Everything else is refused here, by name, before any weight is read.
+
+`longrope` (Phi-3 long-context checkpoints) is a fixed table only up to the checkpoint's
+`original_max_position_embeddings`: transformers rotates with the short factors while a
+sequence is no longer than that and switches to the long ones for every new token past it,
+mid-sequence, which no fixed graph reproduces. So a longrope export uses the short factors
+(and the checkpoint's attention factor) and is refused beyond that context
+(`rope_max_context`); within it the output is transformers' exactly.
 """
 
 from __future__ import annotations
@@ -17,7 +25,7 @@ from specx.errors import CheckpointError
 
 __all__ = ["SUPPORTED_FAMILIES", "TargetConfig", "load_target_config"]
 
-SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "smollm3")
+SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "smollm3", "phi3")
 # Rope types whose frequencies do not depend on the sequence length, so one graph serves all.
 _STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
@@ -47,6 +55,7 @@ class TargetConfig:
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     rope_layers: tuple[bool, ...] = ()  # per layer: applies RoPE (SmolLM3); () = every layer
+    rope_max_context: int | None = None  # longest context the RoPE tables are exact for
 
     def uses_rope(self, layer: int) -> bool:
         """Whether layer `layer` rotates q and k (SmolLM3's NoPE layers do not)."""
@@ -86,7 +95,7 @@ def load_target_config(checkpoint_dir: str | Path) -> tuple[TargetConfig, dict[s
     if hf.hidden_act != "silu":
         raise CheckpointError(f"{config_path}: hidden_act {hf.hidden_act!r} is not supported")
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
-    inv_freq, attention_scaling = _rope(config_path, hf, head_dim)
+    inv_freq, attention_scaling, rope_max_context = _rope(config_path, hf, head_dim)
     attention_bias = bool(getattr(hf, "attention_bias", False))
     qkv_bias = {"qwen2": True, "mistral": False}.get(family, attention_bias)
     o_bias = {"qwen2": False, "mistral": False}.get(family, attention_bias)
@@ -112,6 +121,7 @@ def load_target_config(checkpoint_dir: str | Path) -> tuple[TargetConfig, dict[s
         bos_token_id=hf.bos_token_id,
         eos_token_ids=_eos_token_ids(checkpoint_dir, hf.eos_token_id),
         rope_layers=_rope_layers(config_path, hf, family),
+        rope_max_context=rope_max_context,
     )
     if config.num_heads % config.num_kv_heads:
         raise CheckpointError(
@@ -131,26 +141,33 @@ def _hf_config(config_path: Path, family: str):
         raise CheckpointError(f"{config_path}: not a valid {family} config: {e}") from e
 
 
-def _rope(config_path: Path, hf, head_dim: int) -> tuple[tuple[float, ...], float]:
+def _rope(config_path: Path, hf, head_dim: int) -> tuple[tuple[float, ...], float, int | None]:
     import torch
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     params = hf.rope_parameters or {}
     rope_type = params.get("rope_type", "default")
+    if params.get("partial_rotary_factor", getattr(hf, "partial_rotary_factor", 1.0)) != 1.0:
+        raise CheckpointError(f"{config_path}: partial_rotary_factor != 1 is not supported")
+    if rope_type == "longrope":  # the short factors: see the module docstring
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS["longrope"](hf, "cpu")  # seq_len None: short
+        original = getattr(hf, "original_max_position_embeddings", None) or params.get(
+            "original_max_position_embeddings", hf.max_position_embeddings
+        )
+        return tuple(float(f) for f in inv_freq), float(scaling), int(original)
     if rope_type not in _STATIC_ROPE_TYPES:
         raise CheckpointError(
             f"{config_path}: rope type {rope_type!r} depends on the sequence length and is not "
-            f"supported; supported: {', '.join(_STATIC_ROPE_TYPES)}"
+            f"supported; supported: {', '.join(_STATIC_ROPE_TYPES)}, and longrope up to "
+            "original_max_position_embeddings"
         )
-    if params.get("partial_rotary_factor", 1.0) != 1.0:
-        raise CheckpointError(f"{config_path}: partial_rotary_factor != 1 is not supported")
     if rope_type == "default":
         theta = params["rope_theta"]
         inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
         scaling = 1.0
     else:
         inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf, "cpu")
-    return tuple(float(f) for f in inv_freq), float(scaling)
+    return tuple(float(f) for f in inv_freq), float(scaling), None
 
 
 def _rope_layers(config_path: Path, hf, family: str) -> tuple[bool, ...]:

@@ -42,6 +42,7 @@ _FAMILY_CONFIGS = {
     "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None}),
     # Every other layer without RoPE, so a tiny model has both kinds.
     "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM", {"no_rope_layer_interval": 2}),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", {"sliding_window": None}),
 }
 
 

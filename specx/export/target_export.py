@@ -159,6 +159,13 @@ def _check_capacity(checkpoint: Checkpoint, max_context: int) -> None:
             f"(window {config.sliding_window}), which specx does not implement; "
             f"export with --max-context <= {config.sliding_window}"
         )
+    if config.rope_max_context is not None and max_context > config.rope_max_context:
+        raise ExportError(
+            f"{checkpoint.directory}: rope_scaling longrope is a fixed table only up to "
+            f"original_max_position_embeddings {config.rope_max_context} (transformers "
+            "switches to the long factors mid-sequence past it); export with --max-context "
+            f"<= {config.rope_max_context}"
+        )
     if max_context > config.max_position_embeddings:
         log.warning(
             "--max-context %d exceeds max_position_embeddings %d of %s",

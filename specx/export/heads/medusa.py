@@ -54,6 +54,7 @@ class MedusaHeads(nn.Module):
     ):
         super().__init__()
         self.hidden_size = hidden_size
+
         def head() -> nn.Sequential:
             blocks = [ResBlock(hidden_size) for _ in range(num_layers)]
             if not shared_lm_head:  # each head's own lm_head (a new one per head)

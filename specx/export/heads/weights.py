@@ -91,7 +91,7 @@ def head_attention_config(raw: dict[str, Any], target: TargetConfig, where: Path
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"{where}: not a Llama-style head config: {e}") from e
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
-    inv_freq, scaling = _rope(where, hf, head_dim)
+    inv_freq, scaling, _ = _rope(where, hf, head_dim)
     return dataclasses.replace(
         target,
         hidden_size=hf.hidden_size,
