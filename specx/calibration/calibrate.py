@@ -209,25 +209,9 @@ def calibrate_artifact(
         {k: c[k] for k in ("label", "model_speedup", "measured_speedup")} for c in candidates
     ]
     batch_curve = _batch_curve(target, spec, choice, prompts, options)
-    max_batch_spec = 0
-    for point in batch_curve:
-        if point["measured_speedup"] < 1.0:
-            break
-        max_batch_spec = point["batch"]
-
+    max_batch_spec = _max_batch_spec(batch_curve)
     entry = {
-        "drafter": spec,
-        "sampling": {"temperature": sampling.temperature, "top_p": sampling.top_p},
-        "measured_on": {
-            "backend": manifest.data.get("default_build", "ort"),
-            "prompts": len(prompts),
-            "prompts_sha256": hashlib.sha256(json.dumps(prompts).encode()).hexdigest(),
-            "max_new_tokens": options.max_new_tokens,
-            "repeats": options.repeats,
-            "seed": options.seed,
-            "threads": options.threads,
-            "seconds": None,
-        },
+        **_header(manifest, spec, prompts, options, sampling),
         "acceptance": counts.summary(),
         "costs": {
             "plain_ms_per_token": 1e3 * plain_s,
@@ -297,15 +281,29 @@ def _calibrate_budget(manifest, target, spec, prompts, options, sampling, progre
                       "speculative_ms_per_token": timing.speculative_ms_per_token,
                       "measured_speedup": timing.speedup,
                       "acceptance_length": timing.acceptance_length})  # fmt: skip
-    max_batch_spec = 0
-    for point in curve:
-        if point["measured_speedup"] < 1.0:
-            break
-        max_batch_spec = point["batch"]
+    max_batch_spec = _max_batch_spec(curve)
     first = curve[0]["measured_speedup"]
     choice = {"label": f"{spec}, {nodes}-node budget", "tree": "budget", "nodes": nodes,
               "measured_speedup": first}  # fmt: skip
     entry = {
+        **_header(manifest, spec, prompts, options, sampling),
+        "choice": choice,
+        "expected_speedup": first if max_batch_spec else 1.0,
+        "batch_curve": curve,
+        "max_batch_spec": max_batch_spec,
+    }
+    entry["measured_on"]["seconds"] = time.perf_counter() - started
+    body = manifest_body(manifest)
+    body.setdefault("calibration", {})[calibration_key(spec, sampling)] = entry
+    write_manifest(manifest.root, body)
+    progress(f"calibrated {spec} ({setting}): {first:.2f}x at batch 1, "
+             f"{batch_summary(max_batch_spec)}")  # fmt: skip
+    return entry
+
+
+def _header(manifest, spec: str, prompts, options, sampling: SamplingParams) -> dict[str, Any]:
+    """What every calibration entry records about how it was measured ("seconds" filled last)."""
+    return {
         "drafter": spec,
         "sampling": {"temperature": sampling.temperature, "top_p": sampling.top_p},
         "measured_on": {
@@ -316,19 +314,19 @@ def _calibrate_budget(manifest, target, spec, prompts, options, sampling, progre
             "repeats": options.repeats,
             "seed": options.seed,
             "threads": options.threads,
-            "seconds": time.perf_counter() - started,
+            "seconds": None,
         },
-        "choice": choice,
-        "expected_speedup": first if max_batch_spec else 1.0,
-        "batch_curve": curve,
-        "max_batch_spec": max_batch_spec,
     }
-    body = manifest_body(manifest)
-    body.setdefault("calibration", {})[calibration_key(spec, sampling)] = entry
-    write_manifest(manifest.root, body)
-    progress(f"calibrated {spec} ({setting}): {first:.2f}x at batch 1, "
-             f"{batch_summary(max_batch_spec)}")  # fmt: skip
-    return entry
+
+
+def _max_batch_spec(curve: list[dict[str, Any]]) -> int:
+    """The largest batch of the curve up to which speculation still paid (0: never)."""
+    largest = 0
+    for point in curve:
+        if point["measured_speedup"] < 1.0:
+            break
+        largest = point["batch"]
+    return largest
 
 
 def batch_summary(max_batch_spec: int) -> str:
