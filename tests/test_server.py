@@ -157,7 +157,9 @@ def test_chat_completions_with_the_openai_client(chat_artifact):
         ({"prompt": "x", "top_p": 1.5}, 400, "top_p must be in (0, 1]"),
         ({"prompt": "x", "top_p": 0}, 400, "top_p must be in (0, 1]"),
         ({"prompt": ""}, 400, "prompt must be"),
-        ({"prompt": "x", "drafter": "telepathy"}, 400, "unknown drafter"),
+        ({"prompt": "x", "drafter": "telepathy"}, 400, "is not served here"),
+        ({"prompt": "x", "drafter": "draft-model:/etc"}, 400, "is not served here"),
+        ({"prompt": [1, 2, 3], "max_tokens": 126}, 400, "capacity"),  # + the drafter's scratch
         ({"prompt": "x", "n": 2}, 400, "n must be 1"),
         ({"prompt": "x" * (2 << 20)}, 413, "over"),
     ],
@@ -191,6 +193,32 @@ def test_a_client_disconnect_frees_its_slot_and_a_full_queue_answers_503(artifac
         metrics = httpx.get(f"{url}/metrics").text
         assert 'specx_finished_total{reason="cancelled"} 2' in metrics
         assert "specx_batch_running 0" in metrics and "specx_queue_depth 0" in metrics
+
+
+def test_requests_with_other_drafters_near_capacity_share_a_batch(server):
+    """A plain row near the end of its cache rides along with a wide suffix draft."""
+    url, engine = server
+    near = {"prompt": list(range(1, 11)), "max_tokens": 118, "temperature": 0,
+            "ignore_eos": True, "drafter": None}  # fmt: skip
+    wide = {"prompt": [5, 9, 5, 9, 5, 9], "max_tokens": 60, "temperature": 0,
+            "ignore_eos": True, "drafter": "suffix"}  # fmt: skip
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(lambda body: complete(url, **body), [near, wide, near, wide]))
+    for body, result in zip([near, wide, near, wide], results, strict=True):
+        expected = engine.generate(body["prompt"], max_new_tokens=body["max_tokens"],
+                                   ignore_eos=True).tokens  # fmt: skip
+        assert result["choices"][0]["token_ids"] == expected
+
+
+def test_a_client_leaving_a_non_streamed_request_cancels_it(artifacts):
+    with serving(artifacts["llama"], step_s=0.02, slots=1) as (url, _):
+        body = {"prompt": [5, 9], "max_tokens": 100, "ignore_eos": True}
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{url}/v1/completions", json=body, timeout=0.5)
+        deadline = time.monotonic() + 10
+        while 'specx_finished_total{reason="cancelled"} 1' not in httpx.get(f"{url}/metrics").text:
+            assert time.monotonic() < deadline, "the request ran on after its client left"
+            time.sleep(0.1)
 
 
 def test_64_concurrent_streams_all_complete_once(artifacts):

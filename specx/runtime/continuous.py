@@ -38,7 +38,7 @@ from specx.runtime.speculative_decoding import EMPTY_DRAFT, depth_of, verify_inp
 from specx.runtime.trees import DraftTree
 from specx.runtime.verification import RandomCoin, verify
 
-__all__ = ["BatchSequence", "ContinuousBatch"]
+__all__ = ["BatchSequence", "ContinuousBatch", "scratch_of"]
 
 
 @dataclass(eq=False)  # compared by identity: the batch's rows are these objects
@@ -99,24 +99,21 @@ class ContinuousBatch:
         """Slots a request could take now."""
         return len(self.rows) - self.running
 
-    def check(self, sequence: BatchSequence) -> int:
+    def check(self, prompt: list[int], max_new_tokens: int, scratch: int = 0) -> int:
         """Refuses a request that cannot fit a slot (GenerationError), before any work.
 
-        Returns the slots it needs (prompt, budget and the drafter's scratch).
+        `scratch`: its drafter's slots past the history (`scratch_of`). Returns the slots
+        it needs.
         """
-        drafter = sequence.drafter
-        scratch = 0 if drafter is None else max(drafter.max_nodes + 1, drafter.scratch_slots)
-        return check_prompts(
-            [sequence.prompt],
-            sequence.max_new_tokens,
-            self.cache.capacity,
-            self.target.vocab_size,
-            scratch,
-        )
+        capacity, vocab = self.cache.capacity, self.target.vocab_size
+        return check_prompts([prompt], max_new_tokens, capacity, vocab, scratch)
 
     def admit(self, sequence: BatchSequence) -> int:
-        """Prefills `sequence` into the lowest free slot, emits its first token; its slot."""
-        needed = self.check(sequence)
+        """Prefills `sequence` into the lowest free slot, emits its first token; its slot.
+
+        If anything fails, the slot stays free.
+        """
+        needed = self.check(sequence.prompt, sequence.max_new_tokens, scratch_of(sequence.drafter))
         slot = self.rows.index(None)
         view = self.cache.row(slot)
         logits, output = prefill(self.target, view, [sequence.prompt])
@@ -129,7 +126,12 @@ class ContinuousBatch:
             sequence.controller.start(1, sequence.drafter.max_nodes)
         first = _choose(logits[0], sequence.sampling, sequence.rng)
         self.rows[slot] = sequence
-        sequence.emit([first])
+        try:
+            sequence.emit([first])
+        except BaseException:
+            self.rows[slot] = None
+            self.cache.lengths[slot] = 0
+            raise
         return slot
 
     def step(self) -> list[BatchSequence]:
@@ -160,24 +162,33 @@ class ContinuousBatch:
         return done + self._release()
 
     def _draft(self, rows: list[BatchSequence | None]) -> tuple[list[DraftTree], list[DraftTree]]:
-        """Each running sequence's proposal and the prefix it keeps this round."""
+        """Each running sequence's proposal and the prefix it keeps this round.
+
+        The verify forward is as wide as the widest kept draft, and every row writes that
+        many slots past its history (padding included), so no row keeps more nodes than
+        the fullest row's cache has room for (requests with other drafters, or none,
+        reserved only their own scratch).
+        """
         proposed = [EMPTY_DRAFT] * len(rows)
         kept = [EMPTY_DRAFT] * len(rows)
         running = self.running
+        lengths = [int(self.cache.lengths[b]) for b, row in enumerate(rows) if row is not None]
+        room = self.cache.capacity - max(lengths) - 1  # nodes past the root that fit every row
         for b, row in enumerate(rows):
-            if row is None or row.drafter is None:
+            if row is None or row.drafter is None or room < 1:
                 continue
             if row.max_batch_spec is not None and running > row.max_batch_spec:
                 continue
             active = np.ones(1, dtype=bool)
-            if row.controller is None:
-                proposed[b] = kept[b] = row.drafter.propose([row.history], active, row.sampling,
-                                                            row.rng)[0]  # fmt: skip
-                continue
-            size = int(row.controller.sizes(active, peers=running - 1)[0])
+            size = min(row.drafter.max_nodes, room)
+            if row.controller is not None:
+                size = min(int(row.controller.sizes(active, peers=running - 1)[0]), size)
             if size:
+                # Budgets only where the draft is cut (third-party drafters may not take one).
+                cut = row.controller is not None or size < row.drafter.max_nodes
+                budget = {"budget": size} if cut else {}
                 proposed[b] = row.drafter.propose(
-                    [row.history], active, row.sampling, row.rng, budget=size
+                    [row.history], active, row.sampling, row.rng, **budget
                 )[0]
                 kept[b] = truncated(proposed[b], size)
         return proposed, kept
@@ -220,6 +231,13 @@ class ContinuousBatch:
                 spare_slots=self.cache.spare_slots,
             )
         return self._views[high]
+
+
+def scratch_of(drafter: Drafter | None) -> int:
+    """Slots a drafter needs past a sequence's history (see `generate_speculative`)."""
+    if drafter is None:
+        return 0
+    return max(drafter.max_nodes + 1, drafter.scratch_slots + 1)
 
 
 def _choose(logits: np.ndarray, sampling: SamplingParams, rng: np.random.Generator) -> int:

@@ -39,6 +39,8 @@ def create_app(engine: Engine, options: ServeOptions | None = None) -> FastAPI:
 
     @app.get("/health")
     async def health():
+        if not service.scheduler.alive:
+            return JSONResponse({"status": "unavailable", "model": engine.name}, status_code=503)
         return {"status": "ok", "model": engine.name}
 
     @app.get("/v1/models")

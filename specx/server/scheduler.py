@@ -25,13 +25,17 @@ from specx.runtime.engine import DraftPlan, Engine
 from specx.runtime.sampling import SamplingParams
 from specx.server.metrics import Metrics
 
-__all__ = ["Finished", "Job", "QueueFull", "Scheduler", "TokensEvent"]
+__all__ = ["Finished", "Job", "QueueFull", "Scheduler", "TokensEvent", "Unavailable"]
 
 logger = logging.getLogger("specx")
 
 
 class QueueFull(SpecxError):
     """Every slot is busy and the queue is at its bound: retry later."""
+
+
+class Unavailable(SpecxError):
+    """The decoding thread stopped (the server is closing, or it failed)."""
 
 
 @dataclass(frozen=True)
@@ -70,6 +74,7 @@ class Job:
     eos: frozenset[int]
     plan: DraftPlan | None
     deliver: Callable[[TokensEvent | Finished], None]  # called from the scheduler thread
+    scratch: int = 0  # the plan's drafter's slots past the history (`scratch_of`)
     cancelled: threading.Event = field(default_factory=threading.Event)
     submitted: float = field(default_factory=time.perf_counter)
 
@@ -96,7 +101,7 @@ class Scheduler:
         return self._thread.is_alive()
 
     def close(self) -> None:
-        """Stops the thread after its current round; waiting jobs end as cancelled."""
+        """Stops the thread after its current round; running and waiting jobs end cancelled."""
         with self._cond:
             self._closing = True
             self._cond.notify()
@@ -104,12 +109,18 @@ class Scheduler:
 
     def check(self, job: Job) -> None:
         """Refuses a job that cannot fit a slot (GenerationError), before it is queued."""
-        probe = BatchSequence(job.prompt, job.max_new_tokens, job.sampling, job.eos, _keep)
-        self.batch.check(probe)
+        self.batch.check(job.prompt, job.max_new_tokens, job.scratch)
 
     def submit(self, job: Job) -> None:
-        """Queues `job`; raises QueueFull when the queue is at its bound."""
+        """Queues `job`.
+
+        Raises:
+            QueueFull: the queue is at its bound.
+            Unavailable: the decoding thread is not running.
+        """
         with self._cond:
+            if self._closing or not self.alive:
+                raise Unavailable("the server's decoding thread is not running")
             self._drop_cancelled()  # a client that left gives its place back at once
             if len(self._waiting) >= self.queue_size:
                 raise QueueFull(f"{len(self._waiting)} requests are waiting; retry later")
@@ -129,17 +140,20 @@ class Scheduler:
                 while self._waiting and self.batch.free - len(admit) > 0:
                     admit.append(self._waiting.popleft())
                 self.metrics.queue_depth = len(self._waiting)
-            try:
-                with self.engine.lock:
-                    for job in admit:
-                        self._admit(job)
+            with self.engine.lock:
+                for job in admit:
+                    self._admit(job)
+                try:
                     self._round()
-            except Exception as e:  # noqa: BLE001 - the server must keep serving
-                logger.exception("decoding round failed")
-                for slot in list(self._running):
-                    self._end(slot, "error", str(e))
-        for job in self._waiting:
-            self._finish(job, _cancelled(job))
+                except Exception as e:  # noqa: BLE001 - the server must keep serving
+                    logger.exception("decoding round failed")
+                    for slot in list(self._running):
+                        self._end(slot, "error", str(e))
+        with self._cond:  # closing: nobody is left without an answer
+            for slot in list(self._running):
+                self._end(slot, "cancelled")
+            while self._waiting:
+                self._finish(self._waiting.popleft(), None)
 
     def _drop_cancelled(self) -> None:
         for job in [j for j in self._waiting if j.cancelled.is_set()]:
@@ -147,9 +161,13 @@ class Scheduler:
             self._finish(job, _cancelled(job))
         self.metrics.queue_depth = len(self._waiting)
 
-    def _finish(self, job: Job, done: Finished) -> None:
+    def _finish(self, job: Job, done: Finished | None) -> None:
+        done = done or _cancelled(job)
         self.metrics.finished(done)
-        job.deliver(done)
+        try:
+            job.deliver(done)
+        except RuntimeError:  # the client's event loop is gone (server shutting down)
+            pass
 
     def _admit(self, job: Job) -> None:
         if job.cancelled.is_set():
@@ -175,8 +193,10 @@ class Scheduler:
             None if job.plan is None else job.plan.max_batch_spec,
         )
         try:
-            slot = self.batch.admit(sequence)
-        except SpecxError as e:
+            slot = self.batch.admit(sequence)  # a failure leaves the slot free
+        except Exception as e:  # noqa: BLE001 - one bad request must not stop the others
+            if not isinstance(e, SpecxError):
+                logger.exception("admitting a request failed")
             self._give_back(job.plan, drafter)
             self._finish(job, _failed(job, str(e)))
             return
@@ -229,10 +249,6 @@ class Scheduler:
     def _give_back(self, plan: DraftPlan | None, drafter) -> None:
         if plan is not None and drafter is not None:
             self.engine.give_back(plan, drafter)
-
-
-def _keep(_row: int, _tokens: list[int]) -> bool:
-    return True
 
 
 def _cancelled(job: Job) -> Finished:

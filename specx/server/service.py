@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 from specx.errors import SpecxError
+from specx.runtime.continuous import scratch_of
 from specx.runtime.engine import Engine, Speculation
 from specx.server.metrics import Metrics
 from specx.server.protocol import (
@@ -26,7 +27,7 @@ from specx.server.protocol import (
     response_body,
     stream_chunk,
 )
-from specx.server.scheduler import Finished, Job, QueueFull, Scheduler, TokensEvent
+from specx.server.scheduler import Finished, Job, QueueFull, Scheduler, TokensEvent, Unavailable
 
 __all__ = ["Opened", "Reply", "ServeOptions", "Service"]
 
@@ -102,6 +103,8 @@ class Service:
             self.scheduler.submit(job)
         except QueueFull as e:
             raise ApiError(503, str(e), kind="server_overloaded") from e
+        except Unavailable as e:
+            raise ApiError(503, str(e), kind="server_unavailable") from e
         except SpecxError as e:
             raise ApiError(400, str(e)) from e
         self.metrics.request(_endpoint(chat), 200)
@@ -109,16 +112,21 @@ class Service:
 
     async def reply(self, opened: Opened, disconnected: Callable[[], Awaitable[bool]]) -> Reply:
         """The non-streamed response; the job ends early if `disconnected()` turns true."""
+        loop = asyncio.get_running_loop()
+        polled = loop.time()
         try:
             while True:
                 try:
                     event = await asyncio.wait_for(opened.events.get(), timeout=0.25)
                 except TimeoutError:
-                    if await disconnected():
-                        return Reply(499, {})
-                    continue
+                    event = None
                 if isinstance(event, Finished):
                     break
+                # Rounds deliver events all the time: poll on the clock, not on silence.
+                if loop.time() - polled >= 0.25:
+                    polled = loop.time()
+                    if await disconnected():
+                        return Reply(499, {})
         finally:
             opened.job.cancelled.set()  # a no-op once it finished
         if event.finish_reason == "error":
@@ -157,10 +165,13 @@ class Service:
                 prompt = engine.encode(request.prompt)
             if request.stop and engine.tokenizer is None:
                 raise ApiError(400, "stop strings need the artifact's tokenizer", "stop")
-            plan = None
+            plan, scratch = None, 0
             if request.drafter is not None:
+                self._check_allowed(request.drafter)
                 plan = engine.plan(Speculation(request.drafter), request.sampling)
-                engine.check_drafter(plan)
+                drafter = engine.take_drafter(plan)  # built once per plan, then pooled
+                scratch = scratch_of(drafter)
+                engine.give_back(plan, drafter)
         except SpecxError as e:
             raise ApiError(400, str(e)) from e
         loop = asyncio.get_running_loop()
@@ -170,8 +181,24 @@ class Service:
         def deliver(event: TokensEvent | Finished) -> None:
             loop.call_soon_threadsafe(events.put_nowait, event)
 
-        job = Job(prompt, request.max_tokens, request.sampling, request.stop, eos, plan, deliver)
+        job = Job(
+            prompt, request.max_tokens, request.sampling, request.stop, eos, plan, deliver, scratch
+        )
         return job, events
+
+    def _check_allowed(self, drafter: str) -> None:
+        """Refuses a request's drafter unless it is served here.
+
+        Requests choose among the model-free drafters, the artifact's head and the server's
+        default; never a path of their own (which draft model runs is the operator's call).
+        """
+        head = (self.engine.manifest.data.get("drafter") or {}).get("kind")
+        allowed = [d for d in ("ngram", "suffix", head, self.options.drafter) if d]
+        if drafter not in allowed:
+            raise ApiError(
+                400, f"drafter {drafter!r} is not served here; choose one of {allowed} or null",
+                "drafter",
+            )  # fmt: skip
 
 
 def _endpoint(chat: bool) -> str:

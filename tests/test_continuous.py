@@ -1,0 +1,56 @@
+"""Continuous batching: sequences joining and leaving a running batch between rounds."""
+
+from __future__ import annotations
+
+from specx.artifact import load_manifest
+from specx.runtime.continuous import BatchSequence, ContinuousBatch
+from specx.runtime.controller import AdaptiveController
+from specx.runtime.drafters import DrafterOptions, make_drafter
+from specx.runtime.ort_target import OrtTarget
+from specx.runtime.plain_decoding import generate_plain
+from specx.runtime.sampling import SamplingParams
+
+
+def _sequence(prompt, tokens, drafter=None, controller=None):
+    return BatchSequence(
+        prompt, tokens, SamplingParams(), frozenset(), lambda _r, _t: True, drafter, controller
+    )
+
+
+def test_joining_sequences_decode_as_alone(artifacts):
+    target = OrtTarget(load_manifest(artifacts["llama"]), threads=2)
+    prompts = [[5, 9, 5, 9, 5, 9, 13], [7, 3, 11], [2, 4, 6, 8, 2, 4], [1, 2, 3], [9, 9, 9]]
+    expected = [generate_plain(target, [p], 20).tokens[0] for p in prompts]
+    batch = ContinuousBatch(target, 3)
+    options = DrafterOptions()
+    waiting = [
+        _sequence(p, 20, make_drafter(d, target, options), AdaptiveController() if i % 2 else None)
+        for i, (p, d) in enumerate(zip(prompts, ["ngram", "suffix"] * 3, strict=False))
+    ]
+    waiting[3].drafter = waiting[3].controller = None  # a plain sequence among them
+    sequences = list(waiting)
+    while waiting or batch.running:
+        while waiting and batch.free:
+            batch.admit(waiting.pop(0))
+        batch.step()
+    assert [s.emitted for s in sequences] == expected
+
+
+def test_a_wide_draft_never_pushes_a_full_row_past_its_cache(artifacts):
+    """A plain row near its cache's end rides along with a 16-node suffix draft."""
+    target = OrtTarget(load_manifest(artifacts["llama"]), threads=2)
+    capacity = target.capacity
+    prompt = list(range(1, 11))
+    tokens = capacity - len(prompt) + 1  # fills the cache exactly: no scratch reserved
+    batch = ContinuousBatch(target, 2)
+    full = _sequence(prompt, tokens)
+    batch.admit(full)
+    while int(batch.cache.lengths[0]) < capacity - 8:
+        batch.step()
+    suffix = make_drafter("suffix", target, DrafterOptions())
+    wide = _sequence([5, 9] * 8, 20, suffix)  # repetitive: suffix drafts wide trees
+    batch.admit(wide)
+    while batch.running:
+        batch.step()  # before the cap: "overflows the KV cache"
+    assert full.emitted == generate_plain(target, [prompt], tokens).tokens[0]
+    assert wide.emitted == generate_plain(target, [[5, 9] * 8], 20).tokens[0]
