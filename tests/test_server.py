@@ -142,6 +142,12 @@ def test_chat_completions_with_the_openai_client(chat_artifact):
             model=engine.name, messages=messages, max_tokens=10, temperature=0, stream=True
         )
         assert "".join(p.choices[0].delta.content or "" for p in parts) == expected.text
+        parts = [{"role": "user", "content": [{"type": "text", "text": "Sort "},
+                                               {"type": "text", "text": "a list"}]}]  # fmt: skip
+        joined = client.chat.completions.create(
+            model=engine.name, messages=parts, max_tokens=10, temperature=0
+        )
+        assert joined.choices[0].message.content == expected.text  # the same prompt
         text = client.completions.create(model=engine.name, prompt="x = ", max_tokens=6)
         assert text.choices[0].finish_reason in ("stop", "length")
 
@@ -161,6 +167,8 @@ def test_chat_completions_with_the_openai_client(chat_artifact):
         ({"prompt": "x", "drafter": "draft-model:/etc"}, 400, "is not served here"),
         ({"prompt": [1, 2, 3], "max_tokens": 126}, 400, "capacity"),  # + the drafter's scratch
         ({"prompt": "x", "n": 2}, 400, "n must be 1"),
+        ({"prompt": "x", "logprobs": 5}, 400, "logprobs is not supported"),
+        ({"prompt": "x", "presence_penalty": 0.5}, 400, "presence_penalty is not supported"),
         ({"prompt": "x" * (2 << 20)}, 413, "over"),
     ],
 )

@@ -22,6 +22,10 @@ from specx.server.scheduler import Finished
 __all__ = ["ApiError", "GenerateRequest", "parse_request", "response_body", "stream_chunk"]
 
 _UNSET = object()
+# OpenAI request fields specx does not implement: refused when set, never silently ignored.
+UNSUPPORTED = ("logprobs", "top_logprobs", "echo", "best_of", "logit_bias", "suffix",
+               "presence_penalty", "frequency_penalty", "repetition_penalty", "tools",
+               "tool_choice", "functions", "function_call", "response_format")  # fmt: skip
 
 
 class ApiError(Exception):
@@ -64,6 +68,10 @@ def parse_request(body: Any, chat: bool, model: str, default_drafter: str | None
         )  # fmt: skip
     if _get(body, "n", int, 1) != 1:
         raise ApiError(400, "n must be 1 (one choice per request)", "n")
+    for name in UNSUPPORTED:
+        value = body.get(name)
+        if value not in (None, False, 0, "", [], {}) and not (name == "best_of" and value == 1):
+            raise ApiError(400, f"{name} is not supported by specx serve", name)
     prompt = messages = None
     if chat:
         messages = _messages(body.get("messages", _UNSET))
@@ -200,14 +208,25 @@ def _prompt(value: Any) -> str | list[int]:
 
 
 def _messages(value: Any) -> list[dict[str, Any]]:
+    """The messages with string content (OpenAI's text content parts joined)."""
     if not isinstance(value, list) or not value:
         raise ApiError(400, "messages must be a non-empty list", "messages")
+    messages = []
     for i, message in enumerate(value):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise ApiError(400, f"messages[{i}] must be an object with a role", "messages")
-        if not isinstance(message.get("content"), str):
+        content = message.get("content")
+        if isinstance(content, list):
+            if not all(isinstance(p, dict) and p.get("type") == "text"
+                       and isinstance(p.get("text"), str) for p in content):  # fmt: skip
+                raise ApiError(
+                    400, f"messages[{i}].content: only text parts are supported", "messages"
+                )
+            content = "".join(p["text"] for p in content)
+        if not isinstance(content, str):
             raise ApiError(400, f"messages[{i}].content must be a string", "messages")
-    return value
+        messages.append({**message, "content": content})
+    return messages
 
 
 def _stop(value: Any) -> tuple[str, ...]:
