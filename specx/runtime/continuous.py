@@ -34,11 +34,11 @@ from specx.runtime.kv_cache import KVCache
 from specx.runtime.metrics import AcceptanceStats
 from specx.runtime.plain_decoding import TokenSink, check_prompts, prefill
 from specx.runtime.sampling import SamplingParams, sample, sampling_probs
-from specx.runtime.speculative_decoding import EMPTY_DRAFT, depth_of, verify_inputs
+from specx.runtime.speculative_decoding import EMPTY_DRAFT, depth_of, scratch_of, verify_inputs
 from specx.runtime.trees import DraftTree
 from specx.runtime.verification import RandomCoin, verify
 
-__all__ = ["BatchSequence", "ContinuousBatch", "scratch_of"]
+__all__ = ["BatchSequence", "ContinuousBatch"]
 
 
 @dataclass(eq=False)  # compared by identity: the batch's rows are these objects
@@ -231,13 +231,6 @@ class ContinuousBatch:
                 spare_slots=self.cache.spare_slots,
             )
         return self._views[high]
-
-
-def scratch_of(drafter: Drafter | None) -> int:
-    """Slots a drafter needs past a sequence's history (see `generate_speculative`)."""
-    if drafter is None:
-        return 0
-    return max(drafter.max_nodes + 1, drafter.scratch_slots + 1)
 
 
 def _choose(logits: np.ndarray, sampling: SamplingParams, rng: np.random.Generator) -> int:

@@ -49,6 +49,7 @@ __all__ = [
     "Verifier",
     "depth_of",
     "generate_speculative",
+    "scratch_of",
     "verify_inputs",
 ]
 
@@ -128,10 +129,7 @@ def generate_speculative(
             f"that exceeds the {target.max_tree_tokens} verify tokens the artifact was exported "
             "for (--max-tree-tokens)"
         )
-    # Past the history: the verify forward's root + nodes, or the drafter's own tree rows
-    # (+ 1: a finished sequence's history holds its last token too, and its row still
-    # rides along in the drafter's batch).
-    scratch = max(drafter.max_nodes + 1, drafter.scratch_slots + 1)
+    scratch = scratch_of(drafter)
     needed = check_prompts(prompts, max_new_tokens, target.capacity, target.vocab_size, scratch)
     rng = np.random.default_rng(sampling.seed)
     coin = RandomCoin(rng)
@@ -234,6 +232,18 @@ def generate_speculative(
             "per_request": [s.summary() for s in stats],
         },
     )
+
+
+def scratch_of(drafter: Drafter | None) -> int:
+    """KV slots a drafter needs past a sequence's history (0 without one).
+
+    The verify forward's root + nodes, or the drafter's own tree rows; + 1 because a
+    finished sequence's history holds its last token too while its row still rides along
+    in the drafter's batch.
+    """
+    if drafter is None:
+        return 0
+    return max(drafter.max_nodes + 1, drafter.scratch_slots + 1)
 
 
 def _emit(tokens, row, emitted, histories, active, eos, max_new_tokens, sink=None) -> int:

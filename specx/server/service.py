@@ -16,8 +16,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 from specx.errors import SpecxError
-from specx.runtime.continuous import scratch_of
 from specx.runtime.engine import Engine, Speculation
+from specx.runtime.speculative_decoding import scratch_of
 from specx.server.metrics import Metrics
 from specx.server.protocol import (
     ApiError,
