@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import click
 
@@ -19,9 +19,6 @@ from specx.cli.common import (
     warn,
 )
 from specx.errors import GenerationError
-
-if TYPE_CHECKING:
-    pass
 
 __all__ = ["COMMANDS", "DecodeProgress", "generate", "print_stats"]
 

@@ -46,7 +46,7 @@ from specx.runtime.plain_decoding import (
     generate_plain,
 )
 from specx.runtime.sampling import SamplingParams
-from specx.runtime.speculative_decoding import generate_speculative
+from specx.runtime.speculative_decoding import generate_speculative, scratch_of
 from specx.runtime.tokenizer import TextTokenizer
 
 __all__ = ["Chunk", "Completion", "DraftPlan", "Engine", "Speculation", "Stats", "load"]
@@ -401,7 +401,18 @@ class Engine:
         plan = self.plan(request.speculation, request.sampling)
         drafter = self.take_drafter(plan)
         try:
-            result = self._run_speculative(request, plan, drafter, sink, progress)
+            result = generate_speculative(
+                self.target,
+                drafter,
+                request.prompts,
+                request.max_new_tokens,
+                request.sampling,
+                request.eos,
+                plan.max_batch_spec,
+                progress=progress,
+                controller=plan.controller(),
+                sink=sink,
+            )
         finally:
             self.give_back(plan, drafter)
         calibrated = plan.calibrated
@@ -417,20 +428,6 @@ class Engine:
                     calibrated.max_batch_spec, len(request.prompts)
                 )
         return result
-
-    def _run_speculative(self, request, plan, drafter, sink, progress) -> GenerationResult:
-        return generate_speculative(
-            self.target,
-            drafter,
-            request.prompts,
-            request.max_new_tokens,
-            request.sampling,
-            request.eos,
-            plan.max_batch_spec,
-            progress=progress,
-            controller=plan.controller(),
-            sink=sink,
-        )
 
     def take_drafter(self, plan: DraftPlan):
         """A drafter for `plan` not in use: a pooled one, else a new one (`give_back` it)."""
@@ -454,9 +451,14 @@ class Engine:
         with self._pool_lock:
             self._drafters.clear()
 
-    def check_drafter(self, plan: DraftPlan) -> None:
-        """Raises SpecxError now if `plan`'s drafter cannot be built (built once, pooled)."""
-        self.give_back(plan, self.take_drafter(plan))
+    def check_drafter(self, plan: DraftPlan) -> int:
+        """Builds `plan`'s drafter once (pooled), raising SpecxError if it cannot be built.
+
+        Returns the KV slots it needs past a sequence's history (`scratch_of`).
+        """
+        drafter = self.take_drafter(plan)
+        self.give_back(plan, drafter)
+        return scratch_of(drafter)
 
     def _completions(
         self, request: _Request, result: GenerationResult, texts: list[TextStream]

@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 
 from specx.errors import SpecxError
 from specx.runtime.engine import Engine, Speculation
-from specx.runtime.speculative_decoding import scratch_of
 from specx.server.metrics import Metrics
 from specx.server.protocol import (
     ApiError,
@@ -169,9 +168,7 @@ class Service:
             if request.drafter is not None:
                 self._check_allowed(request.drafter)
                 plan = engine.plan(Speculation(request.drafter), request.sampling)
-                drafter = engine.take_drafter(plan)  # built once per plan, then pooled
-                scratch = scratch_of(drafter)
-                engine.give_back(plan, drafter)
+                scratch = engine.check_drafter(plan)  # built once per plan, then pooled
         except SpecxError as e:
             raise ApiError(400, str(e)) from e
         loop = asyncio.get_running_loop()
