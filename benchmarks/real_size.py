@@ -8,9 +8,11 @@ On the random-weight Llama-3.2-1B-shaped checkpoint (benchmarks/real_size_checkp
 2. plain greedy decoding, both runtimes in this process on the same weights, interleaved
    prompt by prompt, fastest of `--repeats` per prompt, decode ms/token (tokens after the
    first) and total ms/token reported apart (benchmarks/runners.py), one pair at a time:
-   specx fp32 vs genai fp32; specx's default int4 (blocks of 32, int8 lm_head) and its
-   blocks-of-128 variant vs genai's default int4 (blocks of 32, int4 lm_head); the same
-   configuration on both sides at blocks of 128 and of 32 (int4 lm_head); specx int8.
+   specx fp32 vs genai fp32; specx's default int4 (blocks of 128 with a padding row, int4
+   lm_head with its top 16 logits rescored in 8 bits) and the former default (blocks of 32,
+   int8 lm_head) vs genai's default int4 (blocks of 32, int4 lm_head); the same
+   configuration on both sides at blocks of 128 and of 32 (int4 lm_head, no rescoring);
+   specx int8.
 
     python benchmarks/real_size.py [--work DIR] [--prompts 4] [--new-tokens 64]
 
@@ -44,11 +46,12 @@ from runners import (  # noqa: E402
 # (label, precision, build options, genai peer)
 BUILDS = [
     ("int8", "int8", [], "genai-int4"),
-    ("int4 b128 lm_head int4", "int4", ["--lm-head-bits", "4", "--block-size", "128"],
-     "genai-int4-b128"),
-    ("int4 b32 lm_head int4", "int4", ["--lm-head-bits", "4"], "genai-int4"),
-    ("int4 b128", "int4", ["--block-size", "128"], "genai-int4"),
-    ("int4", "int4", [], "genai-int4"),  # the default: blocks of 32, int8 lm_head
+    ("int4 b128 lm_head int4", "int4", ["--lm-head-rescore", "0"], "genai-int4-b128"),
+    ("int4 b32 lm_head int4", "int4", ["--block-size", "32", "--lm-head-rescore", "0"],
+     "genai-int4"),
+    ("int4 b32 lm_head int8", "int4", ["--block-size", "32", "--lm-head-bits", "8"],
+     "genai-int4"),  # the default before the padding row and the rescoring
+    ("int4", "int4", [], "genai-int4"),  # the default: blocks of 128, lm_head int4 rescored
 ]  # fmt: skip
 
 

@@ -46,7 +46,7 @@ from specx.errors import BuildError
 from specx.graphs.model_io import save_streamed
 from specx.graphs.ort_lowering import GroupQueryAttentionPass, SkipRmsNormPass, gqa_available
 from specx.graphs.precision import PRECISIONS, ConvertPrecisionPass
-from specx.graphs.row_invariance import RowInvariantPass
+from specx.graphs.row_invariance import PadRowPass, RowInvariantPass
 from specx.graphs.signature import graph_signature
 from specx.graphs.trt_lint import lint_for_tensorrt
 from specx.graphs.trt_lowering import lower_for_tensorrt
@@ -214,11 +214,13 @@ def _build_ort(
             quantizer = _quantizer(manifest, name, options, prompts, progress)
             model = _convert(_load(manifest, name), name, options, record, quantizer)
             padded = _needs_row_invariance(name, record)
-            if lower and _lower(manifest, model, padded):
+            if lower and _lower(manifest, model, padded == "attention"):
                 record.setdefault("lowering", {})[name] = "gqa"
+            if padded == "graph":  # after the lowering, which reads the graph's own inputs
+                PadRowPass()(model)
             graphs[name] = _save(model, output, name, progress)
-            if lower and padded:
-                graphs[name]["kv_spare_slots"] = 1  # GroupQueryAttention's padding row
+            if padded == "graph" or (lower and padded == "attention"):
+                graphs[name]["kv_spare_slots"] = 1  # the padding row's key and value
         if "draft_chain" in manifest.data["graphs"]:
             graphs["draft_chain"] = _derive_chain(manifest, graphs["draft_head"], output)
         for name in graphs:
@@ -255,32 +257,45 @@ def _quantizer(
     return gptq_quantizer(hessians)
 
 
-def matmulnbits_rows_invariant(config: WeightOnlyConfig, trials: int = 3) -> bool:
-    """Whether this machine's MatMulNBits kernels compute a row alone as among others.
+def matmulnbits_row_invariance(config: WeightOnlyConfig, trials: int = 3) -> str | None:
+    """How this machine's MatMulNBits kernels can compute a row alone as among others.
 
-    Each row's bits alone and in chunks of 2..8 rows are compared for `config` (measured
-    at level 4: blocks of 16 and 32 yes, 64 and 128 no). Checked at build time because
-    the kernel paths depend on the CPU and the ONNX Runtime version.
+    "as is": each row's bits are the same alone and in chunks of 2..8 (measured at level 4:
+    blocks of 16 and 32); "padded": the same once every chunk gets a copy of its last row,
+    as `PadRowPass` gives the whole graph (blocks of 64 and 128: rows go in pairs); None:
+    neither. Checked at build time because the kernel paths depend on the CPU and the ONNX
+    Runtime version.
     """
     from specx.runtime.ort_target import load_session
 
     rng = np.random.default_rng(0)
+    sessions = []
     for bits in {config.bits, config.output_bits} - {0}:
         k = 3 * config.block_size + 16  # whole blocks and a padded one
         model = _single_matmul(rng.standard_normal((k, 40)).astype(np.float32) * 0.05)
         WeightOnlyQuantizePass(
             WeightOnlyConfig(bits, config.block_size, config.symmetric, config.accuracy_level, bits)
         )(model)
-        session = load_session(ir.to_proto(model).SerializeToString())
-        for _ in range(trials):
-            rows = rng.standard_normal((8, k)).astype(np.float32)
-            together = session.run(None, {"x": rows})[0]
-            for chunk in range(1, 8):
-                parts = [
-                    session.run(None, {"x": rows[i : i + chunk]})[0] for i in range(0, 8, chunk)
-                ]
-                if not np.array_equal(np.concatenate(parts)[:8], together):
-                    return False
+        sessions.append(load_session(ir.to_proto(model).SerializeToString()))
+    batches = [rng.standard_normal((8, k)).astype(np.float32) for _ in range(trials)]
+    for mode, pad in (("as is", False), ("padded", True)):
+        if all(_chunks_agree(session, rows, pad) for session in sessions for rows in batches):
+            return mode
+    return None
+
+
+def _chunks_agree(session, rows: np.ndarray, pad: bool) -> bool:
+    """Whether every row comes out the same in chunks of 1..8 (each padded with its last)."""
+
+    def run(chunk: np.ndarray) -> np.ndarray:
+        padded = np.concatenate([chunk, chunk[-1:]]) if pad else chunk
+        return session.run(None, {"x": padded})[0][: len(chunk)]
+
+    together = run(rows)
+    for size in range(1, len(rows)):
+        parts = [run(rows[i : i + size]) for i in range(0, len(rows), size)]
+        if not np.array_equal(np.concatenate(parts), together):
+            return False
     return True
 
 
@@ -325,13 +340,16 @@ def _lower(manifest: Manifest, model: ir.Model, pad_single_rows: bool) -> bool:
     return norms or attention
 
 
-def _needs_row_invariance(name: str, record: dict) -> bool:
-    """Whether a graph keeps greedy identity by row invariance (int8 activations).
+def _needs_row_invariance(name: str, record: dict) -> str | None:
+    """Where a graph that keeps greedy identity by row invariance (int8 activations) pads.
 
-    Its GroupQueryAttention must then never see a lone query row.
+    "graph": the whole graph already runs a padding row (`PadRowPass`); "attention": its
+    GroupQueryAttention must get one, never to see a lone query row; None: no need.
     """
-    identity = (record.get("quantization") or {}).get("greedy_identity")
-    return name == "target" and identity == "chains"
+    quantization = record.get("quantization") or {}
+    if name != "target" or quantization.get("greedy_identity") != "chains":
+        return None
+    return "graph" if quantization.get("padding_row") else "attention"
 
 
 def _convert(
@@ -350,13 +368,14 @@ def _convert(
         # int8 activations amplify last-bit differences, as static INT8 does: the same remedy
         # for attention, and MatMulNBits must itself treat a row alone as among others.
         RowInvariantPass()(model)
-        invariant = matmulnbits_rows_invariant(config)
-        quantization["greedy_identity"] = "chains" if invariant else "none"
-        if not invariant:
+        invariance = matmulnbits_row_invariance(config)
+        quantization["padding_row"] = invariance == "padded"
+        quantization["greedy_identity"] = "chains" if invariance else "none"
+        if invariance is None:
             log.warning(
                 "MatMulNBits at block size %d does not compute a row alone as among others "
-                "on this CPU: greedy speculation on this build may differ from its plain "
-                "decoding (blocks of 32 do not)",
+                "on this CPU, even with a padding row: greedy speculation on this build may "
+                "differ from its plain decoding (blocks of 32 do not)",
                 config.block_size,
             )
     return model

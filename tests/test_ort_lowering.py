@@ -13,6 +13,7 @@ from conftest import FAMILIES, HEAD_VOCAB
 from specx.artifact import load_manifest
 from specx.build import BuildOptions, build_artifact
 from specx.graphs.ort_lowering import GroupQueryAttentionPass, gqa_available
+from specx.graphs.weight_only import WeightOnlyConfig
 from specx.runtime.drafters import DrafterOptions, make_drafter
 from specx.runtime.drafters.tree_search import StaticTree, parse_tree_spec
 from specx.runtime.masks import causal_mask
@@ -137,24 +138,47 @@ def chunked_logits(target: OrtTarget, prompt: list[int], tokens: list[int], chun
     return np.concatenate([r.logits[0] for r in rows])
 
 
-def test_row_invariant_targets_pad_lone_query_rows(artifacts, tmp_path):
-    """An int4 target at accuracy level 4 keeps greedy identity by row invariance: its GQA
-    always sees two query rows or more, so a token's logits do not depend on its chunk, bit
-    for bit, up to the cache's last slot (the padding row writes to a spare one)."""
-    artifact = shutil.copytree(artifacts["llama"], tmp_path / "artifact")
-    build_artifact(artifact, BuildOptions("ort", "int4"))
-    manifest = load_manifest(artifact)
-    build = manifest.build
-    assert build["quantization"]["greedy_identity"] == "chains"
-    assert build["lowering"] == {"target": "gqa"}
-    assert build["graphs"]["target"]["kv_spare_slots"] == 1
-    target = OrtTarget(manifest, threads=2)
+def _assert_rows_chunk_invariant(target: OrtTarget) -> None:
     rng = np.random.default_rng(0)
     for _ in range(3):
         prompt, tokens = rng.integers(1, 500, 17).tolist(), rng.integers(1, 500, 6).tolist()
         one = chunked_logits(target, prompt, tokens, 1)
         for chunk in (2, 3, 6):
             np.testing.assert_array_equal(chunked_logits(target, prompt, tokens, chunk), one)
+
+
+@pytest.mark.parametrize(("block_size", "lowering"), [(32, "gqa"), (128, "gqa"), (128, "none")])
+def test_row_invariant_targets_pad_lone_query_rows(block_size, lowering, artifacts, tmp_path):
+    """An int4 target at accuracy level 4 keeps greedy identity by row invariance, so a
+    token's logits do not depend on its chunk, bit for bit, up to the cache's last slot (the
+    padding row writes to a spare one). Blocks of 32: GQA always sees two query rows or
+    more; blocks of 128 (MatMulNBits computes rows in pairs): the whole graph runs one
+    padding row (with the standard attention body too)."""
+    artifact = shutil.copytree(artifacts["llama"], tmp_path / "artifact")
+    config = WeightOnlyConfig(block_size=block_size)
+    build_artifact(artifact, BuildOptions("ort", "int4", weight_only=config, lowering=lowering))
+    manifest = load_manifest(artifact)
+    build = manifest.build
+    assert build["quantization"]["greedy_identity"] == "chains"
+    assert build["quantization"]["padding_row"] == (block_size == 128)
+    assert build.get("lowering") == ({"target": "gqa"} if lowering == "gqa" else None)
+    assert build["graphs"]["target"].get("kv_spare_slots", 0) == int(
+        lowering == "gqa" or block_size == 128
+    )
+    _assert_rows_chunk_invariant(OrtTarget(manifest, threads=2))
+
+
+def test_pairing_kernels_break_row_invariance_without_the_padding_row(
+    artifacts, tmp_path, monkeypatch
+):
+    """Why the padding row at blocks of 128: without it rows differ between chunks."""
+    monkeypatch.setattr(specx.build, "matmulnbits_row_invariance", lambda config: "as is")
+    artifact = shutil.copytree(artifacts["llama"], tmp_path / "artifact")
+    config = WeightOnlyConfig(block_size=128)
+    build_artifact(artifact, BuildOptions("ort", "int4", weight_only=config))
+    assert not load_manifest(artifact).build["quantization"]["padding_row"]
+    with pytest.raises(AssertionError):
+        _assert_rows_chunk_invariant(OrtTarget(load_manifest(artifact), threads=2))
 
 
 def test_unpadded_gqa_computes_a_lone_row_differently(artifacts, tmp_path):

@@ -18,7 +18,7 @@ from click.testing import CliRunner
 
 from conftest import HEAD_VOCAB
 from specx.artifact import load_manifest
-from specx.build import BuildOptions, build_artifact, matmulnbits_rows_invariant
+from specx.build import BuildOptions, build_artifact, matmulnbits_row_invariance
 from specx.calibration.gptq import gptq_quantize
 from specx.cli import main
 from specx.errors import BuildError
@@ -37,16 +37,19 @@ from specx.runtime.speculative_decoding import generate_speculative
 REPEATING = [[5, 9, 5, 9, 5, 9, 13, 5, 9, 5, 9], [7, 3, 11, 7, 3, 11, 7, 3], [4, 4, 6, 4, 4, 6]]
 
 
-def matmul_model(weight: np.ndarray) -> ir.Model:
+def matmul_model(weight: np.ndarray, logits: bool = False) -> ir.Model:
+    """y = relu(x @ W); with `logits`, y = x @ W (an output projection)."""
     x = ir.Value(
         name="x", type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape(["m", weight.shape[0]])
     )
     w = ir.Value(name="w", const_value=ir.tensor(weight))
     node = ir.node("MatMul", [x, w], name="mm")
     node.outputs[0].name = "hidden"
-    act = ir.node("Relu", [node.outputs[0]], name="relu")  # so the MatMul is not the output
-    act.outputs[0].name = "y"
-    graph = ir.Graph([x], act.outputs, nodes=[node, act], initializers=[w], opset_imports={"": 21})
+    nodes = [node]
+    if not logits:
+        nodes.append(ir.node("Relu", [node.outputs[0]], name="relu"))
+    nodes[-1].outputs[0].name = "y"
+    graph = ir.Graph([x], nodes[-1].outputs, nodes=nodes, initializers=[w], opset_imports={"": 21})
     return ir.Model(graph, ir_version=10)
 
 
@@ -88,6 +91,25 @@ def test_matmulnbits_computes_the_dequantized_weight(bits, symmetric, k, rng):
     assert error < (0.15 if bits == 4 else 0.01)
 
 
+def test_a_rescored_output_projection_has_8_bit_logits_at_its_4_bit_top_k(rng):
+    """The lm_head's meaning with rescoring: x @ W in 8 bits at the ids of the k largest
+    4-bit logits, x @ W in 4 bits elsewhere (K not whole blocks, 3 rows)."""
+    k, vocab, top = 80, 300, 8
+    weight = rng.standard_normal((k, vocab)).astype(np.float32)
+    model = matmul_model(weight, logits=True)
+    config = WeightOnlyConfig(4, 32, accuracy_level=0, output_bits=4, output_rescore=top)
+    WeightOnlyQuantizePass(config)(model)
+    x = rng.standard_normal((3, k)).astype(np.float32)
+    four = x @ quantize_rtn(weight, 4, 32, True).dequantize()[:k]
+    eight = x @ quantize_rtn(weight, 8, 32, True).dequantize()[:k]
+    expected = four.copy()
+    ids = np.argsort(-four, axis=-1)[:, :top]
+    np.put_along_axis(expected, ids, np.take_along_axis(eight, ids, -1), -1)
+    got = load_session(ir.to_proto(model).SerializeToString()).run(None, {"x": x})[0]
+    np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4)
+    assert not np.allclose(got, four, atol=1e-3)  # the rescoring changed something
+
+
 def test_gptq_beats_rtn_on_correlated_inputs_and_equals_it_without_correlation(rng):
     k, n = 64, 48
     mixing = rng.standard_normal((k, k)) * 0.3 + np.eye(k)
@@ -110,13 +132,24 @@ def int4(artifacts, tmp_path_factory):
     return artifact
 
 
+@pytest.fixture(scope="module")
+def int4_b32(artifacts, tmp_path_factory):
+    """Blocks of 32 and an 8-bit lm_head: row-invariant as is, no padding row."""
+    artifact = shutil.copytree(artifacts["llama"], tmp_path_factory.mktemp("b32") / "artifact")
+    config = WeightOnlyConfig(block_size=32, output_bits=8)
+    build_artifact(artifact, BuildOptions("ort", "int4", weight_only=config))
+    assert not load_manifest(artifact).build["quantization"]["padding_row"]
+    return artifact
+
+
 def test_the_int4_build_is_recorded_with_its_method(int4, artifacts):
     manifest = load_manifest(int4)
     assert manifest.data["default_build"] == "ort-int4"
     record = manifest.build["quantization"]
-    assert record["bits"] == 4 and record["block_size"] == 32 and record["method"] == "rtn"
+    assert record["bits"] == 4 and record["block_size"] == 128 and record["method"] == "rtn"
     assert record["symmetric"] is True and record["accuracy_level"] == 4
-    assert record["output_projection_bits"] == 8 and record["greedy_identity"] == "chains"
+    assert record["output_projection_bits"] == 4 and record["greedy_identity"] == "chains"
+    assert record["output_projection_rescored_top_k"] == 16
     assert chains_only(manifest)
     graph = onnx.load(
         manifest.path(manifest.build["graphs"]["target"]["file"]), load_external_data=False
@@ -126,16 +159,14 @@ def test_the_int4_build_is_recorded_with_its_method(int4, artifacts):
         load_manifest(artifacts["llama"]).path("target.onnx"), load_external_data=False
     )
     assert ops.count("MatMulNBits") == [n.op_type for n in exported.graph.node].count("MatMul")
-    assert "MatMul" not in ops
+    assert ops.count("MatMul") == 1  # the rescoring's k dot products with 8-bit rows
+    assert ops.count("TopK") == 1 and ops.count("ScatterElements") == 1
     bits = [
         next(a.i for a in n.attribute if a.name == "bits")
         for n in graph.node
         if n.op_type == "MatMulNBits"
     ]
-    assert bits.count(8) == 1 and record["quantized_matmuls"]["target"] == {
-        "4": len(bits) - 1,
-        "8": 1,
-    }
+    assert record["quantized_matmuls"]["target"] == {"4": len(bits)}
 
 
 def test_int4_logits_stay_close_to_float(int4, artifacts, rng):
@@ -150,9 +181,13 @@ def test_int4_logits_stay_close_to_float(int4, artifacts, rng):
     assert agree >= 3  # random-weight logits: near-ties flip, most do not
 
 
-@pytest.mark.parametrize("drafter", ["ngram", "draft-model"])
-def test_chain_speculation_equals_plain_on_the_int4_build(drafter, int4, draft_artifacts, rng):
-    target = OrtTarget(load_manifest(int4), threads=2)
+@pytest.mark.parametrize(
+    ("drafter", "build"), [("ngram", "int4"), ("draft-model", "int4"), ("ngram", "int4_b32")]
+)
+def test_chain_speculation_equals_plain_on_the_int4_build(
+    drafter, build, draft_artifacts, rng, request
+):
+    target = OrtTarget(load_manifest(request.getfixturevalue(build)), threads=2)
     spec = "ngram" if drafter == "ngram" else f"draft-model:{draft_artifacts['llama']}"
     making = make_drafter(spec, target, DrafterOptions(num_draft_tokens=4))
     assert making.drafts_chains
@@ -221,7 +256,11 @@ def test_cli_builds_gptq_and_refuses_misuse(artifacts, tmp_path):
     done = runner.invoke(main, args)
     assert done.exit_code == 0, done.output
     record = load_manifest(artifact).build["quantization"]
-    assert (record["bits"], record["method"], record["block_size"]) == (8, "gptq", 32)
+    assert (record["bits"], record["method"], record["block_size"]) == (8, "gptq", 128)
+    assert record["output_projection_bits"] == 8
+    assert record["output_projection_rescored_top_k"] == 0
+    refused = runner.invoke(main, [*args[:4], "--lm-head-rescore", "8"])
+    assert refused.exit_code == 2 and "needs a 4-bit lm_head" in refused.stderr
     target = OrtTarget(load_manifest(artifact), threads=2)
     assert len(generate_plain(target, REPEATING[:1], 8).tokens[0]) == 8
 
@@ -274,16 +313,17 @@ def test_export_memory_does_not_grow_with_the_weights(tmp_path):
 
 
 def test_row_invariance_is_measured_and_recorded(artifacts, tmp_path):
-    """Blocks of 128 take int8 kernel paths that round a row alone differently (measured on
-    AVX-512 here); the build records what it measured and generate warns."""
+    """Blocks of 128 take int8 kernel paths that compute rows in pairs (measured on AVX-512
+    here): the build measures which remedy holds and records it; generate warns if none."""
     config = WeightOnlyConfig(block_size=128)
-    invariant = matmulnbits_rows_invariant(config)
-    assert matmulnbits_rows_invariant(WeightOnlyConfig(block_size=32))
+    invariance = matmulnbits_row_invariance(config)
+    assert matmulnbits_row_invariance(WeightOnlyConfig(block_size=32)) == "as is"
     artifact = shutil.copytree(artifacts["llama"], tmp_path / "artifact")
     build_artifact(artifact, BuildOptions("ort", "int4", weight_only=config))
-    identity = load_manifest(artifact).build["quantization"]["greedy_identity"]
-    assert identity == ("chains" if invariant else "none")
-    if not invariant:
+    quantization = load_manifest(artifact).build["quantization"]
+    assert quantization["greedy_identity"] == ("chains" if invariance else "none")
+    assert quantization["padding_row"] == (invariance == "padded")
+    if not invariance:
         args = ["generate", str(artifact), "--prompt-ids", "1,2", "--drafter", "ngram"]
         result = CliRunner().invoke(main, args)
         assert result.exit_code == 0 and "for no draft" in result.stderr

@@ -19,6 +19,7 @@ _WEIGHT_OPTIONS = (
     "asymmetric",
     "accuracy_level",
     "lm_head_bits",
+    "lm_head_rescore",
     "method",
     "prompts_file",
 )
@@ -80,12 +81,12 @@ def lint(artifact_dir: Path, lint_target: str, precision: str, as_json: bool) ->
 @click.option(
     "--block-size",
     type=click.Choice(["16", "32", "64", "128", "256"]),
-    default="32",
+    default="128",
     show_default=True,
     help="int4/int8: weights per quantization block (along the input dimension). 128 streams "
-    "about 15% fewer bytes per token, but its int8 kernels round a row alone differently "
-    "from rows together on the CPUs measured, so greedy speculation is not guaranteed "
-    "identical to plain decoding there (the build checks and records it).",
+    "about 15% fewer bytes per token than 32; its int8 kernels compute rows in pairs, so the "
+    "target runs one padding row to keep greedy speculation identical to plain decoding "
+    "(the build measures which remedy this CPU needs and records it).",
 )
 @click.option(
     "--method",
@@ -112,9 +113,16 @@ def lint(artifact_dir: Path, lint_target: str, precision: str, as_json: bool) ->
 @click.option(
     "--lm-head-bits",
     type=click.Choice(["0", "4", "8"]),
-    default="8",
-    show_default=True,
-    help="int4/int8: bits of the output projection (lm_head, head logits); 0 = float32.",
+    default=None,
+    help="int4/int8: bits of the output projection (lm_head, head logits); 0 = float32. "
+    "Default: 4 for int4 (its top 16 logits rescored in 8 bits), 8 for int8.",
+)
+@click.option(
+    "--lm-head-rescore",
+    type=IntRange(0, 256),
+    default=None,
+    help="int4/int8 with a 4-bit lm_head: recompute its top K logits from 8-bit weights "
+    "(an 8-bit lm_head's top-1 at a 4-bit one's speed); 0 = off. Default: 16.",
 )
 @click.option(
     "--lowering",
@@ -149,7 +157,8 @@ def build(
     block_size: str,
     asymmetric: bool,
     accuracy_level: str,
-    lm_head_bits: str,
+    lm_head_bits: str | None,
+    lm_head_rescore: int | None,
     method: str,
     prompts_file: Path | None,
     lowering: str,
@@ -171,6 +180,9 @@ def build(
     weight_options = passed(ctx, *_WEIGHT_OPTIONS)
     if precision not in ("int4", "int8") and weight_options:
         raise BuildError(only_applies(weight_options, "--precision int4 and int8"))
+    head_bits = int(lm_head_bits) if lm_head_bits else (4 if precision == "int4" else 8)
+    if lm_head_rescore and head_bits != 4:
+        raise BuildError("--lm-head-rescore needs a 4-bit lm_head (--lm-head-bits 4)")
     if (method == "gptq") != (prompts_file is not None):
         raise BuildError("--method gptq needs --prompts FILE, and --prompts only serves gptq")
     require_extra("build")
@@ -184,8 +196,9 @@ def build(
             block_size=int(block_size),
             symmetric=not asymmetric,
             accuracy_level=int(accuracy_level),
-            output_bits=int(lm_head_bits),
+            output_bits=head_bits,
             method=method,
+            output_rescore=lm_head_rescore,
         )
     options = BuildOptions(
         backend, precision, max_batch, optimization_level, timing_cache, weight_only, lowering
