@@ -98,6 +98,21 @@ def measure(target, drafter, prompts, args, sampling, curve, nodes) -> dict:
     }
 
 
+def model_free(target, prompts, args, samplings, curve, report) -> None:
+    """`--model-free` drafters at their default settings on the same target."""
+    from specx.runtime.drafters import DrafterOptions, make_drafter
+
+    for kind in [k for k in args.model_free.split(",") if k]:
+        for label, sampling in samplings.items():
+            drafter = make_drafter(kind, target, DrafterOptions())
+            log(f"{kind} {label}")
+            nodes = getattr(drafter, "max_nodes", 16)
+            row = measure(target, drafter, prompts, args, sampling, curve, nodes)
+            report["results"][f"{kind} {label}"] = row
+            tau = row["acceptance_length"]
+            log(f"  {row['speedup']:.2f}x (bound {row['bound']:.2f}x), tau {tau:.2f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--heads", type=Path, default=Path.home() / ".cache/specx/pyref-heads")
@@ -105,7 +120,10 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=96)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--build", default="ort-fp32", choices=["exported", "ort-fp32"])
+    parser.add_argument("--build", default="ort-fp32", choices=["exported", "ort-fp32", "ort-int4"])
+    parser.add_argument(
+        "--model-free", default="", help="also these drafters (e.g. ngram,suffix) on the target"
+    )
     parser.add_argument("--configs", default=";".join(CONFIGS), help="tree specs, ';'-separated")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/deep_heads.json"))
     args = parser.parse_args()
@@ -152,6 +170,8 @@ def main() -> None:
             curve = measure_verify_curve(target, (1, 2, 3, 4, 5, 6, 8, 9, 12, 13, 16), context)
             report["verify_curve"] = curve.summary()
         configs = args.configs.split(";") if kind != "medusa" else ["chain:3", "chain:4"]
+        if args.build == "ort-int4":  # greedy identity holds for chains there (row invariance)
+            configs = [c for c in configs if c.startswith("chain:")]
         for spec in configs:
             shape = parse_tree_spec(spec)
             for label, sampling in samplings.items():
@@ -163,6 +183,8 @@ def main() -> None:
                 report["results"][f"{kind} {spec} {label}"] = row
                 tau = row["acceptance_length"]
                 log(f"  {row['speedup']:.2f}x (bound {row['bound']:.2f}x), tau {tau:.2f}")
+        if kind == kinds[0]:
+            model_free(target, prompts, args, samplings, curve, report)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     print("| configuration | speedup | ideal bound | of bound | tau | draft ms/round |")
