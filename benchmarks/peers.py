@@ -71,7 +71,7 @@ def prepare(name: str, checkpoint: Path, work: Path) -> Case:
         export_target(checkpoint, artifact, max_context=1024, progress=log)
     builds = load_manifest(artifact).data.get("builds", {})
     for precision in ("fp32", "int4"):
-        if f"ort-{precision}" not in builds:
+        if _stale(builds.get(f"ort-{precision}")):
             log(f"[{name}] building ort-{precision}")
             build_artifact(artifact, BuildOptions("ort", precision), progress=log)
     genai = {}
@@ -84,6 +84,19 @@ def prepare(name: str, checkpoint: Path, work: Path) -> Case:
             subprocess.run(command, check=True, capture_output=True)
         genai[precision] = out
     return Case(name, checkpoint, artifact, genai)
+
+
+def _stale(build: dict | None) -> bool:
+    """Whether a cached build is missing or quantized otherwise than today's default."""
+    from specx.graphs.weight_only import WeightOnlyConfig
+
+    if build is None:
+        return True
+    recorded = build.get("quantization")
+    wanted = WeightOnlyConfig().record()
+    return recorded is not None and any(
+        recorded.get(k) != v for k, v in wanted.items() if v is not None
+    )
 
 
 def load_prompts(file: str, count: int, max_tokens: int = 200) -> list[list[int]]:
@@ -344,6 +357,8 @@ def main() -> None:
         report["model_free"] = model_free_section(cases[0], args)
     if "verify" in sections:
         report["verify"] = verify_section([c for c in cases if c.name != "pyref-deep"], args)
+    if args.out.is_file():  # sections not measured this time keep their last results
+        report = {**json.loads(args.out.read_text()), **report}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     print(markdown(report))

@@ -32,6 +32,7 @@ CONFIGS = [  # label, bits, block, method, lm_head bits, lm_head top-k rescored 
     ("int4 gptq b128, int4 lm_head", 4, 128, "gptq", 4, 0),
     ("int4 gptq b32, int4 lm_head", 4, 32, "gptq", 4, 0),
     ("int4 rtn b128, int4 lm_head rescoring its top 16", 4, 128, "rtn", 4, 16),
+    ("int4 rtn b32, int4 lm_head rescoring its top 16", 4, 32, "rtn", 4, 16),
     ("int4 gptq b128, int4 lm_head rescoring its top 16", 4, 128, "gptq", 4, 16),
     ("int4 gptq b32, int4 lm_head rescoring its top 16", 4, 32, "gptq", 4, 16),
 ]

@@ -20,7 +20,9 @@ interrupted build leaves the previous manifest valid.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import math
 import os
 import shutil
 import tempfile
@@ -200,6 +202,8 @@ def _build_ort(
     from specx.runtime.ort_target import load_session
 
     record: dict[str, Any] = {}
+    if options.precision in WEIGHT_ONLY:
+        options = dataclasses.replace(options, weight_only=_weight_only_config(manifest, options))
     lower = options.lowering == "gqa" and options.precision != "fp16" and gqa_available()
     if options.lowering == "gqa" and not lower:
         progress("[ort] no GroupQueryAttention lowering (fp16, or this ONNX Runtime lacks it)")
@@ -352,6 +356,25 @@ def _needs_row_invariance(name: str, record: dict) -> str | None:
     return "graph" if quantization.get("padding_row") else "attention"
 
 
+# Targets with at least this many MatMul weights stream them from memory on any CPU (at 4
+# bits, more than most last-level caches hold): blocks of 128 there, 32 below. Measured
+# against onnxruntime-genai int4 (benchmarks/real_size.py, benchmarks/peers.py): a 1.5B
+# model went 0.89x -> 1.07x from blocks of 32 to 128 with its padding row; pyref-7m (7M),
+# bench-27m and pyref-deep (40M) went 0.71x -> 0.63x, 0.79x -> 0.77x, 0.86x -> 0.77x: the
+# padding row doubles rows that cost compute, not bytes, while their weights sit in cache.
+STREAMED_WEIGHTS = 200_000_000
+
+
+def _weight_only_config(manifest: Manifest, options: BuildOptions) -> WeightOnlyConfig:
+    """The build's weight-only configuration, its block size resolved (None: by size)."""
+    config = options.weight_only or WeightOnlyConfig(bits=WEIGHT_ONLY[options.precision])
+    if config.block_size is not None:
+        return config
+    graph = onnx.load(manifest.path(manifest.graph("target")["file"]), load_external_data=False)
+    weights = sum(math.prod(t.dims) for t in graph.graph.initializer if len(t.dims) == 2)
+    return dataclasses.replace(config, block_size=128 if weights >= STREAMED_WEIGHTS else 32)
+
+
 def _convert(
     model: ir.Model, name: str, options: BuildOptions, record: dict, quantizer: Quantizer
 ) -> ir.Model:
@@ -360,7 +383,7 @@ def _convert(
         return model
     if options.precision in PRECISIONS:
         return ConvertPrecisionPass(PRECISIONS[options.precision])(model).model
-    config = options.weight_only or WeightOnlyConfig(bits=WEIGHT_ONLY[options.precision])
+    config = options.weight_only
     WeightOnlyQuantizePass(config, quantizer)(model)
     quantization = record.setdefault("quantization", config.record())
     quantization.setdefault("quantized_matmuls", {})[name] = quantized_matmuls(model)

@@ -49,6 +49,18 @@ def test_sequence_dependent_rope_is_refused(checkpoints, tmp_path):
         load_checkpoint(path)
 
 
+def test_partial_rotary_is_read_and_odd_rotary_widths_are_refused(checkpoints, tmp_path):
+    """Phi-4-mini's partial rotary: 3/4 of each 16-wide head turns (6 frequencies)."""
+    assert len(load_checkpoint(checkpoints["phi3"]).config.inv_freq) == 6
+    path = copy_checkpoint(checkpoints["phi3"], tmp_path / "odd")
+    config = json.loads((path / "config.json").read_text())
+    config["partial_rotary_factor"] = 0.1875  # 3 of 16 dims: rotate_half needs pairs
+    config["rope_parameters"]["partial_rotary_factor"] = 0.1875
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="partial_rotary_factor 0.1875 gives 3 rotary dims"):
+        load_checkpoint(path)
+
+
 def test_missing_tensor_is_named(checkpoints, tmp_path):
     path = copy_checkpoint(checkpoints["llama"], tmp_path / "missing")
     tensors = load_file(path / "model.safetensors")

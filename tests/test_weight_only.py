@@ -16,6 +16,7 @@ import onnx_ir as ir
 import pytest
 from click.testing import CliRunner
 
+import specx.build
 from conftest import HEAD_VOCAB
 from specx.artifact import load_manifest
 from specx.build import BuildOptions, build_artifact, matmulnbits_row_invariance
@@ -133,12 +134,12 @@ def int4(artifacts, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def int4_b32(artifacts, tmp_path_factory):
-    """Blocks of 32 and an 8-bit lm_head: row-invariant as is, no padding row."""
-    artifact = shutil.copytree(artifacts["llama"], tmp_path_factory.mktemp("b32") / "artifact")
-    config = WeightOnlyConfig(block_size=32, output_bits=8)
+def int4_b128(artifacts, tmp_path_factory):
+    """Blocks of 128 (the default for large targets): rows in pairs, a padding row."""
+    artifact = shutil.copytree(artifacts["llama"], tmp_path_factory.mktemp("b128") / "artifact")
+    config = WeightOnlyConfig(block_size=128)
     build_artifact(artifact, BuildOptions("ort", "int4", weight_only=config))
-    assert not load_manifest(artifact).build["quantization"]["padding_row"]
+    assert load_manifest(artifact).build["quantization"]["padding_row"]
     return artifact
 
 
@@ -146,7 +147,9 @@ def test_the_int4_build_is_recorded_with_its_method(int4, artifacts):
     manifest = load_manifest(int4)
     assert manifest.data["default_build"] == "ort-int4"
     record = manifest.build["quantization"]
-    assert record["bits"] == 4 and record["block_size"] == 128 and record["method"] == "rtn"
+    # A tiny target's weights sit in cache: blocks of 32, no padding row (build.py).
+    assert record["bits"] == 4 and record["block_size"] == 32 and record["method"] == "rtn"
+    assert record["padding_row"] is False
     assert record["symmetric"] is True and record["accuracy_level"] == 4
     assert record["output_projection_bits"] == 4 and record["greedy_identity"] == "chains"
     assert record["output_projection_rescored_top_k"] == 16
@@ -182,7 +185,7 @@ def test_int4_logits_stay_close_to_float(int4, artifacts, rng):
 
 
 @pytest.mark.parametrize(
-    ("drafter", "build"), [("ngram", "int4"), ("draft-model", "int4"), ("ngram", "int4_b32")]
+    ("drafter", "build"), [("ngram", "int4"), ("draft-model", "int4"), ("ngram", "int4_b128")]
 )
 def test_chain_speculation_equals_plain_on_the_int4_build(
     drafter, build, draft_artifacts, rng, request
@@ -256,7 +259,7 @@ def test_cli_builds_gptq_and_refuses_misuse(artifacts, tmp_path):
     done = runner.invoke(main, args)
     assert done.exit_code == 0, done.output
     record = load_manifest(artifact).build["quantization"]
-    assert (record["bits"], record["method"], record["block_size"]) == (8, "gptq", 128)
+    assert (record["bits"], record["method"], record["block_size"]) == (8, "gptq", 32)
     assert record["output_projection_bits"] == 8
     assert record["output_projection_rescored_top_k"] == 0
     refused = runner.invoke(main, [*args[:4], "--lm-head-rescore", "8"])
@@ -327,3 +330,16 @@ def test_row_invariance_is_measured_and_recorded(artifacts, tmp_path):
         args = ["generate", str(artifact), "--prompt-ids", "1,2", "--drafter", "ngram"]
         result = CliRunner().invoke(main, args)
         assert result.exit_code == 0 and "for no draft" in result.stderr
+
+
+def test_the_block_size_follows_the_targets_size(artifacts, tmp_path, monkeypatch):
+    """Blocks of 128 (and the padding row) once the target's MatMul weights stream from
+    memory; the tiny test target counts as large when the threshold is below its size."""
+    monkeypatch.setattr(specx.build, "STREAMED_WEIGHTS", 1000)
+    artifact = shutil.copytree(artifacts["llama"], tmp_path / "artifact")
+    build_artifact(artifact, BuildOptions("ort", "int4"))
+    quantization = load_manifest(artifact).build["quantization"]
+    assert quantization["block_size"] == 128
+    assert quantization["padding_row"] == (
+        matmulnbits_row_invariance(WeightOnlyConfig(block_size=128)) == "padded"
+    )

@@ -80,13 +80,14 @@ def lint(artifact_dir: Path, lint_target: str, precision: str, as_json: bool) ->
 )
 @click.option(
     "--block-size",
-    type=click.Choice(["16", "32", "64", "128", "256"]),
-    default="128",
+    type=click.Choice(["auto", "16", "32", "64", "128", "256"]),
+    default="auto",
     show_default=True,
     help="int4/int8: weights per quantization block (along the input dimension). 128 streams "
     "about 15% fewer bytes per token than 32; its int8 kernels compute rows in pairs, so the "
     "target runs one padding row to keep greedy speculation identical to plain decoding "
-    "(the build measures which remedy this CPU needs and records it).",
+    "(the build measures which remedy this CPU needs and records it). auto: 128 for targets "
+    "of 200M MatMul weights or more (memory-bound), else 32.",
 )
 @click.option(
     "--method",
@@ -193,7 +194,7 @@ def build(
     if precision in ("int4", "int8"):
         weight_only = WeightOnlyConfig(
             bits=int(precision[3:]),
-            block_size=int(block_size),
+            block_size=None if block_size == "auto" else int(block_size),
             symmetric=not asymmetric,
             accuracy_level=int(accuracy_level),
             output_bits=head_bits,

@@ -48,7 +48,7 @@ class TargetConfig:
     o_bias: bool
     mlp_bias: bool
     qk_norm: bool
-    inv_freq: tuple[float, ...]  # RoPE inverse frequencies, head_dim // 2 of them
+    inv_freq: tuple[float, ...]  # RoPE inverse frequencies, rotary dims // 2 of them
     rope_attention_scaling: float
     sliding_window: int | None
     max_position_embeddings: int
@@ -147,8 +147,15 @@ def _rope(config_path: Path, hf, head_dim: int) -> tuple[tuple[float, ...], floa
 
     params = hf.rope_parameters or {}
     rope_type = params.get("rope_type", "default")
-    if params.get("partial_rotary_factor", getattr(hf, "partial_rotary_factor", 1.0)) != 1.0:
-        raise CheckpointError(f"{config_path}: partial_rotary_factor != 1 is not supported")
+    # Partial rotary (Phi-4-mini: 0.75): the first head_dim * factor dims of each head turn,
+    # the rest pass; transformers' init functions size inv_freq by the factor themselves.
+    factor = params.get("partial_rotary_factor", getattr(hf, "partial_rotary_factor", 1.0))
+    rotary_dim = int(head_dim * factor)
+    if not 0 < rotary_dim <= head_dim or rotary_dim % 2:
+        raise CheckpointError(
+            f"{config_path}: partial_rotary_factor {factor} gives {rotary_dim} rotary dims of "
+            f"{head_dim}; it must be an even number in 2..{head_dim}"
+        )
     if rope_type == "longrope":  # the short factors: see the module docstring
         inv_freq, scaling = ROPE_INIT_FUNCTIONS["longrope"](hf, "cpu")  # seq_len None: short
         original = getattr(hf, "original_max_position_embeddings", None) or params.get(
@@ -163,7 +170,8 @@ def _rope(config_path: Path, hf, head_dim: int) -> tuple[tuple[float, ...], floa
         )
     if rope_type == "default":
         theta = params["rope_theta"]
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+        dims = torch.arange(0, rotary_dim, 2, dtype=torch.float)
+        inv_freq = 1.0 / (theta ** (dims / rotary_dim))
         scaling = 1.0
     else:
         inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf, "cpu")

@@ -88,6 +88,10 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     cos, sin = cos[:, None], sin[:, None]  # broadcast over heads
+    rotary = cos.shape[-1]
+    if rotary < x.shape[-1]:  # partial rotary: the first dims turn, the rest pass
+        turned, passed = x[..., :rotary], x[..., rotary:]
+        return torch.cat((turned * cos + _rotate_half(turned) * sin, passed), dim=-1)
     return x * cos + _rotate_half(x) * sin
 
 

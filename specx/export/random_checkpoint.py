@@ -42,7 +42,13 @@ _FAMILY_CONFIGS = {
     "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None}),
     # Every other layer without RoPE, so a tiny model has both kinds.
     "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM", {"no_rope_layer_interval": 2}),
-    "phi3": ("Phi3Config", "Phi3ForCausalLM", {"sliding_window": None}),
+    # Phi-4-mini's partial rotary (3/4 of each head turns); Phi-3.5's full rotary is the
+    # longrope test's.
+    "phi3": (
+        "Phi3Config",
+        "Phi3ForCausalLM",
+        {"sliding_window": None, "partial_rotary_factor": 0.75},
+    ),
 }
 
 

@@ -61,7 +61,7 @@ class WeightOnlyConfig:
     """How MatMul weights are stored: bits, block size, zero points, compute type."""
 
     bits: int = 4
-    block_size: int = 128  # 32: row-invariant alone; 128: ~22% fewer bytes, rows in pairs
+    block_size: int | None = None  # None: by model size at build time (specx.build)
     symmetric: bool = True
     accuracy_level: int = 4  # 0: float compute; 4: int8 activations (see module docstring)
     output_bits: int | None = None  # the output projection; None: 4 (8 for int8); 0: float32
@@ -77,7 +77,7 @@ class WeightOnlyConfig:
             raise ValueError(f"bits must be 4 or 8, got {self.bits}")
         if self.output_bits not in (0, 4, 8):
             raise ValueError(f"output_bits must be 0, 4 or 8, got {self.output_bits}")
-        if self.block_size not in (16, 32, 64, 128, 256):
+        if self.block_size not in (None, 16, 32, 64, 128, 256):
             raise ValueError(f"block_size must be 16, 32, 64, 128 or 256, got {self.block_size}")
         if self.accuracy_level not in (0, 1, 2, 3, 4):
             raise ValueError(f"accuracy_level must be in 0..4, got {self.accuracy_level}")
