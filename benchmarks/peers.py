@@ -69,9 +69,8 @@ def prepare(name: str, checkpoint: Path, work: Path) -> Case:
     if not (artifact / "manifest.json").is_file():
         log(f"[{name}] exporting")
         export_target(checkpoint, artifact, max_context=1024, progress=log)
-    builds = load_manifest(artifact).data.get("builds", {})
     for precision in ("fp32", "int4"):
-        if _stale(builds.get(f"ort-{precision}")):
+        if _stale(load_manifest(artifact), precision):
             log(f"[{name}] building ort-{precision}")
             build_artifact(artifact, BuildOptions("ort", precision), progress=log)
     genai = {}
@@ -86,17 +85,16 @@ def prepare(name: str, checkpoint: Path, work: Path) -> Case:
     return Case(name, checkpoint, artifact, genai)
 
 
-def _stale(build: dict | None) -> bool:
+def _stale(manifest, precision: str) -> bool:
     """Whether a cached build is missing or quantized otherwise than today's default."""
-    from specx.graphs.weight_only import WeightOnlyConfig
+    from specx.build import BuildOptions, weight_only_config
 
-    if build is None:
-        return True
-    recorded = build.get("quantization")
-    wanted = WeightOnlyConfig().record()
-    return recorded is not None and any(
-        recorded.get(k) != v for k, v in wanted.items() if v is not None
-    )
+    build = manifest.data.get("builds", {}).get(f"ort-{precision}")
+    if build is None or precision != "int4":
+        return build is None
+    wanted = weight_only_config(manifest, BuildOptions("ort", precision)).record()
+    recorded = build.get("quantization") or {}
+    return any(recorded.get(k) != v for k, v in wanted.items())
 
 
 def load_prompts(file: str, count: int, max_tokens: int = 200) -> list[list[int]]:

@@ -203,7 +203,7 @@ def _build_ort(
 
     record: dict[str, Any] = {}
     if options.precision in WEIGHT_ONLY:
-        options = dataclasses.replace(options, weight_only=_weight_only_config(manifest, options))
+        options = dataclasses.replace(options, weight_only=weight_only_config(manifest, options))
     lower = options.lowering == "gqa" and options.precision != "fp16" and gqa_available()
     if options.lowering == "gqa" and not lower:
         progress("[ort] no GroupQueryAttention lowering (fp16, or this ONNX Runtime lacks it)")
@@ -365,7 +365,7 @@ def _needs_row_invariance(name: str, record: dict) -> str | None:
 STREAMED_WEIGHTS = 200_000_000
 
 
-def _weight_only_config(manifest: Manifest, options: BuildOptions) -> WeightOnlyConfig:
+def weight_only_config(manifest: Manifest, options: BuildOptions) -> WeightOnlyConfig:
     """The build's weight-only configuration, its block size resolved (None: by size)."""
     config = options.weight_only or WeightOnlyConfig(bits=WEIGHT_ONLY[options.precision])
     if config.block_size is not None:
