@@ -15,6 +15,9 @@ On the random-weight Llama-3.2-1B-shaped checkpoint (benchmarks/real_size_checkp
    specx int8.
 
     python benchmarks/real_size.py [--work DIR] [--prompts 4] [--new-tokens 64]
+    python benchmarks/real_size.py --costs-only      # export/build costs, no decoding
+    python benchmarks/real_size.py --default-only    # specx's default int4 and both genai
+                                                     # int4s in one interleaving
 
 Writes benchmarks/results/real_size.json. Random weights give near-uniform logits, so two
 correct runtimes can part at near-ties: tokens are compared, not required equal.
@@ -109,6 +112,25 @@ def compare(runners: dict, prompts, args) -> dict:
     return report
 
 
+def default_vs_genai(artifact: Path, work: Path, args) -> None:
+    """Three runners in one interleaving: specx's default int4 build and both genai int4s."""
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(1, 4096, args.prompt_tokens).tolist() for _ in range(args.prompts)]
+    log("plain decoding, specx int4 default vs genai int4 (default, blocks of 128)")
+    report = compare(
+        {
+            "specx int4 (default)": SpecxPlain(artifact, "ort-int4", args.threads),
+            "genai-int4": GenaiPlain(work / "genai-int4", args.threads),
+            "genai-int4-b128": GenaiPlain(work / "genai-int4-b128", args.threads),
+        },
+        prompts,
+        args,
+    )
+    results = json.loads(args.out.read_text()) if args.out.is_file() else {}
+    results["default_vs_genai"] = {"prompts": args.prompts, "repeats": args.repeats, **report}
+    args.out.write_text(json.dumps(results, indent=2) + "\n")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--work", type=Path, default=Path.home() / ".cache/specx/real-size")
@@ -121,9 +143,18 @@ def main() -> None:
     parser.add_argument(
         "--costs-only", action="store_true", help="Time and measure the builds, no decoding."
     )
+    parser.add_argument(
+        "--default-only",
+        action="store_true",
+        help="Only decode: the artifact's existing default int4 build vs genai int4 at its "
+        "default and at blocks of 128, all three interleaved (results under default_vs_genai).",
+    )
     args = parser.parse_args()
     work = args.work
     checkpoint, artifact = work / "checkpoint", work / "artifact"
+    if args.default_only:
+        default_vs_genai(artifact, work, args)
+        return
     if not (checkpoint / "model.safetensors").is_file():
         log(f"writing the 1B-shaped checkpoint to {checkpoint}")
         write_checkpoint(checkpoint)
