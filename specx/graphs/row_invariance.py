@@ -28,9 +28,11 @@ whole graph runs one row more than the step has (a copy of the last token at the
 position): a decode step becomes a pair, a verify chunk's real rows always fall in pairs,
 and only the padding row, whose outputs are dropped, may be computed alone. Its key and
 value land in the slot after the step (one spare cache slot, `kv_spare_slots`), which no
-real row's mask shows and the next step overwrites. At 1B scale a pair of rows costs ~7%
-more than one row while blocks of 128 stream ~22% fewer bytes than blocks of 32 (the
-blocks that are row-invariant alone), so pairs win.
+real row's mask shows and the next step overwrites. At 1B scale a pair of rows costs 7%
+(one 2048x8192 MatMul) to 15% (a whole step's MatMuls) more than one row, while blocks of
+128 stream ~22% fewer bytes than blocks of 32 (the blocks that are row-invariant alone), so
+pairs win there; on targets whose weights sit in cache they lose, and the build uses blocks
+of 32 (`specx.build.STREAMED_WEIGHTS`).
 """
 
 from __future__ import annotations
