@@ -112,10 +112,15 @@ def compare(runners: dict, prompts, args) -> dict:
     return report
 
 
+def random_prompts(args, seed: int) -> list[list[int]]:
+    """`--prompts` random prompts of `--prompt-tokens` ids (random weights: any ids do)."""
+    rng = np.random.default_rng(seed)
+    return [rng.integers(1, 4096, args.prompt_tokens).tolist() for _ in range(args.prompts)]
+
+
 def default_vs_genai(artifact: Path, work: Path, args) -> None:
     """Three runners in one interleaving: specx's default int4 build and both genai int4s."""
-    rng = np.random.default_rng(1)
-    prompts = [rng.integers(1, 4096, args.prompt_tokens).tolist() for _ in range(args.prompts)]
+    prompts = random_prompts(args, seed=1)
     log("plain decoding, specx int4 default vs genai int4 (default, blocks of 128)")
     report = compare(
         {
@@ -168,8 +173,7 @@ def main() -> None:
     genai_build(checkpoint, work / "genai-fp32", "fp32", work, costs)
     genai_build(checkpoint, work / "genai-int4", "int4", work, costs)
     genai_build(checkpoint, work / "genai-int4-b128", "int4", work, costs, block=128)
-    rng = np.random.default_rng(0)
-    prompts = [rng.integers(1, 4096, args.prompt_tokens).tolist() for _ in range(args.prompts)]
+    prompts = random_prompts(args, seed=0)
     speed: dict = {}
 
     if args.costs_only:

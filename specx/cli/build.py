@@ -181,9 +181,6 @@ def build(
     weight_options = passed(ctx, *_WEIGHT_OPTIONS)
     if precision not in ("int4", "int8") and weight_options:
         raise BuildError(only_applies(weight_options, "--precision int4 and int8"))
-    head_bits = int(lm_head_bits) if lm_head_bits else (4 if precision == "int4" else 8)
-    if lm_head_rescore and head_bits != 4:
-        raise BuildError("--lm-head-rescore needs a 4-bit lm_head (--lm-head-bits 4)")
     if (method == "gptq") != (prompts_file is not None):
         raise BuildError("--method gptq needs --prompts FILE, and --prompts only serves gptq")
     require_extra("build")
@@ -192,15 +189,18 @@ def build(
 
     weight_only = None
     if precision in ("int4", "int8"):
-        weight_only = WeightOnlyConfig(
-            bits=int(precision[3:]),
-            block_size=None if block_size == "auto" else int(block_size),
-            symmetric=not asymmetric,
-            accuracy_level=int(accuracy_level),
-            output_bits=head_bits,
-            method=method,
-            output_rescore=lm_head_rescore,
-        )
+        try:  # the configuration's own rules (defaults, which options combine)
+            weight_only = WeightOnlyConfig(
+                bits=int(precision[3:]),
+                block_size=None if block_size == "auto" else int(block_size),
+                symmetric=not asymmetric,
+                accuracy_level=int(accuracy_level),
+                output_bits=int(lm_head_bits) if lm_head_bits else None,
+                method=method,
+                output_rescore=lm_head_rescore,
+            )
+        except ValueError as e:
+            raise BuildError(str(e)) from e
     options = BuildOptions(
         backend, precision, max_batch, optimization_level, timing_cache, weight_only, lowering
     )

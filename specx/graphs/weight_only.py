@@ -84,7 +84,10 @@ class WeightOnlyConfig:
         if self.method not in ("rtn", "gptq"):
             raise ValueError(f"method must be rtn or gptq, got {self.method!r}")
         if self.output_rescore and self.output_bits != 4:
-            raise ValueError("output_rescore needs a 4-bit output projection (output_bits=4)")
+            raise ValueError(
+                f"rescoring the lm_head's top {self.output_rescore} logits needs a 4-bit lm_head, "
+                f"got {self.output_bits or 'float32'} bits"
+            )
         if not 0 <= self.output_rescore <= 256:
             raise ValueError(f"output_rescore must be in 0..256, got {self.output_rescore}")
 
@@ -371,7 +374,7 @@ def _rescore_top_k(
                   num_outputs=2, name=f"{base}_rescore_topk")  # fmt: skip
     nodes.append(ids)
     rows = add("Cast", [add("Gather", [codes, ids.outputs[1]])], to=ir.DataType.FLOAT)
-    rows = add("Sub", [rows, const("zero", np.array(128.0, np.float32))])
+    rows = add("Sub", [rows, const("zero", np.array(2.0**7, np.float32))])  # symmetric 8-bit
     rows = add("Mul", [rows, add("Unsqueeze", [add("Gather", [scales, ids.outputs[1]]), last])])
     flat = add("Concat", [add("Shape", [ids.outputs[1]]), last], axis=0)  # [..., k, -1]
     rows = add("Reshape", [rows, flat])
