@@ -18,6 +18,7 @@ On the random-weight Llama-3.2-1B-shaped checkpoint (benchmarks/real_size_checkp
     python benchmarks/real_size.py --costs-only      # export/build costs, no decoding
     python benchmarks/real_size.py --default-only    # specx's default int4 and both genai
                                                      # int4s in one interleaving
+    python benchmarks/real_size.py --export-only     # export vs genai's builder, alternated
 
 Writes benchmarks/results/real_size.json. Random weights give near-uniform logits, so two
 correct runtimes can part at near-ties: tokens are compared, not required equal.
@@ -28,6 +29,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import platform
 import shutil
 import sys
@@ -64,11 +66,13 @@ def log(message: str) -> None:
 
 def warm(checkpoint: Path) -> None:
     """Reads the checkpoint once so every timed command finds it in the page cache (the
-    first command would otherwise pay the disk reads the later ones skip)."""
+    first command would otherwise pay the disk reads the later ones skip), and flushes the
+    dirty pages earlier commands left (so no command pays another's writeback)."""
     for path in sorted(checkpoint.iterdir()):
         with path.open("rb") as f:
             while f.read(1 << 24):
                 pass
+    os.sync()
 
 
 def step(name: str, command: list[str], results: dict) -> None:
@@ -136,6 +140,39 @@ def default_vs_genai(artifact: Path, work: Path, args) -> None:
     args.out.write_text(json.dumps(results, indent=2) + "\n")
 
 
+def export_vs_genai(checkpoint: Path, work: Path, args) -> None:
+    """`specx export` and genai's fp32 builder alternated `--repeats` times; fastest of each."""
+    specx_out, genai_out = work / "export-timing", work / "genai-fp32-timing"
+    commands = {
+        "specx export": [sys.executable, "-m", "specx.cli", "export", str(checkpoint), "-o",
+                         str(specx_out), "--max-context", "1024"],
+        "genai builder fp32": [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i",
+                               str(checkpoint), "-o", str(genai_out), "-p", "fp32", "-e", "cpu",
+                               "-c", str(work / "genai-cache")],
+    }  # fmt: skip
+    seconds: dict[str, list[float]] = {name: [] for name in commands}
+    report: dict = {"repeats": args.repeats}
+    for _ in range(args.repeats):
+        for name, command in commands.items():
+            for out in (specx_out, genai_out):
+                shutil.rmtree(out, ignore_errors=True)
+            warm(checkpoint)
+            measured = measured_run(command)
+            if measured.returncode != 0:
+                raise SystemExit(f"{name} failed:\n{measured.stderr_tail}")
+            seconds[name].append(round(measured.seconds, 2))
+            report[name] = {"seconds": seconds[name], "peak_rss_gb": measured.peak_rss_gb}
+            log(f"  {name}: {measured.seconds:.1f}s, peak RSS {measured.peak_rss_gb:.2f} GB")
+    for out in (specx_out, genai_out):
+        shutil.rmtree(out, ignore_errors=True)
+    fastest = {name: min(times) for name, times in seconds.items()}
+    report["ratio_of_fastest"] = round(fastest["specx export"] / fastest["genai builder fp32"], 3)
+    log(f"export / genai builder, fastest of {args.repeats}: {report['ratio_of_fastest']:.2f}x")
+    results = json.loads(args.out.read_text()) if args.out.is_file() else {}
+    results["export_vs_genai"] = report
+    args.out.write_text(json.dumps(results, indent=2) + "\n")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--work", type=Path, default=Path.home() / ".cache/specx/real-size")
@@ -154,6 +191,12 @@ def main() -> None:
         help="Only decode: the artifact's existing default int4 build vs genai int4 at its "
         "default and at blocks of 128, all three interleaved (results under default_vs_genai).",
     )
+    parser.add_argument(
+        "--export-only",
+        action="store_true",
+        help="Only `specx export` vs genai's fp32 builder, alternated --repeats times "
+        "(results under export_vs_genai).",
+    )
     args = parser.parse_args()
     work = args.work
     checkpoint, artifact = work / "checkpoint", work / "artifact"
@@ -163,6 +206,9 @@ def main() -> None:
     if not (checkpoint / "model.safetensors").is_file():
         log(f"writing the 1B-shaped checkpoint to {checkpoint}")
         write_checkpoint(checkpoint)
+    if args.export_only:
+        export_vs_genai(checkpoint, work, args)
+        return
     costs: dict = {}
     specx = [sys.executable, "-m", "specx.cli"]
     shutil.rmtree(artifact, ignore_errors=True)

@@ -17,7 +17,7 @@ from specx.errors import ExportError
 from specx.export.checkpoint import CheckpointTensors
 from specx.export.streamed_weights import FoldWeightTransposesPass, bind_checkpoint_weights
 from specx.export.tree_attention_op import ONNX_TRANSLATIONS
-from specx.graphs.model_io import DataFile, save_streamed
+from specx.graphs.model_io import TensorSink, save_streamed
 from specx.graphs.packed_matmuls import PackSiblingMatMulsPass
 from specx.graphs.signature import graph_signature
 from specx.graphs.tree_attention import attach_function, attach_function_ir
@@ -140,7 +140,7 @@ def save_graph_streamed(
     directory: Path,
     name: str,
     progress: Callable[[str], None],
-    data: DataFile | None = None,
+    data: TensorSink | None = None,
     reuse: Callable[[ir.TensorProtocol], ir.ExternalTensor | None] = lambda tensor: None,
 ) -> tuple[onnx.ModelProto, str, str, str]:
     """Saves `name.onnx` + `name.onnx.data` tensor by tensor (into `data` if already open).

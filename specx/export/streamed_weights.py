@@ -13,9 +13,7 @@ graph plus about twice the largest tensor in its stored dtype, whatever the mode
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, BinaryIO
 
 import numpy as np
@@ -23,18 +21,14 @@ import onnx_ir as ir
 from onnx_ir.passes import InPlacePass, PassResult
 
 from specx.export.tensor_files import RawTensor
-from specx.graphs.model_io import DataFile
 
 if TYPE_CHECKING:
     from specx.export.checkpoint import CheckpointTensors
 
 __all__ = [
     "FoldWeightTransposesPass",
-    "PlannedWeight",
-    "Prewriter",
     "StreamedTensor",
     "bind_checkpoint_weights",
-    "planned_weights",
 ]
 
 _BLOCK_BYTES = 64 << 20
@@ -233,100 +227,3 @@ def _is_weight_transpose(node: ir.Node, source: ir.Value | None) -> bool:
         return False
     perm = node.attributes.get_ints("perm", None)
     return perm is None or list(perm) == [1, 0]
-
-
-@dataclass(frozen=True)
-class PlannedWeight:
-    """A weight as the export will most likely write it: checkpoint keys, orientation."""
-
-    keys: tuple[str, ...]
-    transposed: bool
-
-
-_SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
-
-
-def planned_weights(tensors: CheckpointTensors, names: Sequence[str]) -> list[PlannedWeight]:
-    """The target's weights in the form its graph will most likely hold them.
-
-    Linear weights are transposed (MatMul takes [in, out]), q/k/v and gate/up side by side
-    (`specx.graphs.packed_matmuls`), the rest as stored; tensors under 1 KiB are left out.
-    A guess, checked when the graph is saved: a weight the graph needs in another form is
-    simply written again.
-    """
-    plans, taken = [], set()
-    for name in names:
-        if name in taken or tensors.nbytes(name) <= 1024:
-            continue
-        keys = [name]
-        for group in _SIBLINGS:
-            if name.endswith(f"{group[0]}.weight"):
-                siblings = [name.replace(group[0], member) for member in group]
-                if all(s in tensors for s in siblings):
-                    keys = siblings
-        linear = name == "lm_head.weight" or name.endswith("_proj.weight")
-        taken.update(keys)
-        plans.append(PlannedWeight(tuple(keys), linear and len(tensors.shape(name)) == 2))
-    return plans
-
-
-class Prewriter:
-    """Writes planned weights into the data file on a background thread while tracing.
-
-    Writing is disk-bound and tracing CPU-bound: on a 1.5B export the trace's 12 s overlap
-    most of the 18 s of writing.
-    """
-
-    def __init__(self, data: DataFile, tensors: CheckpointTensors, plans: list[PlannedWeight]):
-        self.data, self.tensors, self.plans = data, tensors, plans
-        self.written: dict[PlannedWeight, ir.ExternalTensor] = {}
-        self._stop = threading.Event()
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="specx-prewrite", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        scratch = _Scratch()  # the main thread's StreamedTensors use their own
-        try:
-            for plan in self.plans:
-                if self._stop.is_set():
-                    return
-                shapes = [self.tensors.shape(k) for k in plan.keys]
-                if plan.transposed:
-                    shape = (shapes[0][1], sum(s[0] for s in shapes))
-                else:
-                    shape = shapes[0]
-                tensor = StreamedTensor(
-                    self.tensors, plan.keys, plan.transposed, shape, "+".join(plan.keys), scratch
-                )
-                self.written[plan] = self.data.append(tensor)
-        except BaseException as e:  # reported to the main thread by join()
-            self._error = e
-
-    def join(self) -> None:
-        """Waits for the writes; raises what the thread raised."""
-        self._thread.join()
-        if self._error is not None:
-            raise self._error
-
-    def stop(self) -> None:
-        """Stops after the tensor being written (the export failed)."""
-        self._stop.set()
-        self._thread.join()
-
-    def reuse(self, tensor: ir.TensorProtocol) -> ir.ExternalTensor | None:
-        """The already written copy of `tensor`, named for the graph, or None."""
-        if not isinstance(tensor, StreamedTensor):
-            return None
-        done = self.written.get(PlannedWeight(tensor.keys, tensor.is_transposed))
-        if done is None:
-            return None
-        return ir.ExternalTensor(
-            done.location,
-            done.offset,
-            done.length,
-            done.dtype,
-            shape=done.shape,
-            name=tensor.name or "",
-            base_dir=done.base_dir,
-        )

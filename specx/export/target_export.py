@@ -21,8 +21,7 @@ from specx.export.checkpoint import Checkpoint, load_checkpoint
 from specx.export.config import TargetConfig
 from specx.export.decoder import RotaryEmbedding, TargetDecoder
 from specx.export.onnx_graph import export_streamed, graph_entry, save_graph_streamed
-from specx.export.streamed_weights import Prewriter, planned_weights
-from specx.graphs.model_io import DataFile
+from specx.export.weight_writer import WeightWriter, planned_weights
 from specx.runtime.chat import CHAT_TEMPLATE_FILE, read_checkpoint_template
 
 __all__ = ["DEFAULT_MAX_CONTEXT", "export_target", "io_names"]
@@ -97,21 +96,12 @@ def _export_graph(checkpoint: Checkpoint, taps: str) -> tuple[ir.Model, TargetDe
     return model, decoder
 
 
-def _trace_while_writing(checkpoint: Checkpoint, taps: str, staging: Path):
-    """Traces the target while its weights stream into `target.onnx.data` (see Prewriter)."""
-    data = DataFile(staging, "target.onnx.data")
-    names = list(TargetDecoder.parameter_shapes(checkpoint.config))
-    prewriter = Prewriter(
-        data, checkpoint.state_dict, planned_weights(checkpoint.state_dict, names)
-    )
-    try:
-        model, decoder = _export_graph(checkpoint, taps)
-        prewriter.join()
-    except BaseException:
-        prewriter.stop()
-        data.abort()
-        raise
-    return model, decoder, data, prewriter
+def _writing_progress(progress: Progress) -> Callable[[int, int], None]:
+    def report(done: int, total: int) -> None:
+        if done == 1 or done % 20 == 0 or done == total:
+            progress(f"  weights written while tracing: {done}/{total}")
+
+    return report
 
 
 def _check_request(
@@ -230,19 +220,24 @@ def export_target(
         head = load_head(drafter, checkpoint)
         taps = HEAD_TAPS[head.kind]
     taps = taps or "none"
-    n_params = sum(math.prod(s) for s in TargetDecoder.parameter_shapes(checkpoint.config).values())
+    shapes = TargetDecoder.parameter_shapes(checkpoint.config)
+    n_params = sum(math.prod(s) for s in shapes.values())
     progress(
         f"[2/5] tracing {checkpoint.config.family} target "
         f"({n_params / 1e6:.1f}M parameters, {checkpoint.config.num_layers} layers)"
     )
-    with atomic_output_dir(output_dir, overwrite, sources) as staging:
-        model, decoder, data, prewriter = _trace_while_writing(checkpoint, taps, staging)
+    plans = planned_weights(checkpoint.state_dict, list(shapes))
+    with (
+        atomic_output_dir(output_dir, overwrite, sources) as staging,
+        # Writes the weights while the graph is traced.
+        WeightWriter(staging, "target.onnx.data", checkpoint.state_dict, plans) as writer,
+    ):
+        model, decoder = _export_graph(checkpoint, taps)
         _warn_on_shared_taps(decoder)
-        progress(
-            f"[3/5] writing target.onnx ({len(prewriter.written)} weights written while tracing)"
-        )
+        progress("[3/5] writing target.onnx")
+        writer.wait_for_plans(_writing_progress(progress))
         graph, graph_file, data_file, digest = save_graph_streamed(
-            model, staging, "target", progress, data, prewriter.reuse
+            model, staging, "target", progress, writer, writer.reuse
         )
         del model  # the placeholder parameters' address space goes with it
         body = _manifest_body(checkpoint, decoder, graph, max_context)

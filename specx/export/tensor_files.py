@@ -96,6 +96,11 @@ class TensorFile:
         else:
             raise CheckpointError(f"{path}: unknown weight file type {path.suffix!r}")
 
+    def __reduce__(self):
+        # Opened again where unpickled (the export's weight writer process): the header is
+        # read again, a torch file mapped again, rather than its tensors copied.
+        return (TensorFile, (self.path,))
+
     def keys(self) -> list[str]:
         """Tensor names, in file order."""
         return list(self._entries) if self._torch is None else list(self._torch)

@@ -18,15 +18,29 @@ import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Protocol
 
 import onnx_ir as ir
 
-__all__ = ["SIZE_THRESHOLD", "DataFile", "save_streamed"]
+__all__ = ["SIZE_THRESHOLD", "DataFile", "TensorSink", "save_streamed"]
 
 SIZE_THRESHOLD = 1024  # initializers of more bytes go to the data file
 
 # A tensor already in the data file, or None: lets a caller place tensors written earlier.
 Reuse = Callable[[ir.TensorProtocol], ir.ExternalTensor | None]
+
+
+class TensorSink(Protocol):
+    """Where `save_streamed` writes tensors.
+
+    A `DataFile`, or one written by another process (`specx.export.weight_writer`).
+    """
+
+    def append(self, tensor: ir.TensorProtocol) -> ir.ExternalTensor: ...  # noqa: D102
+
+    def close(self) -> str: ...  # noqa: D102
+
+    def abort(self) -> None: ...  # noqa: D102
 
 
 class DataFile:
@@ -91,20 +105,20 @@ class DataFile:
 def save_streamed(
     model: ir.Model,
     path: Path,
-    data_file: str | DataFile,
+    data_file: str | TensorSink,
     progress: Callable[[str], None] = lambda message: None,
     reuse: Reuse = lambda tensor: None,
 ) -> str:
     """Saves `path` with every initializer over `SIZE_THRESHOLD` bytes in a data file beside it.
 
-    `data_file` is a name, or a `DataFile` already partly written, whose tensors `reuse`
-    finds. The model's large initializers become references into the file.
+    `data_file` is a name, or a sink already partly written, whose tensors `reuse` finds.
+    The model's large initializers become references into the file.
 
     Returns:
         The sha256 of the data file.
     """
     path = Path(path)
-    data = data_file if isinstance(data_file, DataFile) else DataFile(path.parent, data_file)
+    data = DataFile(path.parent, data_file) if isinstance(data_file, str) else data_file
     values = [
         v
         for v in model.graph.initializers.values()
