@@ -16,7 +16,7 @@ time per round. For one-call chains the drafting overhead is also reported: the 
 graph's own ONNX Runtime time per round against the drafter's wall time per round.
 
     python benchmarks/deep_heads.py [--heads ~/.cache/specx/pyref-heads] [--kinds eagle,eagle3]
-        [--build ort-fp32|exported]
+        [--build ort-fp32|ort-int4|ort-int8-draft|ort-int4-draft|exported]
 
 The target runs as `specx build --backend ort` leaves it (the ORT lowering) unless
 `--build exported`.
@@ -40,6 +40,24 @@ import pyref_deep  # noqa: E402
 from suite import SHARED, prompts_for  # noqa: E402
 
 CONFIGS = ["chain:2", "chain:3", "chain:4", "chain:5", "dynamic:9,3,2", "dynamic:13,4,3"]
+
+
+# --build: precision and what a weight-only build quantizes ("draft": the head, target fp32)
+BUILDS = {
+    "ort-fp32": ("fp32", None),
+    "ort-int4": ("int4", "all"),
+    "ort-int8-draft": ("int8", "draft"),
+    "ort-int4-draft": ("int4", "draft"),
+}
+
+
+def build_options(name: str):
+    from specx.build import BuildOptions
+    from specx.graphs.weight_only import WeightOnlyConfig
+
+    precision, scope = BUILDS[name]
+    config = WeightOnlyConfig(bits=int(precision[3:]), scope=scope) if scope else None
+    return BuildOptions("ort", precision, weight_only=config)
 
 
 def log(message: str) -> None:
@@ -120,7 +138,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=96)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--build", default="ort-fp32", choices=["exported", "ort-fp32", "ort-int4"])
+    parser.add_argument("--build", default="ort-fp32", choices=["exported", *BUILDS])
     parser.add_argument(
         "--model-free", default="", help="also these drafters (e.g. ngram,suffix) on the target"
     )
@@ -132,7 +150,7 @@ def main() -> None:
         log(f"skipped: {source} is absent")
         return
     from specx.artifact import load_manifest
-    from specx.build import BuildOptions, build_artifact
+    from specx.build import build_artifact
     from specx.calibration.costs import measure_verify_curve
     from specx.export.target_export import export_target
     from specx.runtime.drafters import DrafterOptions, make_drafter
@@ -163,7 +181,7 @@ def main() -> None:
             deep, work / kind, max_context=1024, drafter=f"{kind}:{args.heads / kind}"
         )
         if args.build != "exported":  # the ORT lowering, what `specx build` gives users
-            build_artifact(artifact, BuildOptions("ort", args.build.removeprefix("ort-")))
+            build_artifact(artifact, build_options(args.build))
         target = OrtTarget(load_manifest(artifact), args.threads)
         if curve is None:
             context = sum(len(p) for p in prompts) // len(prompts)

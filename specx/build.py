@@ -83,8 +83,9 @@ class BuildOptions:
 
     @property
     def name(self) -> str:
-        """The build's name in the manifest, e.g. `trt-fp16`."""
-        return f"{self.backend}-{self.precision}"
+        """The build's name in the manifest, e.g. `trt-fp16`, `ort-int8-draft`."""
+        draft_only = self.weight_only is not None and self.weight_only.scope == "draft"
+        return f"{self.backend}-{self.precision}" + ("-draft" if draft_only else "")
 
 
 def build_artifact(
@@ -125,6 +126,11 @@ def build_artifact(
         )
     started = time.perf_counter()
     manifest = load_manifest(artifact_dir)
+    if options.weight_only and options.weight_only.scope == "draft" and not _drafts(manifest):
+        raise BuildError(
+            f"{manifest.root} has no draft head to quantize (--quantize draft); a draft model "
+            "is an artifact of its own: build it with --quantize all"
+        )
     root = manifest.root
     staging = Path(tempfile.mkdtemp(prefix=".build-", dir=root))
     output = BuildOutput.fresh(options.name, staging)
@@ -138,6 +144,10 @@ def build_artifact(
         shutil.rmtree(staging, ignore_errors=True)
     progress(f"built {options.name} in {time.perf_counter() - started:.1f}s")
     return options.name
+
+
+def _drafts(manifest: Manifest) -> list[str]:
+    return [name for name in manifest.data["graphs"] if name != "target"]
 
 
 @dataclass(frozen=True)
@@ -384,8 +394,10 @@ def _convert(
     if options.precision in PRECISIONS:
         return ConvertPrecisionPass(PRECISIONS[options.precision])(model).model
     config = options.weight_only
-    WeightOnlyQuantizePass(config, quantizer)(model)
     quantization = record.setdefault("quantization", config.record())
+    if not config.quantizes(name):
+        return model
+    WeightOnlyQuantizePass(config, quantizer)(model)
     quantization.setdefault("quantized_matmuls", {})[name] = quantized_matmuls(model)
     if name == "target" and config.accuracy_level == 4:
         # int8 activations amplify last-bit differences, as static INT8 does: the same remedy

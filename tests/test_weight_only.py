@@ -30,7 +30,7 @@ from specx.graphs.weight_only import (
 )
 from specx.runtime.calibrated import chains_only
 from specx.runtime.drafters import DrafterOptions, make_drafter
-from specx.runtime.drafters.tree_search import StaticTree
+from specx.runtime.drafters.tree_search import DynamicTree, StaticTree
 from specx.runtime.ort_target import OrtTarget, load_session
 from specx.runtime.plain_decoding import generate_plain
 from specx.runtime.speculative_decoding import generate_speculative
@@ -343,3 +343,56 @@ def test_the_block_size_follows_the_targets_size(artifacts, tmp_path, monkeypatc
     assert quantization["padding_row"] == (
         matmulnbits_row_invariance(WeightOnlyConfig(block_size=128)) == "padded"
     )
+
+
+def test_a_draft_only_build_quantizes_the_head_and_keeps_the_float_target(
+    head_artifacts, artifacts, tmp_path, rng
+):
+    artifact = shutil.copytree(head_artifacts["eagle"], tmp_path / "artifact")
+    runner = CliRunner()
+    done = runner.invoke(
+        main, ["build", str(artifact), "--precision", "int8", "--quantize", "draft"]
+    )
+    assert done.exit_code == 0, done.output
+    manifest = load_manifest(artifact)
+    assert manifest.data["default_build"] == "ort-int8-draft"
+    record = manifest.build["quantization"]
+    assert record["scope"] == "draft" and "greedy_identity" not in record
+    assert set(record["quantized_matmuls"]) == {"draft_head"}
+    assert not chains_only(manifest)  # the target is float: trees keep greedy identity
+
+    def ops(name: str) -> list[str]:
+        path = manifest.path(manifest.build["graphs"][name]["file"])
+        return [n.op_type for n in onnx.load(path, load_external_data=False).graph.node]
+
+    assert "MatMulNBits" not in ops("target") and "GroupQueryAttention" in ops("target")
+    assert "MatMulNBits" in ops("draft_head")
+    target = OrtTarget(manifest, threads=2)
+    float_target = OrtTarget(load_manifest(head_artifacts["eagle"]), threads=2)
+    tree = DynamicTree(9, 3, 2)
+    drafter = make_drafter("eagle", target, DrafterOptions(tree=tree))
+    prompts = [rng.integers(1, HEAD_VOCAB, n).tolist() for n in (3, 8, 5, 12, 2, 7)]
+    accepted = 0
+    for batch in (1, 2):
+        for start in range(0, len(prompts), batch):
+            chunk = prompts[start : start + batch]
+            plain = generate_plain(target, chunk, 32)
+            assert plain.tokens == generate_plain(float_target, chunk, 32).tokens
+            speculative = generate_speculative(target, drafter, chunk, 32)
+            assert speculative.tokens == plain.tokens, chunk
+            accepted += speculative.stats["accepted_tokens"]
+    assert accepted > 0
+
+
+def test_a_draft_only_build_is_refused_without_a_head_or_with_gptq(artifacts, tmp_path):
+    with pytest.raises(BuildError, match="no draft head to quantize"):
+        config = WeightOnlyConfig(scope="draft")
+        build_artifact(artifacts["llama"], BuildOptions("ort", "int4", weight_only=config))
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt_ids": REPEATING[0]}) + "\n")
+    refused = CliRunner().invoke(
+        main,
+        ["build", str(artifacts["llama"]), "--precision", "int4", "--quantize", "draft",
+         "--method", "gptq", "--prompts", str(prompts)],
+    )  # fmt: skip
+    assert refused.exit_code == 2 and "GPTQ calibrates the target" in refused.stderr

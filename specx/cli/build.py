@@ -22,6 +22,7 @@ _WEIGHT_OPTIONS = (
     "lm_head_rescore",
     "method",
     "prompts_file",
+    "quantize",
 )
 
 
@@ -126,6 +127,15 @@ def lint(artifact_dir: Path, lint_target: str, precision: str, as_json: bool) ->
     "(an 8-bit lm_head's top-1 at a 4-bit one's speed); 0 = off. Default: 16.",
 )
 @click.option(
+    "--quantize",
+    type=click.Choice(["all", "draft"]),
+    default="all",
+    show_default=True,
+    help="int4/int8: which graphs; draft = the draft head's only, the target stays float32 "
+    "(a head's step streams its weights; the target's verify cost and greedy identity stay "
+    "those of fp32). Builds as ort-int4-draft / ort-int8-draft.",
+)
+@click.option(
     "--lowering",
     type=click.Choice(["gqa", "none"]),
     default="gqa",
@@ -162,6 +172,7 @@ def build(
     lm_head_rescore: int | None,
     method: str,
     prompts_file: Path | None,
+    quantize: str,
     lowering: str,
     max_batch: int,
     optimization_level: int,
@@ -198,6 +209,7 @@ def build(
                 output_bits=int(lm_head_bits) if lm_head_bits else None,
                 method=method,
                 output_rescore=lm_head_rescore,
+                scope=quantize,
             )
         except ValueError as e:
             raise BuildError(str(e)) from e

@@ -54,6 +54,10 @@ __all__ = [
 ]
 
 MS_DOMAIN = "com.microsoft"
+# What a build quantizes. "draft": a head's step streams its weights (a one-layer head plus a
+# vocabulary-wide output projection, ~0.4 ms per depth on pyref-deep) while the target stays
+# float, so its verify cost curve stays flat and trees keep greedy identity.
+SCOPES = ("all", "draft")
 
 
 @dataclass(frozen=True)
@@ -67,6 +71,7 @@ class WeightOnlyConfig:
     output_bits: int | None = None  # the output projection; None: 4 (8 for int8); 0: float32
     method: str = "rtn"  # or "gptq" (needs calibration prompts)
     output_rescore: int | None = None  # top k logits recomputed in 8 bits; None: 16 if 4-bit
+    scope: str = "all"  # or "draft": the draft head's graphs only, the target stays float
 
     def __post_init__(self) -> None:
         if self.output_bits is None:
@@ -90,6 +95,12 @@ class WeightOnlyConfig:
             )
         if not 0 <= self.output_rescore <= 256:
             raise ValueError(f"output_rescore must be in 0..256, got {self.output_rescore}")
+        if self.scope not in SCOPES:
+            raise ValueError(f"scope must be one of {SCOPES}, got {self.scope!r}")
+        if self.scope == "draft" and self.method == "gptq":
+            raise ValueError(
+                "GPTQ calibrates the target's weights; a draft-only build rounds to nearest"
+            )
 
     def record(self) -> dict:
         """The manifest's description of the build's quantization."""
@@ -101,7 +112,12 @@ class WeightOnlyConfig:
             "accuracy_level": self.accuracy_level,
             "output_projection_bits": self.output_bits or "float32",
             "output_projection_rescored_top_k": self.output_rescore,
+            "scope": self.scope,
         }
+
+    def quantizes(self, graph: str) -> bool:
+        """Whether the build quantizes the artifact's graph named `graph`."""
+        return self.scope == "all" or graph != "target"
 
 
 @dataclass(frozen=True)
