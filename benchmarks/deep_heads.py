@@ -185,7 +185,9 @@ def main() -> None:
         target = OrtTarget(load_manifest(artifact), args.threads)
         if curve is None:
             context = sum(len(p) for p in prompts) // len(prompts)
-            curve = measure_verify_curve(target, (1, 2, 3, 4, 5, 6, 8, 9, 12, 13, 16), context)
+            curve = measure_verify_curve(
+                target, (1, 2, 3, 4, 5, 6, 8, 9, 12, 13, 16), context, repeats=15
+            )
             report["verify_curve"] = curve.summary()
         configs = args.configs.split(";") if kind != "medusa" else ["chain:3", "chain:4"]
         if args.build == "ort-int4":  # greedy identity holds for chains there (row invariance)

@@ -32,14 +32,21 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from runners import GenaiPlain, SpecxPlain, Summary, Timing, interleave  # noqa: E402
+from runners import (  # noqa: E402
+    GenaiPlain,
+    SpecxPlain,
+    SpecxSpeculative,
+    Summary,
+    Timing,
+    interleave,
+)
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"
 PROMPT_SETS = {"humaneval": "humaneval.jsonl", "mt_bench": "mt_bench.jsonl"}
@@ -112,21 +119,6 @@ class GenaiNgram(GenaiPlain):
 
     def configure(self, params) -> None:  # noqa: D102
         params.set_speculative_options(ngram_size=3, max_draft_tokens=6, ngram_chained_lookup=True)
-
-
-class SpecxSpeculative:
-    """specx speculative decoding; `drafter(prompt)` makes a fresh drafter per run."""
-
-    def __init__(self, target, drafter: Callable):
-        self.target, self.drafter = target, drafter
-        self.stats: dict[tuple[int, ...], dict] = {}
-
-    def __call__(self, prompt: Sequence[int], new_tokens: int) -> Timing:  # noqa: D102
-        from specx.runtime.speculative_decoding import generate_speculative
-
-        result = generate_speculative(self.target, self.drafter(prompt), [list(prompt)], new_tokens)
-        self.stats[tuple(prompt)] = result.stats
-        return Timing(result.stats["prefill_s"], result.stats["decode_s"], result.tokens[0])
 
 
 class TransformersPlain:

@@ -16,7 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -50,6 +50,21 @@ class SpecxPlain:
         from specx.runtime.plain_decoding import generate_plain
 
         result = generate_plain(self.target, [list(prompt)], new_tokens)
+        return Timing(result.stats["prefill_s"], result.stats["decode_s"], result.tokens[0])
+
+
+class SpecxSpeculative:
+    """specx speculative decoding; `drafter(prompt)` makes a fresh drafter per run."""
+
+    def __init__(self, target, drafter: Callable):
+        self.target, self.drafter = target, drafter
+        self.stats: dict[tuple[int, ...], dict] = {}
+
+    def __call__(self, prompt: Sequence[int], new_tokens: int) -> Timing:  # noqa: D102
+        from specx.runtime.speculative_decoding import generate_speculative
+
+        result = generate_speculative(self.target, self.drafter(prompt), [list(prompt)], new_tokens)
+        self.stats[tuple(prompt)] = result.stats
         return Timing(result.stats["prefill_s"], result.stats["decode_s"], result.tokens[0])
 
 

@@ -58,23 +58,29 @@ def measure_verify_curve(
     batch: int = 1,
     repeats: int = 7,
 ) -> VerifyCurve:
-    """Median time of a target forward of n tokens over `context` cached ones, per n."""
+    """Median time of a target forward of n tokens over `context` cached ones, per n.
+
+    The sizes take turns (one forward of each per pass), so a slow stretch of the machine
+    lands on every n alike instead of bending the curve at the sizes it happened to hit.
+    """
     rng = np.random.default_rng(0)
     cache = target.allocate_cache(batch, min(target.capacity, context + max(tokens)))
     write_pos = np.full(batch, context, dtype=np.int64)
-    seconds = []
+    steps = []
     for n in tokens:
         ids = rng.integers(0, target.vocab_size, size=(batch, n))
         positions = context + np.arange(n)[None].repeat(batch, 0)
         mask = np.ones((batch, 1, n, context + n), dtype=bool)
         mask[:, 0, :, context:] = np.tril(np.ones((n, n), dtype=bool))
+        steps.append((ids, positions, mask))
         target.forward(cache, ids, positions, mask, write_pos)  # warm-up
-        runs = []
-        for _ in range(repeats):
+    runs: list[list[float]] = [[] for _ in tokens]
+    for _ in range(repeats):
+        for step, times in zip(steps, runs, strict=True):
             started = time.perf_counter()
-            target.forward(cache, ids, positions, mask, write_pos)
-            runs.append(time.perf_counter() - started)
-        seconds.append(float(np.median(runs)))
+            target.forward(cache, *step, write_pos)
+            times.append(time.perf_counter() - started)
+    seconds = [float(np.median(times)) for times in runs]
     return VerifyCurve(batch, context, tuple(tokens), tuple(seconds))
 
 
