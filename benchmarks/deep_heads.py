@@ -1,8 +1,8 @@
 """Trained heads on pyref-deep: measured speedup next to its ideal bound, and drafting overhead.
 
-pyref-deep (benchmarks/pyref_deep.py) is exported with each trained head found under
-`--heads DIR/<kind>` (trained by `specx train`, e.g. on pyref-7m as teacher: its last
-hidden state is pyref-deep's; EAGLE-3 with `--tap-layers 2,3,4`). For every configuration,
+pyref-deep (benchmarks/pyref_deep.py) is exported with each trained head under
+`--heads DIR/<kind>` (benchmarks/pyref_heads.py: trained against pyref-7m when missing, by a
+fixed recipe). For every configuration,
 on 18 held-out prompts (12 HumanEval stubs + 6 held-out stdlib files, as the suite), 96 new
 tokens, each prompt plain and speculative back to back, fastest of `--repeats`
 (`specx.calibration.timing`), greedy and at T=0.7:
@@ -37,6 +37,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 
 import pyref_deep  # noqa: E402
+import pyref_heads  # noqa: E402
 from suite import SHARED, prompts_for  # noqa: E402
 
 CONFIGS = ["chain:2", "chain:3", "chain:4", "chain:5", "dynamic:9,3,2", "dynamic:13,4,3"]
@@ -133,8 +134,9 @@ def model_free(target, prompts, args, samplings, curve, report) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--heads", type=Path, default=Path.home() / ".cache/specx/pyref-heads")
-    parser.add_argument("--kinds", default="eagle,eagle3,mtp,medusa")
+    parser.add_argument("--heads", type=Path, default=pyref_heads.HEADS)
+    parser.add_argument("--kinds", default="eagle,eagle3", help="trained first when missing")
+    parser.add_argument("--retrain", action="store_true", help="train the heads again")
     parser.add_argument("--new-tokens", type=int, default=96)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
@@ -163,7 +165,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="specx-deep-heads-"))
     deep = pyref_deep.write(source, work / "pyref-deep")
     prompts = prompts_for(TextTokenizer(source / "tokenizer.json"), 12)
-    kinds = [k for k in args.kinds.split(",") if (args.heads / k / "config.json").is_file()]
+    kinds = pyref_heads.ensure_heads(args.kinds.split(","), args.heads, args.retrain)
     report = {
         "benchmark": "deep_heads",
         "target": "pyref-deep (pyref-7m block-expanded to 32 layers)",

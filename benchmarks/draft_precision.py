@@ -4,10 +4,11 @@
 weights in 8 or 4 bits (MatMulNBits); the target stays the fp32 ORT-lowered graph, so its
 verify cost curve and greedy identity are those of fp32 and only the draft gets cheaper.
 pyref-deep (benchmarks/pyref_deep.py) is exported once with the head under `--heads
-DIR/<kind>` and built three ways into the same artifact; then, prompt by prompt, plain
-decoding and every (configuration, head precision) pair run back to back, `--repeats` times
-in rotating order, fastest decode per prompt (`runners.interleave`). 18 held-out prompts
-(12 HumanEval stubs + 6 held-out stdlib files, as the suite), greedy.
+DIR/<kind>` (benchmarks/pyref_heads.py trains it when missing) and built three ways into
+the same artifact; then, prompt by prompt, plain decoding and every (configuration, head
+precision) pair run back to back, `--repeats` times in rotating order, fastest decode per
+prompt (`runners.interleave`). 18 held-out prompts (12 HumanEval stubs + 6 held-out stdlib
+files, as the suite), greedy.
 
     python benchmarks/draft_precision.py [--kind eagle] [--configs "chain:3;chain:4"]
 
@@ -28,6 +29,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 
 import pyref_deep  # noqa: E402
+import pyref_heads  # noqa: E402
 from deep_heads import build_options  # noqa: E402
 from runners import SpecxPlain, SpecxSpeculative, interleave  # noqa: E402
 from suite import SHARED, prompts_for  # noqa: E402
@@ -41,7 +43,7 @@ def log(message: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--heads", type=Path, default=Path.home() / ".cache/specx/pyref-heads")
+    parser.add_argument("--heads", type=Path, default=pyref_heads.HEADS)
     parser.add_argument("--kind", default="eagle")
     parser.add_argument("--configs", default="chain:3;chain:4")
     parser.add_argument("--new-tokens", type=int, default=96)
@@ -50,10 +52,10 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/draft_precision.json"))
     args = parser.parse_args()
     source, head = SHARED / "models" / "pyref-7m", args.heads / args.kind
-    for needed in (source / "model.safetensors", head / "config.json"):
-        if not needed.is_file():
-            log(f"skipped: {needed} is absent")
-            return
+    if not (source / "model.safetensors").is_file():
+        log(f"skipped: {source} is absent")
+        return
+    pyref_heads.ensure_heads([args.kind], args.heads)
     from specx.artifact import load_manifest
     from specx.build import build_artifact
     from specx.export.target_export import export_target
