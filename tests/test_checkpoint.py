@@ -148,3 +148,35 @@ def test_sliding_window_beyond_window_is_refused(tmp_path):
     with pytest.raises(ExportError, match=r"sliding-window .*--max-context <= 64"):
         export_target(path, tmp_path / "out", max_context=128)
     assert not (tmp_path / "out").exists()
+
+
+def test_gemma3_fields_are_read_and_its_unsupported_variants_named(checkpoints, tmp_path):
+    config = load_checkpoint(checkpoints["gemma3_text"]).config
+    assert config.activation == "gelu_tanh" and config.sandwich_norms and config.qk_norm
+    assert config.embedding_scale == config.hidden_size**0.5 and config.norm_offset == 1.0
+    assert config.attention_scale == 24**-0.5  # query_pre_attn_scalar, not head_dim
+    assert config.local_layers == (True, False, True, False)
+    assert config.local_inv_freq != config.inv_freq  # base 10000 vs 1e6
+    # The norms are read as 1 + w (what the RMSNorm scales by), in float32.
+    stored = load_file(checkpoints["gemma3_text"] / "model.safetensors")
+    key = "model.layers.0.pre_feedforward_layernorm.weight"
+    loaded = load_checkpoint(checkpoints["gemma3_text"]).state_dict[key]
+    torch.testing.assert_close(loaded, 1 + stored[key].float(), rtol=0, atol=0)
+    for field, value, message in [
+        ("model_type", "gemma3", "vision tower"),
+        ("model_type", "gemma2", "soft-capping"),
+        ("attn_logit_softcapping", 50.0, "attn_logit_softcapping 50.0 is not supported"),
+        ("final_logit_softcapping", 30.0, "final_logit_softcapping 30.0 is not supported"),
+        ("layer_types", ["sliding_attention"], "number of `layer_types`"),  # transformers'
+        ("layer_types", ["full_attention", "sliding_attention"] * 2, None),
+        ("hidden_activation", "relu", "hidden_activation 'relu' is not supported"),
+    ]:
+        path = copy_checkpoint(checkpoints["gemma3_text"], tmp_path / f"{field}-{value}")
+        raw = json.loads((path / "config.json").read_text())
+        raw[field] = value
+        (path / "config.json").write_text(json.dumps(raw))
+        if message is None:  # a valid variant: global and local layers the other way round
+            assert load_checkpoint(path).config.local_layers == (False, True) * 2
+            continue
+        with pytest.raises(CheckpointError, match=message):
+            load_checkpoint(path)

@@ -64,11 +64,11 @@ def test_the_lowered_graph_equals_the_exported_graph(family, batch, artifacts, t
         and ops.count("GroupQueryAttention") == manifest.model["num_layers"]
     )
     assert ops.count("SkipSimplifiedLayerNormalization") == 2 * manifest.model["num_layers"]
-    # RoPE moves into GQA, except after Qwen3's per-head q/k norms (not on ORT's CPU) and
+    # RoPE moves into GQA, except after per-head q/k norms (Qwen3, Gemma 3; not on ORT's CPU) and
     # for partial rotary (the phi3 preset, as Phi-4-mini: its rotary is not GQA's form);
     # SmolLM3's NoPE layers take GQA without rotary.
     outside = (
-        family == "qwen3"
+        family in ("qwen3", "gemma3_text")
         or manifest.data["source"]["config"].get("partial_rotary_factor", 1.0) != 1.0
     )
     rotary = [n.attributes["do_rotary"].value for n in lowered.graph if n.op_type.startswith("Gr")]

@@ -191,3 +191,26 @@ def test_bf16_graph_is_close_to_fp32_on_the_reference_evaluator(artifacts, tmp_p
     for w, g in zip(want, got, strict=True):
         scale = np.abs(w["logits"]).max()
         assert np.abs(g["logits"].astype(np.float32) - w["logits"]).max() < 3e-2 * scale
+
+
+@pytest.mark.parametrize("approximate", ["tanh", "none"])
+def test_gelu_is_written_out_in_table_ops_with_the_same_values(approximate, tmp_path):
+    from onnx import TensorProto, helper
+
+    from specx.graphs.trt_lowering import DecomposeGeluPass
+
+    node = helper.make_node("Gelu", ["x"], ["y"], name="gelu", approximate=approximate)
+    graph = helper.make_graph(
+        [node],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [64])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [64])],
+    )
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)])
+    x = np.linspace(-6, 6, 64, dtype=np.float32)
+    model = ir.from_proto(proto)
+    expected = _session(_save(model, tmp_path / "gelu.onnx")).run(None, {"x": x})[0]
+    assert DecomposeGeluPass()(model).modified
+    assert "Gelu" not in [n.op_type for n in model.graph]
+    got = _session(_save(model, tmp_path / "decomposed.onnx")).run(None, {"x": x})[0]
+    np.testing.assert_allclose(got, expected, atol=1e-6)

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from specx.errors import CheckpointError
@@ -112,6 +113,35 @@ class _RowSlice:
 
     def read(self, key: str, buffer: bytearray | None = None) -> RawTensor:  # noqa: D102
         return self.file.read(self.key).map(lambda a: a[self.start : self.stop])
+
+
+class _Offset:
+    """A stored tensor plus a constant, in float32, as a `TensorFile` of that one tensor.
+
+    Gemma's RMSNorm scales by 1 + w: its norm weights are read as 1 + w, so every graph and
+    module holds the scale itself. Float32, as transformers adds the 1 (`1.0 + w.float()`).
+    """
+
+    def __init__(self, file: TensorFile, key: str, offset: float):
+        self.file, self.key, self.offset = file, key, offset
+
+    @property
+    def path(self) -> Path:  # noqa: D102
+        return self.file.path
+
+    def shape(self, key: str) -> tuple[int, ...]:  # noqa: D102
+        return self.file.shape(self.key)
+
+    def dtype(self, key: str) -> str:  # noqa: D102
+        return "F32"
+
+    def read(self, key: str, buffer: bytearray | None = None) -> RawTensor:  # noqa: D102
+        return RawTensor(self.file.read(self.key).float32() + np.float32(self.offset), "F32")
+
+
+def _offset_norms(holder: dict, config: TargetConfig) -> None:
+    for key in [k for k in holder if k.endswith("norm.weight")]:
+        holder[key] = _Offset(holder[key], key, config.norm_offset)
 
 
 def _split_fused(holder: dict, config: TargetConfig) -> set[str]:
@@ -209,6 +239,8 @@ def load_checkpoint(checkpoint_dir: str | Path) -> Checkpoint:
         opened = open_tensor_file(path)
         holder.update(dict.fromkeys(opened.keys(), opened))
     fused = _split_fused(holder, config) if config.family == "phi3" else set()
+    if config.norm_offset:
+        _offset_norms(holder, config)
     aliases = {}
     if config.tie_word_embeddings and "lm_head.weight" not in holder:
         if "model.embed_tokens.weight" in holder:

@@ -1,10 +1,17 @@
 """`TargetConfig`: the architecture of a supported HF decoder, read from `config.json`.
 
 Supported families are Llama, Qwen2, Qwen3 (per-head q/k RMSNorm), Mistral, SmolLM3
-(layers without RoPE, `no_rope_layers`) and Phi-3 (fused `qkv_proj`/`gate_up_proj`, read as
-q/k/v and gate/up by `specx.export.checkpoint`; `longrope`): one decoder shape (pre-norm,
-RoPE, grouped-query attention, SwiGLU MLP) that differs in biases, q/k norms, head size and
-which layers rotate. Everything else is refused here, by name, before any weight is read.
+(layers without RoPE, `no_rope_layers`), Phi-3 (fused `qkv_proj`/`gate_up_proj`, read as
+q/k/v and gate/up by `specx.export.checkpoint`; `longrope`) and Gemma 3 text (`gemma3_text`:
+RMSNorm scaled by 1 + w, norms before and after attention and MLP, GeGLU with tanh GELU,
+embeddings times sqrt(hidden), softmax scale `query_pre_attn_scalar`^-1/2, q/k norms, and a
+RoPE table of its own for the sliding-window layers): one decoder shape (RoPE, grouped-query
+attention, gated MLP) that differs in biases, norms, activation, head size and which layers
+rotate how. Everything else is refused here, by name, before any weight is read.
+
+Sliding windows are not implemented: a target with one (Mistral, Gemma 3's local layers) is
+exported only up to a context no longer than its window, where the window masks nothing
+(`specx.export.target_export`).
 
 `longrope` (Phi-3 long-context checkpoints) is a fixed table only up to the checkpoint's
 `original_max_position_embeddings`: transformers rotates with the short factors while a
@@ -16,6 +23,7 @@ mid-sequence, which no fixed graph reproduces. So a longrope export uses the sho
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +33,14 @@ from specx.errors import CheckpointError
 
 __all__ = ["SUPPORTED_FAMILIES", "TargetConfig", "load_target_config"]
 
-SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "smollm3", "phi3")
+SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "smollm3", "phi3", "gemma3_text")
+# model_type -> why it is refused (families users try that share a name with a supported one).
+_REFUSED = {
+    "gemma3": "Gemma 3 with its vision tower (Gemma3ForConditionalGeneration); export the text "
+    "model (model_type gemma3_text, Gemma3ForCausalLM)",
+    "gemma2": "Gemma 2 (attention logit soft-capping and sliding windows)",
+}
+_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 # Rope types whose frequencies do not depend on the sequence length, so one graph serves all.
 _STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
@@ -56,15 +71,40 @@ class TargetConfig:
     eos_token_ids: tuple[int, ...]
     rope_layers: tuple[bool, ...] = ()  # per layer: applies RoPE (SmolLM3); () = every layer
     rope_max_context: int | None = None  # longest context the RoPE tables are exact for
+    activation: str = "silu"  # the gated MLP's: silu (SwiGLU) or gelu_tanh (GeGLU)
+    norm_offset: float = 0.0  # RMSNorm scale = offset + stored weight (Gemma: 1 + w; on load)
+    sandwich_norms: bool = False  # norms after attention and MLP too (Gemma)
+    embedding_scale: float = 1.0  # embeddings are multiplied by this (Gemma: sqrt(hidden))
+    query_pre_attn_scalar: float | None = None  # softmax scale = this^-1/2 (Gemma)
+    local_inv_freq: tuple[float, ...] = ()  # RoPE of the sliding-window layers, if their own
+    local_layers: tuple[bool, ...] = ()  # per layer: a sliding-window layer (Gemma 3)
 
     def uses_rope(self, layer: int) -> bool:
         """Whether layer `layer` rotates q and k (SmolLM3's NoPE layers do not)."""
         return not self.rope_layers or self.rope_layers[layer]
 
+    def llama_layers(self) -> TargetConfig:
+        """These sizes with Llama's layer form (draft heads' layers, whatever the target's)."""
+        return dataclasses.replace(
+            self,
+            qk_norm=False,
+            activation="silu",
+            norm_offset=0.0,
+            sandwich_norms=False,
+            embedding_scale=1.0,
+            query_pre_attn_scalar=None,
+            local_inv_freq=(),
+            local_layers=(),
+        )
+
+    def uses_local_rope(self, layer: int) -> bool:
+        """Whether layer `layer` rotates with the sliding-window layers' table (Gemma 3)."""
+        return bool(self.local_inv_freq) and self.local_layers[layer]
+
     @property
     def attention_scale(self) -> float:
-        """Softmax scale of q.k, 1/sqrt(head_dim) for every supported family."""
-        return self.head_dim**-0.5
+        """Softmax scale of q.k: 1/sqrt(head_dim), or Gemma's 1/sqrt(query_pre_attn_scalar)."""
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
 
 def load_target_config(checkpoint_dir: str | Path) -> tuple[TargetConfig, dict[str, Any]]:
@@ -86,16 +126,29 @@ def load_target_config(checkpoint_dir: str | Path) -> tuple[TargetConfig, dict[s
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{config_path} is not valid JSON: {e}") from e
     family = raw.get("model_type")
+    if family in _REFUSED:
+        raise CheckpointError(
+            f"{config_path}: model_type {family!r}: {_REFUSED[family]} is not supported"
+        )
     if family not in SUPPORTED_FAMILIES:
         raise CheckpointError(
             f"{config_path}: model_type {family!r} (architectures {raw.get('architectures')}) "
             f"is not supported; supported families: {', '.join(SUPPORTED_FAMILIES)}"
         )
     hf = _hf_config(config_path, family)
-    if hf.hidden_act != "silu":
-        raise CheckpointError(f"{config_path}: hidden_act {hf.hidden_act!r} is not supported")
+    gemma = family == "gemma3_text"
+    act_field = "hidden_activation" if gemma else "hidden_act"
+    activation = getattr(hf, act_field, None)
+    if activation not in _ACTIVATIONS:
+        raise CheckpointError(f"{config_path}: {act_field} {activation!r} is not supported")
+    for field in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if getattr(hf, field, None) is not None:
+            raise CheckpointError(f"{config_path}: {field} {getattr(hf, field)} is not supported")
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
-    inv_freq, attention_scaling, rope_max_context = _rope(config_path, hf, head_dim)
+    rope_params = hf.rope_parameters or {}
+    if gemma:
+        rope_params = rope_params.get("full_attention", {})
+    inv_freq, attention_scaling, rope_max_context = _rope(config_path, hf, head_dim, rope_params)
     attention_bias = bool(getattr(hf, "attention_bias", False))
     qkv_bias = {"qwen2": True, "mistral": False}.get(family, attention_bias)
     o_bias = {"qwen2": False, "mistral": False}.get(family, attention_bias)
@@ -113,7 +166,7 @@ def load_target_config(checkpoint_dir: str | Path) -> tuple[TargetConfig, dict[s
         qkv_bias=qkv_bias,
         o_bias=o_bias,
         mlp_bias=bool(getattr(hf, "mlp_bias", False)),
-        qk_norm=family == "qwen3",
+        qk_norm=family in ("qwen3", "gemma3_text"),
         inv_freq=inv_freq,
         rope_attention_scaling=attention_scaling,
         sliding_window=_sliding_window(hf, family),
@@ -122,6 +175,8 @@ def load_target_config(checkpoint_dir: str | Path) -> tuple[TargetConfig, dict[s
         eos_token_ids=_eos_token_ids(checkpoint_dir, hf.eos_token_id),
         rope_layers=_rope_layers(config_path, hf, family),
         rope_max_context=rope_max_context,
+        activation=_ACTIVATIONS[activation],
+        **(_gemma3(config_path, hf, head_dim, attention_scaling) if gemma else {}),
     )
     if config.num_heads % config.num_kv_heads:
         raise CheckpointError(
@@ -137,15 +192,44 @@ def _hf_config(config_path: Path, family: str):
 
     try:
         return AutoConfig.from_pretrained(config_path.parent, trust_remote_code=False)
-    except (ValueError, TypeError, KeyError, OSError) as e:
+    except Exception as e:  # transformers' validators raise classes of their own too
+        if isinstance(e, CheckpointError):
+            raise
         raise CheckpointError(f"{config_path}: not a valid {family} config: {e}") from e
 
 
-def _rope(config_path: Path, hf, head_dim: int) -> tuple[tuple[float, ...], float, int | None]:
+def _gemma3(config_path: Path, hf, head_dim: int, attention_scaling: float) -> dict[str, Any]:
+    """Gemma 3's fields of TargetConfig; its local layers' RoPE table from their own params."""
+    layer_types = list(hf.layer_types or [])
+    kinds = ("sliding_attention", "full_attention")
+    if len(layer_types) != hf.num_hidden_layers or any(t not in kinds for t in layer_types):
+        raise CheckpointError(
+            f"{config_path}: layer_types must name {kinds[0]!r} or {kinds[1]!r} for each of "
+            f"the {hf.num_hidden_layers} layers, got {layer_types}"
+        )
+    local = hf.rope_parameters.get("sliding_attention", {})
+    local_inv_freq, local_scaling, _ = _rope(config_path, hf, head_dim, local, "sliding_attention")
+    if local_scaling != attention_scaling:
+        raise CheckpointError(
+            f"{config_path}: rope_parameters give the sliding and full layers different "
+            f"attention scalings ({local_scaling}, {attention_scaling}); not supported"
+        )
+    return {
+        "norm_offset": 1.0,
+        "sandwich_norms": True,
+        "embedding_scale": hf.hidden_size**0.5,
+        "query_pre_attn_scalar": float(hf.query_pre_attn_scalar),
+        "local_inv_freq": local_inv_freq,
+        "local_layers": tuple(t == "sliding_attention" for t in layer_types),
+    }
+
+
+def _rope(
+    config_path: Path, hf, head_dim: int, params: dict, layer_type: str | None = None
+) -> tuple[tuple[float, ...], float, int | None]:
     import torch
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    params = hf.rope_parameters or {}
     rope_type = params.get("rope_type", "default")
     # Partial rotary (Phi-4-mini: 0.75): the first head_dim * factor dims of each head turn,
     # the rest pass; transformers' init functions size inv_freq by the factor themselves.
@@ -174,7 +258,7 @@ def _rope(config_path: Path, hf, head_dim: int) -> tuple[tuple[float, ...], floa
         inv_freq = 1.0 / (theta ** (dims / rotary_dim))
         scaling = 1.0
     else:
-        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf, "cpu")
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf, "cpu", layer_type=layer_type)
     return tuple(float(f) for f in inv_freq), float(scaling), None
 
 

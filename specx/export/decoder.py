@@ -56,7 +56,11 @@ def tap_layers(kind: str, num_layers: int) -> tuple[int, ...]:
 
 
 class RMSNorm(nn.Module):
-    """RMS norm with a learned scale (exported as RMSNormalization)."""
+    """RMS norm with a learned scale (exported as RMSNormalization).
+
+    The scale is the weight as loaded: Gemma's stored w comes as 1 + w (`specx.export.
+    checkpoint`), so the graph holds the scale itself and adds nothing per step.
+    """
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -67,12 +71,17 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
+def _norm(config: TargetConfig, dim: int | None = None) -> RMSNorm:
+    return RMSNorm(dim or config.hidden_size, config.rms_norm_eps)
+
+
 class RotaryEmbedding(nn.Module):
     """cos/sin of each token's position; positions come from the tree, not from arange."""
 
-    def __init__(self, config: TargetConfig):
+    def __init__(self, config: TargetConfig, inv_freq: tuple[float, ...] | None = None):
         super().__init__()
-        self.register_buffer("inv_freq", torch.tensor(config.inv_freq), persistent=False)
+        inv_freq = torch.tensor(inv_freq or config.inv_freq)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.scaling = config.rope_attention_scaling
 
     def forward(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # noqa: D102
@@ -111,8 +120,7 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(d_in, kv_heads * head_dim, bias=config.qkv_bias)
         self.o_proj = nn.Linear(heads * head_dim, d, bias=config.o_bias)
         if config.qk_norm:
-            self.q_norm = RMSNorm(head_dim, config.rms_norm_eps)
-            self.k_norm = RMSNorm(head_dim, config.rms_norm_eps)
+            self.q_norm, self.k_norm = _norm(config, head_dim), _norm(config, head_dim)
 
     def forward(self, x, cos, sin, k_cache, v_cache, write_pos, mask):  # noqa: D102
         c = self.config
@@ -143,8 +151,11 @@ class Attention(nn.Module):
         return self.o_proj(out), k_cache, v_cache
 
 
+_ACTIVATIONS = {"silu": F.silu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}
+
+
 class MLP(nn.Module):
-    """SwiGLU MLP: down(silu(gate(x)) * up(x))."""
+    """Gated MLP: down(act(gate(x)) * up(x)); SwiGLU (silu) or GeGLU (tanh GELU, Gemma)."""
 
     def __init__(self, config: TargetConfig):
         super().__init__()
@@ -152,29 +163,41 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(d, hidden, bias=bias)
         self.up_proj = nn.Linear(d, hidden, bias=bias)
         self.down_proj = nn.Linear(hidden, d, bias=bias)
+        self.act = _ACTIVATIONS[config.activation]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm decoder layer; EAGLE-1's first layer has no input norm (`input_norm=False`)."""
+    """Pre-norm decoder layer; EAGLE-1's first layer has no input norm (`input_norm=False`).
+
+    With `config.sandwich_norms` (Gemma) the attention and MLP outputs are normed too before
+    they join the residual; `post_attention_layernorm` is then the attention output's norm
+    and `pre_feedforward_layernorm` the MLP input's (HF's names for both layouts).
+    """
 
     def __init__(self, config: TargetConfig, input_norm: bool = True, rope: bool = True):
         super().__init__()
-        self.input_layernorm = (
-            RMSNorm(config.hidden_size, config.rms_norm_eps) if input_norm else nn.Identity()
-        )
+        self.sandwich = config.sandwich_norms
+        self.input_layernorm = _norm(config) if input_norm else nn.Identity()
         self.self_attn = Attention(config, rope=rope)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = _norm(config)
+        if self.sandwich:
+            self.pre_feedforward_layernorm = _norm(config)
+            self.post_feedforward_layernorm = _norm(config)
         self.mlp = MLP(config)
 
     def forward(self, h, cos, sin, k_cache, v_cache, write_pos, mask):  # noqa: D102
         attn, k_cache, v_cache = self.self_attn(
             self.input_layernorm(h), cos, sin, k_cache, v_cache, write_pos, mask
         )
-        h = h + attn
-        h = h + self.mlp(self.post_attention_layernorm(h))
+        if self.sandwich:
+            h = h + self.post_attention_layernorm(attn)
+            h = h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+        else:
+            h = h + attn
+            h = h + self.mlp(self.post_attention_layernorm(h))
         return h, k_cache, v_cache
 
 
@@ -185,7 +208,7 @@ class _Backbone(nn.Module):
         self.layers = nn.ModuleList(
             DecoderLayer(config, rope=config.uses_rope(i)) for i in range(config.num_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = _norm(config)
 
 
 class TargetDecoder(nn.Module):
@@ -197,8 +220,13 @@ class TargetDecoder(nn.Module):
         self.taps = taps
         self.tap_layers = tap_layers(taps, config.num_layers)
         self.model = _Backbone(config)
-        self.rotary = RotaryEmbedding(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.compute_rope_tables()
+
+    def compute_rope_tables(self) -> None:
+        """RoPE's frequencies, from the config (not weights: after a meta-device build)."""
+        self.rotary = RotaryEmbedding(self.config)
+        self.local_rotary = RotaryEmbedding(self.config, self.config.local_inv_freq or None)
 
     @classmethod
     def from_state_dict(
@@ -208,7 +236,7 @@ class TargetDecoder(nn.Module):
         with torch.device("meta"):
             decoder = cls(config, taps)
         decoder.load_state_dict(state_dict, strict=True, assign=True)
-        decoder.rotary = RotaryEmbedding(config)
+        decoder.compute_rope_tables()
         return decoder.eval()
 
     @staticmethod
@@ -233,13 +261,18 @@ class TargetDecoder(nn.Module):
         kv_cache: Sequence[torch.Tensor],
     ) -> tuple[torch.Tensor, ...]:
         """Returns (logits, [taps,] key_0, value_0, key_1, ...) per the module docstring."""
-        cos, sin = self.rotary(position_ids)
+        c = self.config
+        rope = self.rotary(position_ids)
+        local_rope = self.local_rotary(position_ids) if c.local_inv_freq else rope
         h = self.model.embed_tokens(input_ids)
+        if c.embedding_scale != 1.0:
+            h = h * c.embedding_scale
         captured: dict[int, torch.Tensor] = {}
         new_cache: list[torch.Tensor] = []
         for i, layer in enumerate(self.model.layers):
             if i in self.tap_layers:
                 captured[i] = h
+            cos, sin = local_rope if c.uses_local_rope(i) else rope
             h, k_cache, v_cache = layer(
                 h, cos, sin, kv_cache[2 * i], kv_cache[2 * i + 1], write_pos, attention_mask
             )

@@ -49,6 +49,13 @@ _FAMILY_CONFIGS = {
         "Phi3ForCausalLM",
         {"sliding_window": None, "partial_rotary_factor": 0.75},
     ),
+    # Local and global layers alternating (each with its RoPE base), a softmax scale that is
+    # not 1/sqrt(head_dim); the window (4096) is longer than any test context.
+    "gemma3_text": (
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        {"head_dim": None, "query_pre_attn_scalar": 24, "sliding_window_pattern": 2},
+    ),
 }
 
 

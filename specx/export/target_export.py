@@ -19,7 +19,7 @@ from specx.artifact import atomic_output_dir, check_output_dir, sha256_file, wri
 from specx.errors import ExportError
 from specx.export.checkpoint import Checkpoint, load_checkpoint
 from specx.export.config import TargetConfig
-from specx.export.decoder import RotaryEmbedding, TargetDecoder
+from specx.export.decoder import TargetDecoder
 from specx.export.onnx_graph import export_streamed, graph_entry, save_graph_streamed
 from specx.export.weight_writer import WeightWriter, planned_weights
 from specx.runtime.chat import CHAT_TEMPLATE_FILE, read_checkpoint_template
@@ -77,7 +77,7 @@ def _placeholder_decoder(config: TargetConfig, taps: str) -> TargetDecoder:
     with torch.device("meta"):
         decoder = TargetDecoder(config, taps)
     decoder = decoder.to_empty(device="cpu")
-    decoder.rotary = RotaryEmbedding(config)  # computed from the config, not a weight
+    decoder.compute_rope_tables()
     return decoder.eval()
 
 

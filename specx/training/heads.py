@@ -27,7 +27,7 @@ HEAD_KINDS = ("eagle3", "eagle", "medusa", "mtp")
 
 
 def _one_layer(config: TargetConfig) -> TargetConfig:
-    return dataclasses.replace(config, num_layers=1, qk_norm=False)
+    return dataclasses.replace(config.llama_layers(), num_layers=1)
 
 
 def _frozen(param: torch.nn.Parameter, value: torch.Tensor) -> None:

@@ -91,9 +91,9 @@ def head_attention_config(raw: dict[str, Any], target: TargetConfig, where: Path
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"{where}: not a Llama-style head config: {e}") from e
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
-    inv_freq, scaling, _ = _rope(where, hf, head_dim)
+    inv_freq, scaling, _ = _rope(where, hf, head_dim, hf.rope_parameters or {})
     return dataclasses.replace(
-        target,
+        target.llama_layers(),
         hidden_size=hf.hidden_size,
         intermediate_size=hf.intermediate_size,
         num_layers=1,
@@ -104,7 +104,6 @@ def head_attention_config(raw: dict[str, Any], target: TargetConfig, where: Path
         qkv_bias=bool(getattr(hf, "attention_bias", False)),
         o_bias=bool(getattr(hf, "attention_bias", False)),
         mlp_bias=bool(getattr(hf, "mlp_bias", False)),
-        qk_norm=False,
         inv_freq=inv_freq,
         rope_attention_scaling=scaling,
     )
