@@ -141,11 +141,13 @@ def test_no_weights_is_a_clear_error(checkpoints, tmp_path):
 def test_sliding_window_beyond_window_is_refused(tmp_path):
     from specx.export.random_checkpoint import write_random_checkpoint
 
-    path = write_random_checkpoint(tmp_path / "m", "mistral", "tiny", tokenizer=False)
+    # Qwen2's windows (use_sliding_window, from max_window_layers on) are not implemented;
+    # Mistral's and Gemma 3's are (tests/test_sliding_window.py).
+    path = write_random_checkpoint(tmp_path / "m", "qwen2", "tiny", tokenizer=False)
     config = json.loads((path / "config.json").read_text())
-    config["sliding_window"] = 64
+    config.update(sliding_window=64, use_sliding_window=True)
     (path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ExportError, match=r"sliding-window .*--max-context <= 64"):
+    with pytest.raises(ExportError, match=r"sliding-window .*qwen2.*--max-context <= 64"):
         export_target(path, tmp_path / "out", max_context=128)
     assert not (tmp_path / "out").exists()
 

@@ -9,9 +9,9 @@ RoPE table of its own for the sliding-window layers): one decoder shape (RoPE, g
 attention, gated MLP) that differs in biases, norms, activation, head size and which layers
 rotate how. Everything else is refused here, by name, before any weight is read.
 
-Sliding windows are not implemented: a target with one (Mistral, Gemma 3's local layers) is
-exported only up to a context no longer than its window, where the window masks nothing
-(`specx.export.target_export`).
+Sliding windows: Mistral's (every layer) and Gemma 3's (its local layers) are a second mask
+(`specx.export.decoder`); other families' (Qwen2/Qwen3/SmolLM3 `use_sliding_window`) are refused
+past the window (`specx.export.target_export`).
 
 `longrope` (Phi-3 long-context checkpoints) is a fixed table only up to the checkpoint's
 `original_max_position_embeddings`: transformers rotates with the short factors while a
@@ -96,6 +96,17 @@ class TargetConfig:
             local_inv_freq=(),
             local_layers=(),
         )
+
+    @property
+    def windowed_layers(self) -> tuple[bool, ...]:
+        """Per layer: attends through `sliding_window`; () for none.
+
+        specx implements Mistral's (every layer) and Gemma 3's (its local layers); other
+        families' windows are refused past the window.
+        """
+        if self.sliding_window is None or self.family not in ("mistral", "gemma3_text"):
+            return ()
+        return self.local_layers or (True,) * self.num_layers
 
     def uses_local_rope(self, layer: int) -> bool:
         """Whether layer `layer` rotates with the sliding-window layers' table (Gemma 3)."""

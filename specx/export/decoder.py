@@ -211,6 +211,22 @@ class _Backbone(nn.Module):
         self.norm = _norm(config)
 
 
+def _window(mask: torch.Tensor, position_ids: torch.Tensor, window: int) -> torch.Tensor:
+    """The mask of a sliding-window layer: slot j only within `window` of the query's position.
+
+    The window is a second mask, computed once per step and given to those layers'
+    TreeAttention, so the op, its ONNX body, the Triton kernel, the TensorRT plugin and the ORT
+    lowering need nothing of their own. Slot j holds position j: the cache is compacted after
+    every round, and a chain's tokens (prefill, decode, chain drafts) sit at their positions.
+    A tree node sits at a slot past its position, which only its descendants see, all within
+    the tree's depth of it; so the rule is exact while a tree is shallower than the window
+    (`specx.export.target_export` refuses --max-tree-tokens beyond the window).
+    """
+    slots = torch.arange(mask.shape[-1], device=mask.device)  # [L]
+    near = position_ids[:, :, None] - slots[None, None, :] < window  # [B, N, L]
+    return mask & near[:, None]
+
+
 class TargetDecoder(nn.Module):
     """A supported HF decoder whose attention is one `specx::tree_attention` per layer."""
 
@@ -267,14 +283,19 @@ class TargetDecoder(nn.Module):
         h = self.model.embed_tokens(input_ids)
         if c.embedding_scale != 1.0:
             h = h * c.embedding_scale
+        windowed = c.windowed_layers
+        local_mask = (
+            _window(attention_mask, position_ids, c.sliding_window) if any(windowed) else None
+        )
         captured: dict[int, torch.Tensor] = {}
         new_cache: list[torch.Tensor] = []
         for i, layer in enumerate(self.model.layers):
             if i in self.tap_layers:
                 captured[i] = h
             cos, sin = local_rope if c.uses_local_rope(i) else rope
+            mask = local_mask if windowed and windowed[i] else attention_mask
             h, k_cache, v_cache = layer(
-                h, cos, sin, kv_cache[2 * i], kv_cache[2 * i + 1], write_pos, attention_mask
+                h, cos, sin, kv_cache[2 * i], kv_cache[2 * i + 1], write_pos, mask
             )
             new_cache += [k_cache, v_cache]
         h = self.model.norm(h)

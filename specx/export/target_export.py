@@ -141,13 +141,19 @@ def _check_request(
     return tuple(sources)
 
 
-def _check_capacity(checkpoint: Checkpoint, max_context: int) -> None:
+def _check_capacity(checkpoint: Checkpoint, max_context: int, max_tree_tokens: int) -> None:
     config = checkpoint.config
-    if config.sliding_window is not None and max_context > config.sliding_window:
+    window = config.sliding_window
+    if window is not None and not config.windowed_layers and max_context > window:
         raise ExportError(
             f"{checkpoint.directory}: the target uses sliding-window attention "
-            f"(window {config.sliding_window}), which specx does not implement; "
-            f"export with --max-context <= {config.sliding_window}"
+            f"(window {window}), which specx does not implement for {config.family}; "
+            f"export with --max-context <= {window}"
+        )
+    if config.windowed_layers and max_tree_tokens > window:  # see decoder._window
+        raise ExportError(
+            f"--max-tree-tokens {max_tree_tokens} exceeds the target's sliding window {window}: "
+            "a verified tree must fit in the window"
         )
     if config.rope_max_context is not None and max_context > config.rope_max_context:
         raise ExportError(
@@ -210,7 +216,7 @@ def export_target(
     )
     progress(f"[1/5] loading {checkpoint_dir}")
     checkpoint = load_checkpoint(checkpoint_dir)
-    _check_capacity(checkpoint, max_context)
+    _check_capacity(checkpoint, max_context, max_tree_tokens)
     # Hashed while the graph is traced (hashlib releases the GIL): 2 s of a 1.5B export.
     hashing = ThreadPoolExecutor(1)
     digests = hashing.submit(lambda: {p.name: sha256_file(p) for p in checkpoint.files})

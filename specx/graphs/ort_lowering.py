@@ -121,13 +121,16 @@ class GroupQueryAttentionPass(InPlacePass):
         if not nodes:
             return PassResult(model, modified=False)
         build = _Builder(graph)
-        shared = _shared_inputs(build, nodes[0], self.pad_single_rows)
+        shared: dict[ir.Value, dict[str, ir.Value]] = {}  # per mask (sliding-window layers)
         rotary = _rotary(build, model, nodes[0], self.max_positions)
         if rotary is not None and self.pad_single_rows:
             positions = _pad_row(build, nodes[0], rotary.position_ids, axis=1)
             rotary = dataclasses.replace(rotary, position_ids=positions)
         for node in nodes:
-            _replace(build, node, shared, rotary, self.pad_single_rows)
+            mask = node.inputs[6]
+            if mask not in shared:
+                shared[mask] = _shared_inputs(build, node, self.pad_single_rows)
+            _replace(build, node, shared[mask], rotary, self.pad_single_rows)
         model.opset_imports.setdefault(MS_DOMAIN, 1)
         RemoveUnusedNodesPass()(model)
         return PassResult(model, modified=True)
@@ -136,7 +139,8 @@ class GroupQueryAttentionPass(InPlacePass):
 def _shared_inputs(build: _Builder, first: ir.Node, pad: bool) -> dict[str, ir.Value]:
     """GQA's seqlens_k, total_sequence_length, query_seqlens and bias, built once.
 
-    From the first node's write_pos and [B, 1, N, L] mask, which every layer shares. With
+    From the node's write_pos and [B, 1, N, L] mask, which the layers of its kind share
+    (sliding-window layers have a mask of their own, `specx.export.decoder._window`). With
     `pad`, the padding row is a real query row to GQA (it computes only the rows
     `query_seqlens` counts, so a row marked padding would leave the lone real row alone):
     its key and value land in the scratch slot after the step, which no mask shows and the
