@@ -1,0 +1,56 @@
+"""Gemma 3 beyond the family tests: draft heads on it, and its fp16 build.
+
+Heads keep Llama's layer form on any target (`TargetConfig.llama_layers`): an EAGLE-1 and an
+EAGLE-3 head in the official layout export next to the Gemma target, and greedy speculation
+with chains and dynamic trees equals plain decoding.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from head_checkpoints import write_eagle, write_eagle3
+from specx.artifact import load_manifest
+from specx.build import BuildOptions, build_artifact
+from specx.export.target_export import export_target
+from specx.runtime.drafters import DrafterOptions, make_drafter
+from specx.runtime.drafters.tree_search import DynamicTree, StaticTree
+from specx.runtime.ort_target import OrtTarget
+from specx.runtime.plain_decoding import generate_plain
+from specx.runtime.speculative_decoding import generate_speculative
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def test_heads_on_a_gemma_target_keep_greedy_identity(kind, checkpoints, tmp_path, rng):
+    path = checkpoints["gemma3_text"]
+    config = json.loads((path / "config.json").read_text())
+    # The heads' own config is Llama's, with one RoPE base.
+    llama_like = {**config, "rope_parameters": {"rope_theta": 10000.0}}
+    head = tmp_path / kind
+    if kind == "eagle":
+        write_eagle(head, llama_like)
+    else:
+        write_eagle3(head, llama_like, draft_vocab=64)
+    artifact = export_target(path, tmp_path / "artifact", max_context=96, drafter=f"{kind}:{head}")
+    target = OrtTarget(load_manifest(artifact), threads=2)
+    prompts = [rng.integers(1, target.vocab_size, n).tolist() for n in (3, 9, 5, 12)]
+    for tree in (StaticTree.chain(3), DynamicTree(9, 3, 2)):
+        drafter = make_drafter(kind, target, DrafterOptions(tree=tree))
+        for batch in (1, 2):
+            for start in range(0, len(prompts), batch):
+                chunk = prompts[start : start + batch]
+                plain = generate_plain(target, chunk, 24).tokens
+                assert generate_speculative(target, drafter, chunk, 24).tokens == plain, chunk
+
+
+def test_the_fp16_build_of_a_gemma_target_stays_close_to_fp32(artifacts, tmp_path, rng):
+    artifact = shutil.copytree(artifacts["gemma3_text"], tmp_path / "artifact")
+    build_artifact(artifact, BuildOptions("ort", "fp16"))
+    half = OrtTarget(load_manifest(artifact), threads=2)
+    full = OrtTarget(load_manifest(artifacts["gemma3_text"]), threads=2)
+    prompts = [rng.integers(1, full.vocab_size, 16).tolist() for _ in range(6)]
+    first = [generate_plain(t, prompts, 1).tokens for t in (half, full)]
+    assert sum(a == b for a, b in zip(*first, strict=True)) >= 5  # near-ties may flip one
