@@ -119,6 +119,16 @@ def test_draft_cost_fit_recovers_coefficients_and_drops_negative_ones():
     assert min(noisy.per_round, noisy.per_depth, noisy.per_node) >= 0
 
 
+def test_chains_are_priced_from_the_chain_runs_alone():
+    """A head drafts a chain in one call and a tree depth by depth: pooled into one fit,
+    the probe tree's per-depth cost overprices the long chain (pyref-deep: predicted 1.25x,
+    measured 1.77x); the chain runs alone reproduce both chains."""
+    probe, short, long = (6, 24, 0.0040), (1, 1, 0.0011), (6, 6, 0.0014)
+    pooled, chains = fit_draft_cost([probe, short, long]), fit_draft_cost([short, long])
+    assert chains(1, 1) == pytest.approx(0.0011) and chains(6, 6) == pytest.approx(0.0014)
+    assert pooled(6, 6) > 1.1 * 0.0014
+
+
 def test_verify_curve_interpolates_and_extrapolates():
     curve = VerifyCurve(1, 100, (1, 4, 8), (1.0, 2.0, 4.0))
     assert curve(1) == 1.0 and curve(6) == pytest.approx(3.0) and curve(10) == pytest.approx(5.0)
@@ -145,6 +155,7 @@ def test_calibrate_a_draft_model_then_generate_uses_the_choice(artifact, draft_a
     acceptance = np.array(entry["acceptance"]["acceptance_by_depth_and_rank"])
     assert acceptance.shape == (3, 3) and 0 < acceptance[0].sum() <= 1  # drafts were accepted
     assert len(entry["trees_by_budget"]) > 1 and entry["costs"]["verify_curve"]["ms"][0] > 0
+    assert set(entry["costs"]["chain_draft_ms"]) == {"per_round", "per_depth", "per_node"}
     assert entry["choice"]["measured_speedup"] > 0 and len(entry["choice"]["candidates"]) >= 3
     labels = [c["label"] for c in entry["choice"]["candidates"]]
     assert any(x.startswith("dynamic") for x in labels) and any(

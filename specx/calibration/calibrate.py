@@ -6,8 +6,10 @@ Steps, all on this machine and the artifact's default build:
 2. the drafter on a probe tree (K ranks at each of D depths under the top-1 path; a chain
    for n-gram drafts), counting which rank the target's token had at each depth
    (`AcceptanceCounts`) and acceptance against draft confidence;
-3. two chains (depth 1 and D) for the draft-cost fit d = a + b*depth + c*nodes, and the
-   target's verify curve t(n) at the prompts' mean context;
+3. two chains (depth 1 and D) for the draft-cost fit d = a + b*depth + c*nodes (trees: all
+   three runs; chains: the two chain runs alone, since a head drafts a chain in one call of
+   its draft_chain graph and a tree depth by depth), and the target's verify curve t(n) at
+   the prompts' mean context;
 4. the optimal tree per node budget (`best_trees`) and every chain, each with its
    model-predicted speedup (`specx.calibration.costs`);
 5. the model's best candidates (3 static trees, 2 chains, EAGLE-2 parameters from the best
@@ -172,7 +174,8 @@ def calibrate_artifact(
     for length in sorted({1, depth}):
         drafter = _drafter(spec, target, StaticTree.chain(length), options)
         runs.append((length, length, _run(target, drafter, prompts, options)))
-    cost = fit_draft_cost([(d, n, r["draft_s"] / r["rounds"]) for d, n, r in runs])
+    samples = [(d, n, r["draft_s"] / r["rounds"]) for d, n, r in runs]
+    cost, chain_cost = fit_draft_cost(samples), fit_draft_cost(samples[1:])
     context = int(np.mean([len(p) for p in prompts])) + options.max_new_tokens // 2
     sizes = tuple(n for n in VERIFY_SIZES if n <= target.max_tree_tokens)
     curve = measure_verify_curve(target, sizes, context)
@@ -181,8 +184,9 @@ def calibrate_artifact(
     progress("[4/5] choosing trees by predicted speedup")
     p = counts.probabilities()
 
-    def round_seconds(depth_: int, nodes: int) -> float:
-        return curve(nodes + 1) + max(overhead, 0.0) + cost(depth_, nodes)
+    def round_seconds(depth_: int, nodes: int, chain: bool = False) -> float:
+        drafting = (chain_cost if chain else cost)(depth_, nodes)
+        return curve(nodes + 1) + max(overhead, 0.0) + drafting
 
     # On a build that keeps only chains identical to plain decoding (INT8), trees are not
     # candidates: the choice must stay lossless.
@@ -193,7 +197,7 @@ def calibrate_artifact(
         for t in trees
     ]
     chains = [
-        (predicted_speedup(chain_expected(p, n), round_seconds(n, n), plain_s), n)
+        (predicted_speedup(chain_expected(p, n), round_seconds(n, n, chain=True), plain_s), n)
         for n in range(1, depth + 1)
     ]
     candidates = _candidates(scored, chains, p, spec, every_chain=restricted)
@@ -217,12 +221,11 @@ def calibrate_artifact(
             "plain_ms_per_token": 1e3 * plain_s,
             "verify_curve": curve.summary(),
             "verify_overhead_ms": 1e3 * overhead,
-            "draft_ms": {
-                "per_round": 1e3 * cost.per_round,
-                "per_depth": 1e3 * cost.per_depth,
-                "per_node": 1e3 * cost.per_node,
-            },
-            "draft_cost_c": _draft_cost_c(cost, choice, curve),
+            "draft_ms": _milliseconds(cost),
+            "chain_draft_ms": _milliseconds(chain_cost),
+            "draft_cost_c": _draft_cost_c(
+                chain_cost if choice["tree"] == "chain" else cost, choice, curve
+            ),
         },
         "trees_by_budget": [
             {
@@ -480,6 +483,14 @@ def _batch_curve(target, spec, choice, prompts, options) -> list[dict[str, Any]]
             }
         )
     return curve
+
+
+def _milliseconds(cost: DraftCost) -> dict[str, float]:
+    return {
+        "per_round": 1e3 * cost.per_round,
+        "per_depth": 1e3 * cost.per_depth,
+        "per_node": 1e3 * cost.per_node,
+    }
 
 
 def _draft_cost_c(cost: DraftCost, choice: dict[str, Any], curve) -> float:
