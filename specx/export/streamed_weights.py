@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "FoldWeightTransposesPass",
+    "Scratch",
     "StreamedTensor",
     "bind_checkpoint_weights",
 ]
@@ -35,7 +36,7 @@ _BLOCK_BYTES = 64 << 20
 _TILE = 128
 
 
-class _Scratch:
+class Scratch:
     """One float32 buffer reused for every block written.
 
     Fresh arrays per block cost more in page faults than the conversion itself (measured:
@@ -102,10 +103,10 @@ class StreamedTensor(ir.LazyTensor):
         transposed: bool,
         shape: Sequence[int],
         name: str,
-        scratch: _Scratch | None = None,
+        scratch: Scratch | None = None,
     ):
         self.tensors, self.keys, self.is_transposed = tensors, tuple(keys), transposed
-        self.scratch = scratch or _Scratch()
+        self.scratch = scratch or Scratch()
         super().__init__(
             lambda: ir.tensor(self._float32(), name=name),
             dtype=ir.DataType.FLOAT,
@@ -182,7 +183,7 @@ def bind_checkpoint_weights(model: ir.Model, tensors: CheckpointTensors) -> int:
     Returns:
         How many initializers were bound.
     """
-    bound, scratch = 0, _Scratch()
+    bound, scratch = 0, Scratch()
     for value in model.graph.initializers.values():
         if value.name in tensors and value.const_value is not None:
             shape = tuple(value.const_value.shape)

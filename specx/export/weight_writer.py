@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 import onnx_ir as ir
 
 from specx.errors import ExportError
-from specx.export.streamed_weights import StreamedTensor, _Scratch
+from specx.export.streamed_weights import Scratch, StreamedTensor
 from specx.graphs.model_io import DataFile
 
 if TYPE_CHECKING:
@@ -240,7 +240,7 @@ def _serve(inbox: BinaryIO, outbox: BinaryIO) -> None:
         pickle.dump(message, outbox, protocol=pickle.HIGHEST_PROTOCOL)
         outbox.flush()
 
-    data, scratch = None, _Scratch()
+    data, scratch = None, Scratch()
     try:
         setup: _Setup = pickle.load(inbox)  # opens the checkpoint's files again
 
