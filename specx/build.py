@@ -84,8 +84,12 @@ class BuildOptions:
     @property
     def name(self) -> str:
         """The build's name in the manifest, e.g. `trt-fp16`, `ort-int8-draft`."""
-        draft_only = self.weight_only is not None and self.weight_only.scope == "draft"
-        return f"{self.backend}-{self.precision}" + ("-draft" if draft_only else "")
+        return f"{self.backend}-{self.precision}" + ("-draft" if self.draft_only else "")
+
+    @property
+    def draft_only(self) -> bool:
+        """A weight-only build of the draft head's graphs alone (`--quantize draft`)."""
+        return self.weight_only is not None and self.weight_only.scope == "draft"
 
 
 def build_artifact(
@@ -126,7 +130,7 @@ def build_artifact(
         )
     started = time.perf_counter()
     manifest = load_manifest(artifact_dir)
-    if options.weight_only and options.weight_only.scope == "draft" and not _drafts(manifest):
+    if options.draft_only and set(manifest.data["graphs"]) == {"target"}:
         raise BuildError(
             f"{manifest.root} has no draft head to quantize (--quantize draft); a draft model "
             "is an artifact of its own: build it with --quantize all"
@@ -144,10 +148,6 @@ def build_artifact(
         shutil.rmtree(staging, ignore_errors=True)
     progress(f"built {options.name} in {time.perf_counter() - started:.1f}s")
     return options.name
-
-
-def _drafts(manifest: Manifest) -> list[str]:
-    return [name for name in manifest.data["graphs"] if name != "target"]
 
 
 @dataclass(frozen=True)

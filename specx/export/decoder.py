@@ -242,7 +242,8 @@ class TargetDecoder(nn.Module):
     def compute_rope_tables(self) -> None:
         """RoPE's frequencies, from the config (not weights: after a meta-device build)."""
         self.rotary = RotaryEmbedding(self.config)
-        self.local_rotary = RotaryEmbedding(self.config, self.config.local_inv_freq or None)
+        local = self.config.local_inv_freq
+        self.local_rotary = RotaryEmbedding(self.config, local) if local else None
 
     @classmethod
     def from_state_dict(

@@ -32,7 +32,7 @@ import onnx_ir as ir
 
 from specx.errors import ExportError
 from specx.export.streamed_weights import Scratch, StreamedTensor
-from specx.graphs.model_io import DataFile
+from specx.graphs.model_io import SIZE_THRESHOLD, DataFile
 
 if TYPE_CHECKING:
     from specx.export.checkpoint import CheckpointTensors
@@ -55,13 +55,14 @@ def planned_weights(tensors: CheckpointTensors, names: Sequence[str]) -> list[Pl
     """The target's weights in the form its graph will most likely hold them.
 
     Linear weights are transposed (MatMul takes [in, out]), q/k/v and gate/up side by side
-    (`specx.graphs.packed_matmuls`), the rest as stored; tensors under 1 KiB are left out.
+    (`specx.graphs.packed_matmuls`), the rest as stored; tensors the graph keeps inline
+    (`SIZE_THRESHOLD` bytes or fewer) are left out.
     A guess, checked when the graph is saved: a weight the graph needs in another form is
     simply written again.
     """
     plans, taken = [], set()
     for name in names:
-        if name in taken or tensors.nbytes(name) <= 1024:
+        if name in taken or tensors.nbytes(name) <= SIZE_THRESHOLD:
             continue
         keys = [name]
         for group in _SIBLINGS:
