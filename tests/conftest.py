@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "smollm3", "phi3", "gemma3_text")
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "smollm3", "phi3", "gemma2", "gemma3_text")
 SHARED = Path(__file__).resolve().parents[2] / "shared"
 MAX_CONTEXT = 128
 CHAT_TEMPLATE = (

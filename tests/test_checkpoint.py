@@ -166,9 +166,12 @@ def test_gemma3_fields_are_read_and_its_unsupported_variants_named(checkpoints, 
     torch.testing.assert_close(loaded, 1 + stored[key].float(), rtol=0, atol=0)
     for field, value, message in [
         ("model_type", "gemma3", "vision tower"),
-        ("model_type", "gemma2", "soft-capping"),
-        ("attn_logit_softcapping", 50.0, "attn_logit_softcapping 50.0 is not supported"),
-        ("final_logit_softcapping", 30.0, "final_logit_softcapping 30.0 is not supported"),
+        ("attn_logit_softcapping", 50.0, "attn_logit_softcapping 50.0 is not supported for gemma3"),
+        (
+            "final_logit_softcapping",
+            30.0,
+            "final_logit_softcapping 30.0 is not supported for gemma3",
+        ),
         ("layer_types", ["sliding_attention"], "number of `layer_types`"),  # transformers'
         ("layer_types", ["full_attention", "sliding_attention"] * 2, None),
         ("hidden_activation", "relu", "hidden_activation 'relu' is not supported"),
@@ -179,6 +182,29 @@ def test_gemma3_fields_are_read_and_its_unsupported_variants_named(checkpoints, 
         (path / "config.json").write_text(json.dumps(raw))
         if message is None:  # a valid variant: global and local layers the other way round
             assert load_checkpoint(path).config.local_layers == (False, True) * 2
+            continue
+        with pytest.raises(CheckpointError, match=message):
+            load_checkpoint(path)
+
+
+def test_gemma2_caps_are_read_and_bad_ones_named(checkpoints, tmp_path):
+    config = load_checkpoint(checkpoints["gemma2"]).config
+    assert (config.attn_softcap, config.logit_softcap) == (0.02, 1.0)
+    assert config.sandwich_norms and config.norm_offset == 1.0 and not config.qk_norm
+    assert config.local_layers == (True, False, True, False) and config.local_inv_freq == ()
+    assert config.llama_layers().attn_softcap == config.llama_layers().logit_softcap == 0.0
+    for field, value, message in [
+        ("attn_logit_softcapping", None, None),  # no cap: the field may be null
+        ("attn_logit_softcapping", -1.0, "attn_logit_softcapping must be a positive number"),
+        ("final_logit_softcapping", 0.0, "final_logit_softcapping must be a positive number"),
+        ("final_logit_softcapping", "30", "valid gemma2 config.*final_logit_softcapping"),
+    ]:
+        path = copy_checkpoint(checkpoints["gemma2"], tmp_path / f"{field}-{value}")
+        raw = json.loads((path / "config.json").read_text())
+        raw[field] = value
+        (path / "config.json").write_text(json.dumps(raw))
+        if message is None:
+            assert load_checkpoint(path).config.attn_softcap == 0.0
             continue
         with pytest.raises(CheckpointError, match=message):
             load_checkpoint(path)

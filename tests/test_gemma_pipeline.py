@@ -1,4 +1,4 @@
-"""Gemma 3 beyond the family tests: draft heads on it, and its fp16 build.
+"""Gemma 2 and 3 beyond the family tests: draft heads on them, and their fp16 builds.
 
 Heads keep Llama's layer form on any target (`TargetConfig.llama_layers`): an EAGLE-1 and an
 EAGLE-3 head in the official layout export next to the Gemma target, and greedy speculation
@@ -22,10 +22,13 @@ from specx.runtime.ort_target import OrtTarget
 from specx.runtime.plain_decoding import generate_plain
 from specx.runtime.speculative_decoding import generate_speculative
 
+GEMMA = ["gemma2", "gemma3_text"]
 
+
+@pytest.mark.parametrize("family", GEMMA)
 @pytest.mark.parametrize("kind", ["eagle", "eagle3"])
-def test_heads_on_a_gemma_target_keep_greedy_identity(kind, checkpoints, tmp_path, rng):
-    path = checkpoints["gemma3_text"]
+def test_heads_on_a_gemma_target_keep_greedy_identity(kind, family, checkpoints, tmp_path, rng):
+    path = checkpoints[family]
     config = json.loads((path / "config.json").read_text())
     # The heads' own config is Llama's, with one RoPE base.
     llama_like = {**config, "rope_parameters": {"rope_theta": 10000.0}}
@@ -46,11 +49,12 @@ def test_heads_on_a_gemma_target_keep_greedy_identity(kind, checkpoints, tmp_pat
                 assert generate_speculative(target, drafter, chunk, 24).tokens == plain, chunk
 
 
-def test_the_fp16_build_of_a_gemma_target_stays_close_to_fp32(artifacts, tmp_path, rng):
-    artifact = shutil.copytree(artifacts["gemma3_text"], tmp_path / "artifact")
+@pytest.mark.parametrize("family", GEMMA)
+def test_the_fp16_build_of_a_gemma_target_stays_close_to_fp32(family, artifacts, tmp_path, rng):
+    artifact = shutil.copytree(artifacts[family], tmp_path / "artifact")
     build_artifact(artifact, BuildOptions("ort", "fp16"))
     half = OrtTarget(load_manifest(artifact), threads=2)
-    full = OrtTarget(load_manifest(artifacts["gemma3_text"]), threads=2)
+    full = OrtTarget(load_manifest(artifacts[family]), threads=2)
     prompts = [rng.integers(1, full.vocab_size, 16).tolist() for _ in range(6)]
     first = [generate_plain(t, prompts, 1).tokens for t in (half, full)]
     assert sum(a == b for a, b in zip(*first, strict=True)) >= 5  # near-ties may flip one

@@ -176,9 +176,10 @@ def test_tree_attention_rows_are_bit_identical_for_any_chunk(artifacts):
     )
 
 
+@pytest.mark.parametrize("softcap", [0.0, 0.7], ids=["uncapped", "softcap"])
 @pytest.mark.parametrize("row_invariant", [False, True])
-def test_the_function_body_computes_the_reference_attention(row_invariant):
-    """Both bodies against numpy: write the new rows, attend under the mask (GQA)."""
+def test_the_function_body_computes_the_reference_attention(row_invariant, softcap):
+    """Every body against numpy: write the new rows, attend under the mask (GQA), capped."""
     rng = np.random.default_rng(2)
     heads, kv_heads, dim, capacity, n, start = 4, 2, 8, 16, 3, 5
     node = helper.make_node(
@@ -186,7 +187,7 @@ def test_the_function_body_computes_the_reference_attention(row_invariant):
         list(tree_op.INPUTS),
         list(tree_op.OUTPUTS),
         domain=tree_op.DOMAIN,
-        **tree_op.node_attributes(heads, kv_heads, 0.3),
+        **tree_op.node_attributes(heads, kv_heads, 0.3, softcap),
     )
     f32, i64, b = TensorProto.FLOAT, TensorProto.INT64, TensorProto.BOOL
     graph = helper.make_graph(
@@ -206,7 +207,7 @@ def test_the_function_body_computes_the_reference_attention(row_invariant):
     model = helper.make_model(
         graph,
         opset_imports=[helper.make_opsetid("", 24), helper.make_opsetid(tree_op.DOMAIN, 1)],
-        functions=[tree_op.function_proto(row_invariant)],
+        functions=[tree_op.function_proto(row_invariant, softcap=softcap > 0)],
     )
     q = rng.standard_normal((1, heads, n, dim)).astype(np.float32)
     k, v = (rng.standard_normal((1, kv_heads, n, dim)).astype(np.float32) for _ in range(2))
@@ -220,7 +221,11 @@ def test_the_function_body_computes_the_reference_attention(row_invariant):
     keys[:, :, start : start + n], values[:, :, start : start + n] = k, v
     group = heads // kv_heads
     keys, values = (np.repeat(a[:, :, : start + n], group, axis=1) for a in (keys, values))
-    scores = np.where(mask, 0.3 * q @ keys.transpose(0, 1, 3, 2), -np.inf)
+    scores = 0.3 * q @ keys.transpose(0, 1, 3, 2)
+    if softcap:
+        assert np.abs(scores).max() > 2 * softcap  # the cap bends these scores
+        scores = softcap * np.tanh(scores / softcap)
+    scores = np.where(mask, scores, -np.inf)
     weights = np.exp(scores - scores.max(-1, keepdims=True))
     expected = (weights / weights.sum(-1, keepdims=True)) @ values
     np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)

@@ -1,4 +1,4 @@
-"""Sliding-window attention (Mistral: every layer; Gemma 3: its local layers) past the window.
+"""Sliding-window attention (Mistral: every layer; Gemma 2/3: local layers) past the window.
 
 A window of 16 on tiny random checkpoints, prompts of 20-40 tokens and 48 new tokens, so
 most keys a late token could see are outside its window: specx's greedy output equals
@@ -26,7 +26,7 @@ from specx.runtime.plain_decoding import generate_plain
 from specx.runtime.speculative_decoding import generate_speculative
 
 WINDOW, NEW_TOKENS = 16, 48
-FAMILIES = ("gemma3_text", "mistral")
+FAMILIES = ("gemma2", "gemma3_text", "mistral")
 
 
 @pytest.fixture(scope="module")

@@ -127,6 +127,20 @@ def test_matches_reference(dtype, heads, kv_heads, n):
     assert_caches_written(inputs, k_before, v_before)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_softcap_matches_reference(dtype):
+    # Scores of unit-variance q, k at 1/sqrt(D) are ~N(0, 1): a cap of 0.5 bends most of them.
+    inputs = make_inputs(dtype, 4, 2, 5) | {"softcap": 0.5}
+    expected = reference(inputs)
+    uncapped = reference(inputs | {"softcap": 0.0})
+    assert (expected - uncapped).abs().max() > 0.1  # the cap matters at this size
+
+    out = tree_attention(**inputs)
+
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(out.float(), expected, atol=tol, rtol=tol)
+
+
 def test_reads_only_slots_below_kv_len():
     """NaN in slots [L, CAP) cannot reach the output: the kernel never loads them."""
     clean = make_inputs(torch.float32, 4, 2, 5)
@@ -189,7 +203,7 @@ def test_new_rows_come_from_k_v_not_the_cache():
         n, KV_LEN, CAPACITY,
         out, k_out, v_out,
         NUM_HEADS=heads, GROUP=heads // inputs["num_kv_heads"], HEAD_DIM=head_dim,
-        QK_SCALE=qk_scale(inputs["scale"]),
+        QK_SCALE=qk_scale(inputs["scale"]), SOFTCAP=0.0,
         BLOCK_N=query_block(n), BLOCK_L=config.block_l, BLOCK_D=head_block(head_dim),
     )  # fmt: skip
 

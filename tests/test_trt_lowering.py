@@ -121,7 +121,11 @@ def test_lowering_fixes_capacity_and_marks_plugin_nodes(artifacts):
         assert node.attributes["plugin_namespace"].value == "specx"
         assert node.attributes["plugin_version"].value == "1"
         assert node.attributes["aot"].value == 1
+        assert node.attributes["softcap"].value == 0.0  # every plugin field present
     assert ("specx", "TreeAttention", "") in lowered.functions
+    capped = lower_for_tensorrt(_load(artifacts["gemma2"]), CAPACITY, "fp16")
+    softcaps = [n.attributes["softcap"].value for n in capped.graph if n.op_type == "TreeAttention"]
+    assert softcaps == pytest.approx([0.02] * len(softcaps))  # Gemma 2's own cap is kept
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])

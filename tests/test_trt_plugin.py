@@ -48,8 +48,12 @@ DTYPES = [
 ]
 
 
-def tree_attention_model(dtype: torch.dtype) -> onnx.ModelProto:
-    """A model of one `specx::TreeAttention` node, its function attached; N and L dynamic."""
+def tree_attention_model(dtype: torch.dtype, softcap: float = 0.0) -> onnx.ModelProto:
+    """A model of one `specx::TreeAttention` node, its function attached; N and L dynamic.
+
+    The node carries `softcap` even when 0, as `lower_for_tensorrt` (`PluginFieldsPass`)
+    makes every node do.
+    """
     elem = ONNX_TYPES[dtype]
     kv_new = [BATCH, KV_HEADS, "tokens", HEAD_DIM]
     cache = [BATCH, KV_HEADS, CAPACITY, HEAD_DIM]
@@ -69,8 +73,10 @@ def tree_attention_model(dtype: torch.dtype) -> onnx.ModelProto:
         list(graph_op.OUTPUTS),
         name="tree_attention",
         domain=graph_op.DOMAIN,
-        **graph_op.node_attributes(HEADS, KV_HEADS, SCALE),
+        **graph_op.node_attributes(HEADS, KV_HEADS, SCALE, softcap),
     )
+    if softcap == 0:
+        node.attribute.append(helper.make_attribute(graph_op.SOFTCAP, 0.0))
     graph = helper.make_graph(
         [node],
         "tree_attention",
@@ -130,10 +136,11 @@ def make_inputs(dtype: torch.dtype) -> dict[str, torch.Tensor]:
     }
 
 
+@pytest.mark.parametrize("softcap", [0.0, 0.5], ids=["uncapped", "softcap"])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_engine_matches_reference(dtype):
+def test_engine_matches_reference(dtype, softcap):
     register_tree_attention_plugin()
-    engine = build_engine(tree_attention_model(dtype))
+    engine = build_engine(tree_attention_model(dtype, softcap))
     # What the engine must guarantee: with each cache output bound to its input's address,
     # that buffer holds the updated cache afterwards. Whether TensorRT writes it in place or
     # copies (its docs promise in-place only for the KVCacheUpdate layer, and say it "may
@@ -141,7 +148,7 @@ def test_engine_matches_reference(dtype):
     inputs = make_inputs(dtype)
     fp32 = {name: t.float() if t.is_floating_point() else t for name, t in inputs.items()}
     expected, expected_k, expected_v = tree_attention_reference(
-        **fp32, num_heads=HEADS, num_kv_heads=KV_HEADS, scale=SCALE
+        **fp32, num_heads=HEADS, num_kv_heads=KV_HEADS, scale=SCALE, softcap=softcap
     )
 
     device = {name: t.cuda().contiguous() for name, t in inputs.items()}

@@ -172,6 +172,25 @@ def test_the_int4_build_is_recorded_with_its_method(int4, artifacts):
     assert record["quantized_matmuls"]["target"] == {"4": len(bits)}
 
 
+def test_a_capped_lm_head_is_found_as_the_output_projection(artifacts, tmp_path, rng):
+    """Gemma 2's logits are c * tanh(lm_head / c): the lm_head still gets the rescoring."""
+    artifact = shutil.copytree(artifacts["gemma2"], tmp_path / "artifact")
+    build_artifact(artifact, BuildOptions("ort", "int4"))
+    manifest = load_manifest(artifact)
+    graph = onnx.load(
+        manifest.path(manifest.build["graphs"]["target"]["file"]), load_external_data=False
+    ).graph
+    ops = [n.op_type for n in graph.node]
+    assert ops.count("TopK") == 1 and ops.count("Tanh") == 1
+    (rescore,) = [n for n in graph.node if n.op_type == "ScatterElements"]
+    consumers = [n.op_type for n in graph.node if rescore.output[0] in n.input]
+    assert consumers in (["Div"], ["Tanh"])  # the cap applies to the rescored logits (/ 1 folds)
+    assert manifest.build["quantization"]["quantized_matmuls"]["target"] == {"4": 4 * 4 + 1}
+    prompts = [rng.integers(1, 500, 24).tolist() for _ in range(2)]
+    plain = generate_plain(OrtTarget(manifest, threads=2), prompts, 8)
+    assert all(len(tokens) == 8 for tokens in plain.tokens)
+
+
 def test_int4_logits_stay_close_to_float(int4, artifacts, rng):
     prompts = [rng.integers(1, 500, 24).tolist() for _ in range(4)]
     quantized = OrtTarget(load_manifest(int4), threads=2)

@@ -2,14 +2,15 @@
 
 Supported families are Llama, Qwen2, Qwen3 (per-head q/k RMSNorm), Mistral, SmolLM3
 (layers without RoPE, `no_rope_layers`), Phi-3 (fused `qkv_proj`/`gate_up_proj`, read as
-q/k/v and gate/up by `specx.export.checkpoint`; `longrope`) and Gemma 3 text (`gemma3_text`:
-RMSNorm scaled by 1 + w, norms before and after attention and MLP, GeGLU with tanh GELU,
-embeddings times sqrt(hidden), softmax scale `query_pre_attn_scalar`^-1/2, q/k norms, and a
+q/k/v and gate/up by `specx.export.checkpoint`; `longrope`), Gemma 2 and Gemma 3 text
+(`gemma2`, `gemma3_text`: RMSNorm scaled by 1 + w, norms before and after attention and MLP,
+GeGLU with tanh GELU, embeddings times sqrt(hidden), softmax scale `query_pre_attn_scalar`^-1/2;
+Gemma 2 caps attention scores and final logits at c * tanh(x / c), Gemma 3 has q/k norms and a
 RoPE table of its own for the sliding-window layers): one decoder shape (RoPE, grouped-query
 attention, gated MLP) that differs in biases, norms, activation, head size and which layers
 rotate how. Everything else is refused here, by name, before any weight is read.
 
-Sliding windows: Mistral's (every layer) and Gemma 3's (its local layers) are a second mask
+Sliding windows: Mistral's (every layer) and Gemma's (their local layers) are a second mask
 (`specx.export.decoder`); other families' (Qwen2/Qwen3/SmolLM3 `use_sliding_window`) are refused
 past the window (`specx.export.target_export`).
 
@@ -33,12 +34,21 @@ from specx.errors import CheckpointError
 
 __all__ = ["SUPPORTED_FAMILIES", "TargetConfig", "load_target_config"]
 
-SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "smollm3", "phi3", "gemma3_text")
+SUPPORTED_FAMILIES = (
+    "llama",
+    "qwen2",
+    "qwen3",
+    "mistral",
+    "smollm3",
+    "phi3",
+    "gemma2",
+    "gemma3_text",
+)
+_GEMMA = ("gemma2", "gemma3_text")
 # model_type -> why it is refused (families users try that share a name with a supported one).
 _REFUSED = {
     "gemma3": "Gemma 3 with its vision tower (Gemma3ForConditionalGeneration); export the text "
     "model (model_type gemma3_text, Gemma3ForCausalLM)",
-    "gemma2": "Gemma 2 (attention logit soft-capping and sliding windows)",
 }
 _ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 # Rope types whose frequencies do not depend on the sequence length, so one graph serves all.
@@ -77,7 +87,9 @@ class TargetConfig:
     embedding_scale: float = 1.0  # embeddings are multiplied by this (Gemma: sqrt(hidden))
     query_pre_attn_scalar: float | None = None  # softmax scale = this^-1/2 (Gemma)
     local_inv_freq: tuple[float, ...] = ()  # RoPE of the sliding-window layers, if their own
-    local_layers: tuple[bool, ...] = ()  # per layer: a sliding-window layer (Gemma 3)
+    local_layers: tuple[bool, ...] = ()  # per layer: a sliding-window layer (Gemma)
+    attn_softcap: float = 0.0  # attention scores capped at c * tanh(s / c); 0: none (Gemma 2)
+    logit_softcap: float = 0.0  # final logits capped the same way; 0: none (Gemma 2)
 
     def uses_rope(self, layer: int) -> bool:
         """Whether layer `layer` rotates q and k (SmolLM3's NoPE layers do not)."""
@@ -95,16 +107,18 @@ class TargetConfig:
             query_pre_attn_scalar=None,
             local_inv_freq=(),
             local_layers=(),
+            attn_softcap=0.0,
+            logit_softcap=0.0,
         )
 
     @property
     def windowed_layers(self) -> tuple[bool, ...]:
         """Per layer: attends through `sliding_window`; () for none.
 
-        specx implements Mistral's (every layer) and Gemma 3's (its local layers); other
+        specx implements Mistral's (every layer) and Gemma's (their local layers); other
         families' windows are refused past the window.
         """
-        if self.sliding_window is None or self.family not in ("mistral", "gemma3_text"):
+        if self.sliding_window is None or self.family not in ("mistral", *_GEMMA):
             return ()
         return self.local_layers or (True,) * self.num_layers
 
@@ -147,17 +161,15 @@ def load_target_config(checkpoint_dir: str | Path) -> tuple[TargetConfig, dict[s
             f"is not supported; supported families: {', '.join(SUPPORTED_FAMILIES)}"
         )
     hf = _hf_config(config_path, family)
-    gemma = family == "gemma3_text"
+    gemma = family in _GEMMA
     act_field = "hidden_activation" if gemma else "hidden_act"
     activation = getattr(hf, act_field, None)
     if activation not in _ACTIVATIONS:
         raise CheckpointError(f"{config_path}: {act_field} {activation!r} is not supported")
-    for field in ("attn_logit_softcapping", "final_logit_softcapping"):
-        if getattr(hf, field, None) is not None:
-            raise CheckpointError(f"{config_path}: {field} {getattr(hf, field)} is not supported")
+    softcaps = _softcaps(config_path, hf, family)
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
     rope_params = hf.rope_parameters or {}
-    if gemma:
+    if family == "gemma3_text":
         rope_params = rope_params.get("full_attention", {})
     inv_freq, attention_scaling, rope_max_context = _rope(config_path, hf, head_dim, rope_params)
     attention_bias = bool(getattr(hf, "attention_bias", False))
@@ -187,7 +199,8 @@ def load_target_config(checkpoint_dir: str | Path) -> tuple[TargetConfig, dict[s
         rope_layers=_rope_layers(config_path, hf, family),
         rope_max_context=rope_max_context,
         activation=_ACTIVATIONS[activation],
-        **(_gemma3(config_path, hf, head_dim, attention_scaling) if gemma else {}),
+        **softcaps,
+        **(_gemma(config_path, hf, head_dim, attention_scaling) if gemma else {}),
     )
     if config.num_heads % config.num_kv_heads:
         raise CheckpointError(
@@ -209,8 +222,28 @@ def _hf_config(config_path: Path, family: str):
         raise CheckpointError(f"{config_path}: not a valid {family} config: {e}") from e
 
 
-def _gemma3(config_path: Path, hf, head_dim: int, attention_scaling: float) -> dict[str, Any]:
-    """Gemma 3's fields of TargetConfig; its local layers' RoPE table from their own params."""
+def _softcaps(config_path: Path, hf, family: str) -> dict[str, float]:
+    """Gemma 2's attention and final-logit caps (absent or null: none); refused elsewhere."""
+    caps = {}
+    for field, name in (
+        ("attn_logit_softcapping", "attn_softcap"),
+        ("final_logit_softcapping", "logit_softcap"),
+    ):
+        value = getattr(hf, field, None)
+        if value is None:
+            continue
+        if family != "gemma2":
+            raise CheckpointError(f"{config_path}: {field} {value} is not supported for {family}")
+        if not (isinstance(value, int | float) and value > 0):
+            raise CheckpointError(
+                f"{config_path}: {field} must be a positive number, got {value!r}"
+            )
+        caps[name] = float(value)
+    return caps
+
+
+def _gemma(config_path: Path, hf, head_dim: int, attention_scaling: float) -> dict[str, Any]:
+    """Gemma's fields of TargetConfig; Gemma 3's local layers' RoPE table from their params."""
     layer_types = list(hf.layer_types or [])
     kinds = ("sliding_attention", "full_attention")
     if len(layer_types) != hf.num_hidden_layers or any(t not in kinds for t in layer_types):
@@ -218,21 +251,23 @@ def _gemma3(config_path: Path, hf, head_dim: int, attention_scaling: float) -> d
             f"{config_path}: layer_types must name {kinds[0]!r} or {kinds[1]!r} for each of "
             f"the {hf.num_hidden_layers} layers, got {layer_types}"
         )
-    local = hf.rope_parameters.get("sliding_attention", {})
+    fields = {
+        "norm_offset": 1.0,
+        "sandwich_norms": True,
+        "embedding_scale": hf.hidden_size**0.5,
+        "query_pre_attn_scalar": float(hf.query_pre_attn_scalar),
+        "local_layers": tuple(t == "sliding_attention" for t in layer_types),
+    }
+    if "sliding_attention" not in hf.rope_parameters:
+        return fields  # Gemma 2: one RoPE table for every layer
+    local = hf.rope_parameters["sliding_attention"]
     local_inv_freq, local_scaling, _ = _rope(config_path, hf, head_dim, local, "sliding_attention")
     if local_scaling != attention_scaling:
         raise CheckpointError(
             f"{config_path}: rope_parameters give the sliding and full layers different "
             f"attention scalings ({local_scaling}, {attention_scaling}); not supported"
         )
-    return {
-        "norm_offset": 1.0,
-        "sandwich_norms": True,
-        "embedding_scale": hf.hidden_size**0.5,
-        "query_pre_attn_scalar": float(hf.query_pre_attn_scalar),
-        "local_inv_freq": local_inv_freq,
-        "local_layers": tuple(t == "sliding_attention" for t in layer_types),
-    }
+    return fields | {"local_inv_freq": local_inv_freq}
 
 
 def _rope(

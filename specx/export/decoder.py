@@ -146,6 +146,7 @@ class Attention(nn.Module):
             c.num_heads,
             c.num_kv_heads,
             c.attention_scale,
+            c.attn_softcap,
         )
         out = out.transpose(1, 2).reshape(batch, n, c.num_heads * c.head_dim)
         return self.o_proj(out), k_cache, v_cache
@@ -301,6 +302,8 @@ class TargetDecoder(nn.Module):
             new_cache += [k_cache, v_cache]
         h = self.model.norm(h)
         logits = self.lm_head(h)
+        if c.logit_softcap:  # Gemma 2: the logits transformers returns are capped
+            logits = torch.tanh(logits / c.logit_softcap) * c.logit_softcap
         if self.taps == "last":
             return logits, h, *new_cache
         if self.taps == "eagle3":

@@ -51,6 +51,18 @@ _FAMILY_CONFIGS = {
     ),
     # Local and global layers alternating (each with its RoPE base), a softmax scale that is
     # not 1/sqrt(head_dim); the window (4096) is longer than any test context.
+    # Gemma 2: caps small enough that removing either changes the logits by far more than
+    # the tests' 1e-4 (random weights give tiny attention scores and logits).
+    "gemma2": (
+        "Gemma2Config",
+        "Gemma2ForCausalLM",
+        {
+            "head_dim": None,
+            "query_pre_attn_scalar": 24,
+            "attn_logit_softcapping": 0.02,
+            "final_logit_softcapping": 1.0,
+        },
+    ),
     "gemma3_text": (
         "Gemma3TextConfig",
         "Gemma3ForCausalLM",

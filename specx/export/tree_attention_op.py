@@ -28,9 +28,11 @@ def tree_attention_reference(
     num_heads: int,
     num_kv_heads: int,
     scale: float,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Writes k/v at `write_pos`, then attends over cache slots [0, L) under `mask`.
 
+    Scores are capped at softcap * tanh(s / softcap) before the mask when `softcap` > 0.
     Plain differentiable torch: training calls it directly; the custom op wraps it.
     """
     _check_shapes(q, k, v, k_cache, write_pos, mask, num_heads, num_kv_heads)
@@ -40,15 +42,23 @@ def tree_attention_reference(
     k_cache = k_cache.scatter(2, index, k)
     v_cache = v_cache.scatter(2, index, v)
     kv_len = mask.shape[-1]
-    out = F.scaled_dot_product_attention(
-        q,
-        k_cache[:, :, :kv_len],
-        v_cache[:, :, :kv_len],
-        attn_mask=mask,
-        scale=scale,
-        enable_gqa=num_heads != num_kv_heads,
-    )
+    keys, values = k_cache[:, :, :kv_len], v_cache[:, :, :kv_len]
+    if softcap > 0:
+        out = _capped_attention(q, keys, values, mask, scale, softcap)
+    else:
+        out = F.scaled_dot_product_attention(
+            q, keys, values, attn_mask=mask, scale=scale, enable_gqa=num_heads != num_kv_heads
+        )
     return out, k_cache, v_cache
+
+
+def _capped_attention(q, keys, values, mask, scale: float, softcap: float) -> torch.Tensor:
+    """Attention with scores softcap * tanh(scale * q.k / softcap), masked after capping."""
+    group = q.shape[1] // keys.shape[1]
+    keys, values = keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1)
+    scores = torch.tanh(q @ keys.transpose(-1, -2) * scale / softcap) * softcap  # [B, H, N, L]
+    weights = scores.masked_fill(~mask, float("-inf")).softmax(-1)
+    return weights @ values
 
 
 @torch.library.custom_op("specx::tree_attention", mutates_args=())
@@ -63,16 +73,17 @@ def tree_attention(
     num_heads: int,
     num_kv_heads: int,
     scale: float,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The exportable op (see `tree_attention_reference` for the rule)."""
     out, k_cache, v_cache = tree_attention_reference(
-        q, k, v, k_cache, v_cache, write_pos, mask, num_heads, num_kv_heads, scale
+        q, k, v, k_cache, v_cache, write_pos, mask, num_heads, num_kv_heads, scale, softcap
     )
     return out, k_cache, v_cache
 
 
 @tree_attention.register_fake
-def _(q, k, v, k_cache, v_cache, write_pos, mask, num_heads, num_kv_heads, scale):
+def _(q, k, v, k_cache, v_cache, write_pos, mask, num_heads, num_kv_heads, scale, softcap=0.0):
     return torch.empty_like(q), torch.empty_like(k_cache), torch.empty_like(v_cache)
 
 
@@ -100,6 +111,7 @@ def _schema() -> OpSchema:
             attr("num_heads", OpSchema.AttrType.INT),
             attr("num_kv_heads", OpSchema.AttrType.INT),
             attr("scale", OpSchema.AttrType.FLOAT),
+            attr(graph_op.SOFTCAP, OpSchema.AttrType.FLOAT, "", required=False),
             attr("plugin_namespace", OpSchema.AttrType.STRING),
             attr("plugin_version", OpSchema.AttrType.STRING),
         ],
@@ -109,7 +121,9 @@ def _schema() -> OpSchema:
 _TREE_ATTENTION = Op(Opset(graph_op.DOMAIN, 1), graph_op.OP_TYPE, _schema())
 
 
-def _translate(q, k, v, k_cache, v_cache, write_pos, mask, num_heads, num_kv_heads, scale):
+def _translate(
+    q, k, v, k_cache, v_cache, write_pos, mask, num_heads, num_kv_heads, scale, softcap=0.0
+):
     return _TREE_ATTENTION(
         q,
         k,
@@ -118,7 +132,7 @@ def _translate(q, k, v, k_cache, v_cache, write_pos, mask, num_heads, num_kv_hea
         v_cache,
         write_pos,
         mask,
-        **graph_op.node_attributes(num_heads, num_kv_heads, scale),
+        **graph_op.node_attributes(num_heads, num_kv_heads, scale, softcap),
     )
 
 

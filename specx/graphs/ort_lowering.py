@@ -14,6 +14,7 @@ and present), at slots `seqlens_k + 1 - N` .. `seqlens_k`, and attends over
 
     seqlens_k = write_pos + N - 1,  total_sequence_length = L,  query_seqlens = N per row
     attention_bias = where(mask, 0, -inf)                         # the tree mask, unchanged
+    softcap = TreeAttention's softcap, if it has one (GQA caps before adding the bias)
     query = the packed QKV projection itself (plus its biases), do_rotary = 1, with
             cos/sin tables evaluated from the graph's own RoPE subgraph and the graph's
             position_ids (a tree node's position is its depth past the prefix)
@@ -203,6 +204,8 @@ def _replace(
             "kv_num_heads": attrs["num_kv_heads"].value,
             "scale": attrs["scale"].value,
             "do_rotary": int(packed is not None),
+            # GQA caps the scores before adding attention_bias, as TreeAttention does.
+            **({"softcap": attrs[tree_op.SOFTCAP].value} if tree_op.SOFTCAP in attrs else {}),
         },
         domain=MS_DOMAIN,
         num_outputs=3,

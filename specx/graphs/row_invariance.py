@@ -58,7 +58,9 @@ class RowInvariantPass(InPlacePass):
         modified = False
         if key in model.functions:
             model.functions[key] = ir.serde.deserialize_function(
-                tree_op.function_proto(row_invariant=True)
+                tree_op.function_proto(
+                    row_invariant=True, softcap=tree_op.graph_uses_softcap(graph)
+                )
             )
             modified = True
         constants = _Constants(graph)

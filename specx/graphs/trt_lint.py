@@ -172,7 +172,7 @@ TRT_OPS: dict[str, OpSupport] = {
     **dict.fromkeys(("Tile", "Transpose", "Trilu", "Where", "Flatten", "Size"), _MOVE),
     **dict.fromkeys(("Squeeze", "Unsqueeze"), OpSupport(ANY, checks=(_constant_inputs(1),))),
     **dict.fromkeys(("ReduceMean", "ReduceSum", "ReduceMax", "ReduceMin"), _REDUCE),
-    "Cast": OpSupport(ANY | {_D.UINT8}),
+    **dict.fromkeys(("Cast", "CastLike"), OpSupport(ANY | {_D.UINT8})),
     "Constant": OpSupport(ANY, checks=(_constant,)),
     "ConstantOfShape": OpSupport(ANY),
     "Range": OpSupport(NUMERIC),
@@ -192,7 +192,14 @@ TRT_OPS: dict[str, OpSupport] = {
 
 # The plugin's contract: q/k/v/caches/out in one float dtype, write_pos INT64, mask BOOL.
 _PLUGIN = OpSupport(FLOATS, input_dtypes={5: frozenset({_D.INT64}), 6: frozenset({_D.BOOL})})
-_PLUGIN_ATTRIBUTES = {"num_heads", "num_kv_heads", "scale", "plugin_namespace", "plugin_version"}
+_PLUGIN_ATTRIBUTES = {
+    "num_heads",
+    "num_kv_heads",
+    "scale",
+    "softcap",
+    "plugin_namespace",
+    "plugin_version",
+}
 
 
 def _node_issues(node: ir.Node, graph: ir.Graph, plugin_view: bool) -> list[str]:

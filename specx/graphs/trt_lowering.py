@@ -5,7 +5,8 @@
 - every `specx::TreeAttention` node is checked to carry `plugin_namespace`/`plugin_version`
   (so TensorRT's ONNX parser imports it as the registered plugin) and the model-local
   function of the same name (the standard-op fallback the parser inlines otherwise);
-  and `aot=1`, which selects the plugin's ahead-of-time kernel (no Python in the engine);
+  and `aot=1`, which selects the plugin's ahead-of-time kernel (no Python in the engine),
+  and `softcap` (0 where the node has none), so every field the plugin registers is there;
 - KV caches get a static capacity: TensorRT (>= 10.15) maps TensorScatter to its in-place
   KV-cache update layer, which needs a static sequence dimension, and its `Attention`
   takes no past/present inputs, so this is the form it accepts;
@@ -33,6 +34,7 @@ __all__ = [
     "CheckPluginNodesPass",
     "DecomposeGeluPass",
     "FixCacheCapacityPass",
+    "PluginFieldsPass",
     "PreferAotPluginPass",
     "lower_for_tensorrt",
 ]
@@ -103,6 +105,24 @@ class PreferAotPluginPass(InPlacePass):
         return PassResult(model, modified=bool(nodes))
 
 
+class PluginFieldsPass(InPlacePass):
+    """Gives every TreeAttention node `softcap` = 0 where it has none.
+
+    The plugin registers every attribute it may meet, and TensorRT hands them to it
+    positionally in registration order (`specx.tensorrt.plugin`), so an optional one is
+    made present rather than left for the parser to skip.
+    """
+
+    def call(self, model: ir.Model) -> PassResult:
+        """Adds the missing fields."""
+        missing = [
+            n for n in _tree_attention_nodes(model.graph) if tree_op.SOFTCAP not in n.attributes
+        ]
+        for node in missing:
+            node.attributes[tree_op.SOFTCAP] = ir.AttrFloat32(tree_op.SOFTCAP, 0.0)
+        return PassResult(model, modified=bool(missing))
+
+
 class DecomposeGeluPass(InPlacePass):
     """Gelu(x) as x * 0.5 * (1 + Tanh(sqrt(2/pi) * (x + 0.044715 x^3))), or with Erf.
 
@@ -165,6 +185,7 @@ def lower_for_tensorrt(model: ir.Model, capacity: int, precision: str = "fp32") 
         DecomposeGeluPass(),
         FixCacheCapacityPass(capacity),
         PreferAotPluginPass(),
+        PluginFieldsPass(),
         RemoveUnusedNodesPass(),
         TopologicalSortPass(),
     ]

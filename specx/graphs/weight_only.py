@@ -284,7 +284,7 @@ class WeightOnlyQuantizePass(InPlacePass):
             weight = node.inputs[1] if len(node.inputs) > 1 else None
             if not _quantizable(node, weight):
                 continue
-            is_output = any(id(v) in outputs for v in node.outputs)
+            is_output = _feeds_output(node.outputs[0], outputs)
             bits = self.config.output_bits if is_output else self.config.bits
             if bits:
                 source, k = node.inputs[0], self.config.output_rescore if is_output else 0
@@ -407,6 +407,21 @@ def _rescore_top_k(
         name = logits.name
         logits.name, rescored.name = f"{name}_4bit", name
         graph.outputs[index] = rescored
+
+
+# What may sit between the output projection and the logits: Gemma 2's final cap,
+# c * tanh(x / c), which keeps the order of the logits (so the rescored top k too).
+_OUTPUT_CAP_OPS = ("Div", "Tanh", "Mul")
+
+
+def _feeds_output(value: ir.Value, outputs: set[int]) -> bool:
+    """Whether `value` is a graph output, or becomes one through the final-logit cap alone."""
+    while id(value) not in outputs:
+        uses = list(value.uses())
+        if len(uses) != 1 or uses[0].node.op_type not in _OUTPUT_CAP_OPS:
+            return False
+        value = uses[0].node.outputs[0]
+    return True
 
 
 def quantized_matmuls(model: ir.Model) -> dict[int, int]:

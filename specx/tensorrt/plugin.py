@@ -100,6 +100,7 @@ def _define() -> None:
         num_heads: _Int32,
         num_kv_heads: _Int32,
         scale: _Float32,
+        softcap: _Float32,
         plugin_namespace: str,
         plugin_version: str,
     ) -> tuple[trtp.TensorDesc, trtp.TensorDesc, trtp.TensorDesc]:
@@ -134,13 +135,14 @@ def _define() -> None:
         num_heads: _Int32,
         num_kv_heads: _Int32,
         scale: _Float32,
+        softcap: _Float32,
         plugin_namespace: str,
         plugin_version: str,
         outputs: tuple[trtp.TensorDesc, trtp.TensorDesc, trtp.TensorDesc],
         tactic: int,
     ) -> tuple[str | bytes, str | bytes, trtp.KernelLaunchParams, trtp.SymIntExprs]:
         heads, kv_heads = _scalar(num_heads, np.int32), _scalar(num_kv_heads, np.int32)
-        scale_ = _scalar(scale, np.float32)
+        scale_, softcap_ = _scalar(scale, np.float32), _scalar(softcap, np.float32)
         head_dim = q.shape[3]  # the build-time dims; -1 where dynamic
         _check(q, heads, kv_heads, head_dim)
         kernel = _compile(
@@ -149,6 +151,7 @@ def _define() -> None:
             int(kv_heads),
             head_dim,
             float(scale_),
+            float(softcap_),
             device_arch(),
         )
 
@@ -192,13 +195,22 @@ def _check(q, num_heads, num_kv_heads, head_dim) -> None:
 
 
 @functools.cache
-def _compile(dtype: str, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, arch: int):
+def _compile(
+    dtype: str,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    scale: float,
+    softcap: float,
+    arch: int,
+):
     return compile_kernel(
         dtype,
         num_heads=num_heads,
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
         scale=scale,
+        softcap=softcap,
         block_n=BLOCK_N,
         arch=arch,
         ptx_version=driver_ptx_version(arch),

@@ -3,8 +3,9 @@
 Rule, per sequence b: the N new key/value rows are written in place to cache slots
 ``write_pos[b] .. write_pos[b] + N - 1``; then query i of head h attends over cache slots
 ``[0, L)`` of kv head ``h // (H // Hkv)`` (grouped-query attention) where
-``mask[b, 0, i, j]`` is True: ``out = softmax(q . k * scale) @ v``, accumulated in fp32 and
-returned in q's dtype (fp32, fp16 or bf16).
+``mask[b, 0, i, j]`` is True: ``out = softmax(cap(q . k * scale)) @ v``, accumulated in fp32
+and returned in q's dtype (fp32, fp16 or bf16); ``cap(s) = softcap * tanh(s / softcap)`` when
+``softcap > 0`` (Gemma 2), else ``s``.
 
 One launch, grid ``(cdiv(N, BLOCK_N), B * H)``: a program owns BLOCK_N queries of one (b, h)
 and streams slots ``[0, L)`` in blocks of BLOCK_L with an online softmax (flash attention).
@@ -67,7 +68,7 @@ def tree_attention_kernel(
     N, L, CAP,
     out_ptr, k_cache_out_ptr, v_cache_out_ptr,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
-    QK_SCALE: tl.constexpr,
+    QK_SCALE: tl.constexpr, SOFTCAP: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     """One (query block, b, h): attention over slots [0, L), plus the cache write if h leads."""
@@ -132,6 +133,9 @@ def tree_attention_kernel(
         )
         # "ieee" keeps fp32 inputs out of TF32 (10-bit mantissa); half inputs ignore it.
         s = tl.dot(q, tl.trans(k), input_precision="ieee") * QK_SCALE
+        if SOFTCAP > 0:  # SOFTCAP in log2 units too: cap(s) * log2(e) = SOFTCAP * tanh(s / SOFTCAP)
+            # tanh(x) = 1 - 2 / (exp(2x) + 1): exact at both ends (exp overflows to inf -> 1).
+            s = SOFTCAP * (1.0 - 2.0 / (tl.exp(2.0 * s / SOFTCAP) + 1.0))
         s = tl.where(visible != 0, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # A row that has seen nothing yet keeps m = -inf; shifting by 0 instead makes its
@@ -183,7 +187,7 @@ def query_block(n: int) -> int:
 
 
 def qk_scale(scale: float) -> float:
-    """The kernel's QK_SCALE: `scale` in log2 units, as the kernel uses exp2."""
+    """The kernel's QK_SCALE (and SOFTCAP): `scale` in log2 units, as the kernel uses exp2."""
     return float(scale) * math.log2(math.e)
 
 
@@ -194,6 +198,7 @@ def compile_kernel(
     num_kv_heads: int,
     head_dim: int,
     scale: float,
+    softcap: float = 0.0,
     block_n: int = 16,
     arch: int = 90,
     ptx_version: int | None = None,
@@ -206,6 +211,7 @@ def compile_kernel(
         num_kv_heads: Hkv.
         head_dim: D.
         scale: Multiplier of q . k before the softmax.
+        softcap: Cap of the scaled scores (softcap * tanh(s / softcap)); 0 for none.
         block_n: BLOCK_N, queries per program (the grid's x is cdiv(N, BLOCK_N)).
         arch: CUDA compute capability, e.g. 90 for sm_90.
         ptx_version: PTX ISA version to emit, e.g. 84 for a CUDA 12.4 driver; None for the
@@ -228,6 +234,7 @@ def compile_kernel(
         "GROUP": num_heads // num_kv_heads,
         "HEAD_DIM": head_dim,
         "QK_SCALE": qk_scale(scale),
+        "SOFTCAP": qk_scale(softcap),
         "BLOCK_N": block_n,
         "BLOCK_L": config.block_l,
         "BLOCK_D": head_block(head_dim),
@@ -280,6 +287,7 @@ def tree_attention(
     num_heads: int,
     num_kv_heads: int,
     scale: float,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Runs TreeAttention: writes k/v into the caches in place and attends over [0, L).
 
@@ -295,6 +303,7 @@ def tree_attention(
         num_heads: H.
         num_kv_heads: Hkv; H must be a multiple of it.
         scale: Multiplier of q . k before the softmax.
+        softcap: Cap of the scaled scores (softcap * tanh(s / softcap)); 0 for none.
 
     Returns:
         The attention output [B, H, N, D] in q's dtype.
@@ -320,7 +329,7 @@ def tree_attention(
         n, kv_len, capacity,
         out, k_cache, v_cache,  # the cache outputs alias the cache inputs
         NUM_HEADS=num_heads, GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim,
-        QK_SCALE=qk_scale(scale),
+        QK_SCALE=qk_scale(scale), SOFTCAP=qk_scale(softcap),
         BLOCK_N=bn, BLOCK_L=config.block_l, BLOCK_D=head_block(head_dim),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
