@@ -25,7 +25,13 @@ HEADS = Path.home() / ".cache" / "specx" / "pyref-heads"
 # kind -> TrainConfig fields besides COMMON (EAGLE-1: ~24 min on this 2-core machine).
 RECIPES: dict[str, dict] = {
     "eagle": {"steps": 2400, "on_policy_windows": 256},
-    "eagle3": {"steps": 1500, "ttt_steps": 4, "draft_vocab": 2048, "tap_layers": (2, 3, 4)},
+    "eagle3": {
+        "steps": 1500,
+        "ttt_steps": 4,
+        "draft_vocab": 2048,
+        "tap_layers": (2, 3, 4),
+        "on_policy_windows": 512,
+    },
 }
 COMMON = {"batch": 8, "seq_len": 256, "lr": 2e-3, "seed": 0, "save_every": 200}
 
