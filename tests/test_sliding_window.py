@@ -1,6 +1,6 @@
 """Sliding-window attention (Mistral: every layer; Gemma 2/3: local layers) past the window.
 
-A window of 16 on tiny random checkpoints, prompts of 20-40 tokens and 48 new tokens, so
+A window of 16 on tiny random checkpoints, prompts of 20-40 tokens and 64 new tokens, so
 most keys a late token could see are outside its window: specx's greedy output equals
 transformers' `generate`, the ORT lowering equals the exported graph, and greedy
 speculation with chains and trees equals plain decoding.
@@ -25,7 +25,7 @@ from specx.runtime.ort_target import OrtTarget
 from specx.runtime.plain_decoding import generate_plain
 from specx.runtime.speculative_decoding import generate_speculative
 
-WINDOW, NEW_TOKENS = 16, 48
+WINDOW, NEW_TOKENS = 16, 64
 FAMILIES = ("gemma2", "gemma3_text", "mistral")
 
 
