@@ -1,8 +1,8 @@
 """Gemma 2 and 3 beyond the family tests: draft heads on them, fp16 builds, calibration.
 
-Heads keep Llama's layer form on any target (`TargetConfig.llama_layers`): an EAGLE-1 and an
-EAGLE-3 head in the official layout export next to the Gemma target, and greedy speculation
-with chains and dynamic trees equals plain decoding.
+Heads keep Llama's layer form on any target (`TargetConfig.llama_layers`): an EAGLE-1, an
+EAGLE-3 and a Medusa head in the official layouts export next to the Gemma target, and greedy
+speculation with chains and trees equals plain decoding.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import shutil
 import pytest
 from click.testing import CliRunner
 
-from head_checkpoints import write_eagle, write_eagle3
+from head_checkpoints import write_eagle, write_eagle3, write_medusa
 from specx.artifact import load_manifest
 from specx.build import BuildOptions, build_artifact
 from specx.calibration.calibrate import CalibrationOptions, calibrate_artifact
@@ -29,7 +29,7 @@ GEMMA = ["gemma2", "gemma3_text"]
 
 
 @pytest.mark.parametrize("family", GEMMA)
-@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+@pytest.mark.parametrize("kind", ["eagle", "eagle3", "medusa"])
 def test_heads_on_a_gemma_target_keep_greedy_identity(kind, family, checkpoints, tmp_path, rng):
     path = checkpoints[family]
     config = json.loads((path / "config.json").read_text())
@@ -38,12 +38,15 @@ def test_heads_on_a_gemma_target_keep_greedy_identity(kind, family, checkpoints,
     head = tmp_path / kind
     if kind == "eagle":
         write_eagle(head, llama_like)
-    else:
+    elif kind == "eagle3":
         write_eagle3(head, llama_like, draft_vocab=64)
+    else:
+        write_medusa(head, config)
     artifact = export_target(path, tmp_path / "artifact", max_context=96, drafter=f"{kind}:{head}")
     target = OrtTarget(load_manifest(artifact), threads=2)
     prompts = [rng.integers(1, target.vocab_size, n).tolist() for n in (3, 9, 5, 12)]
-    for tree in (StaticTree.chain(3), DynamicTree(9, 3, 2)):
+    second = StaticTree.from_choices([[0], [1], [0, 0], [0, 1], [0, 0, 0]])
+    for tree in (StaticTree.chain(3), second if kind == "medusa" else DynamicTree(9, 3, 2)):
         drafter = make_drafter(kind, target, DrafterOptions(tree=tree))
         for batch in (1, 2):
             for start in range(0, len(prompts), batch):
