@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from suite import SHARED, stdlib_split  # noqa: E402
 
 HEADS = Path.home() / ".cache" / "specx" / "pyref-heads"
-# kind -> TrainConfig fields besides COMMON (EAGLE-1: ~24 min on this 2-core machine).
+# kind -> TrainConfig fields besides COMMON (on a 2-core machine: EAGLE-1 ~24 min, EAGLE-3 ~40).
 RECIPES: dict[str, dict] = {
     "eagle": {"steps": 2400, "on_policy_windows": 256},
     "eagle3": {
