@@ -24,10 +24,10 @@ import json
 import platform
 import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 
+from runners import scratch_dir
 from suite import SHARED, stdlib_split, train_drafters
 
 HUMANEVAL = SHARED / "data" / "eval" / "humaneval.jsonl"
@@ -116,7 +116,7 @@ def main() -> None:
     configure_threads(args.threads)
     started = time.perf_counter()
     drafters_dir = train_drafters(model_dir, 400, False)
-    work = Path(tempfile.mkdtemp(prefix="specx-calibration-"))
+    work = scratch_dir("specx-calibration-")
     tokenizer = TextTokenizer(model_dir / "tokenizer.json")
     calibration_prompts, held = split_prompts(tokenizer)
     report = {
@@ -255,7 +255,6 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     log(f"wrote {args.out} in {report['wall_s']:.0f}s")
-    shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":

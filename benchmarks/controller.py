@@ -29,11 +29,11 @@ import json
 import platform
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from peers import load_prompts  # noqa: E402
+from runners import scratch_dir  # noqa: E402
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"
 TEMPERATURES = (0.0, 0.7, 1.0)
@@ -143,7 +143,7 @@ def main() -> None:
     mt_bench = load_prompts("mt_bench.jsonl", 2 * (args.prompts - half))
     prompts = humaneval[:half] + mt_bench[: args.prompts - half]
     held_out = humaneval[half:] + mt_bench[args.prompts - half :]  # calibration's own
-    work = Path(tempfile.mkdtemp(prefix="specx-controller-"))
+    work = scratch_dir("specx-controller-")
     report: dict = {
         "benchmark": "controller",
         "specx_commit": subprocess.run(

@@ -30,7 +30,6 @@ import argparse
 import json
 import platform
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -38,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import pyref_deep  # noqa: E402
 import pyref_heads  # noqa: E402
+from runners import scratch_dir  # noqa: E402
 from suite import SHARED, prompts_for  # noqa: E402
 
 CONFIGS = ["chain:2", "chain:3", "chain:4", "chain:5", "dynamic:9,3,2", "dynamic:13,4,3"]
@@ -162,7 +162,7 @@ def main() -> None:
     from specx.runtime.tokenizer import TextTokenizer
 
     samplings = {"greedy": SamplingParams(), "T=0.7": SamplingParams(0.7, seed=0)}
-    work = Path(tempfile.mkdtemp(prefix="specx-deep-heads-"))
+    work = scratch_dir("specx-deep-heads-")
     deep = pyref_deep.write(source, work / "pyref-deep")
     prompts = prompts_for(TextTokenizer(source / "tokenizer.json"), 12)
     kinds = pyref_heads.ensure_heads(args.kinds.split(","), args.heads, args.retrain)

@@ -23,7 +23,6 @@ import argparse
 import json
 import platform
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -31,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import pyref_deep  # noqa: E402
 import pyref_heads  # noqa: E402
 from deep_heads import build_options  # noqa: E402
-from runners import SpecxPlain, SpecxSpeculative, interleave  # noqa: E402
+from runners import SpecxPlain, SpecxSpeculative, interleave, scratch_dir  # noqa: E402
 from suite import SHARED, prompts_for  # noqa: E402
 
 BUILDS = {"fp32": "ort-fp32", "int8": "ort-int8-draft", "int4": "ort-int4-draft"}
@@ -64,7 +63,7 @@ def main() -> None:
     from specx.runtime.drafters.tree_search import parse_tree_spec
     from specx.runtime.tokenizer import TextTokenizer
 
-    work = Path(tempfile.mkdtemp(prefix="specx-draft-precision-"))
+    work = scratch_dir("specx-draft-precision-")
     deep = pyref_deep.write(source, work / "pyref-deep")
     drafter_spec = f"{args.kind}:{head}"
     artifact = export_target(deep, work / "artifact", max_context=1024, drafter=drafter_spec)

@@ -16,11 +16,11 @@ import argparse
 import json
 import platform
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
+from runners import scratch_dir
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"
 CATEGORIES = {"copy-heavy": "sum.jsonl", "free-form": "mt_bench.jsonl", "code": "humaneval.jsonl"}
@@ -85,7 +85,7 @@ def main() -> None:
     from specx.runtime.tokenizer import TextTokenizer
 
     torch.set_num_threads(args.threads)
-    work = Path(tempfile.mkdtemp(prefix="specx-ngram-"))
+    work = scratch_dir("specx-ngram-")
     log("[1/3] exporting pyref-7m")
     artifact = export_target(model_dir, work / "artifact", max_context=1024, progress=log)
     target = OrtTarget(load_manifest(artifact), threads=args.threads)

@@ -16,11 +16,11 @@ import json
 import platform
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
+from runners import scratch_dir
 
 
 def log(message: str) -> None:
@@ -57,7 +57,7 @@ def main() -> None:
     from specx.runtime.plain_decoding import generate_plain
 
     torch.set_num_threads(args.threads)
-    work = Path(tempfile.mkdtemp(prefix="specx-bench-"))
+    work = scratch_dir("specx-bench-")
     log(f"[1/4] writing the bench-27m checkpoint to {work}")
     checkpoint = write_random_checkpoint(
         work / "checkpoint", "llama", "bench-27m", seed=0, tokenizer=False

@@ -6,12 +6,14 @@ so decode ms/token means the same on both sides. `interleave` runs all runners p
 prompt, `repeats` times each, rotating their order, and keeps each prompt's fastest
 prefill and fastest decode per runner (on a shared machine interference only adds time).
 `measured_run` runs a command in a child process and returns its wall time and peak RSS
-(GNU time's, /usr/bin/time).
+(GNU time's, /usr/bin/time). `scratch_dir` is every benchmark's working folder.
 """
 
 from __future__ import annotations
 
+import atexit
 import json
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -181,3 +183,14 @@ def measured_run(command: Sequence[str]) -> Measured:
 def directory_gb(path: Path) -> float:
     """Bytes of all files under `path`, in GB (1e9)."""
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) / 1e9
+
+
+def scratch_dir(prefix: str) -> Path:
+    """A new temporary folder, removed when the process exits (after an error too).
+
+    Benchmarks export and build hundreds of MB per run; a folder per run left in /tmp filled
+    the disk over a few runs.
+    """
+    path = Path(tempfile.mkdtemp(prefix=prefix))
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return path

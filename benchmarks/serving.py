@@ -24,13 +24,13 @@ import socket
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from peers import SHARED, load_prompts  # noqa: E402
+from runners import scratch_dir  # noqa: E402
 
 
 def log(message: str) -> None:
@@ -163,7 +163,7 @@ def main() -> None:
     prompts = load_prompts("humaneval.jsonl", args.requests // 2) + load_prompts(
         "mt_bench.jsonl", args.requests - args.requests // 2
     )
-    art = artifact(Path(tempfile.mkdtemp(prefix="specx-serving-")))
+    art = artifact(scratch_dir("specx-serving-"))
     report = {
         "benchmark": "serving",
         "specx_commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"],

@@ -23,6 +23,8 @@ import sys
 import time
 from pathlib import Path
 
+from runners import scratch_dir
+
 SHARED = Path(__file__).resolve().parents[2] / "shared"
 CACHE = Path.home() / ".cache" / "specx" / "pyref-drafters"
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -206,8 +208,6 @@ def main() -> None:
         log(f"skipped: {model_dir} is absent")
         return
 
-    import tempfile
-
     from specx.artifact import load_manifest
     from specx.export.target_export import export_target
     from specx.runtime.drafters import DrafterOptions, make_drafter
@@ -223,7 +223,7 @@ def main() -> None:
 
     started = time.perf_counter()
     drafters_dir = train_drafters(model_dir, args.train_steps, args.retrain)
-    work = Path(tempfile.mkdtemp(prefix="specx-suite-"))
+    work = scratch_dir("specx-suite-")
     log("exporting the target with each head, and the draft model")
     arts = {
         kind: export_target(

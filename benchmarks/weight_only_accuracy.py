@@ -18,8 +18,9 @@ import argparse
 import json
 import sys
 import sysconfig
-import tempfile
 from pathlib import Path
+
+from runners import scratch_dir
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"
 CONFIGS = [  # label, bits, block, method, lm_head bits, lm_head top-k rescored in 8 bits
@@ -65,7 +66,7 @@ def main() -> None:
     from specx.graphs.weight_only import WeightOnlyConfig
     from specx.runtime.tokenizer import TextTokenizer
 
-    work = Path(tempfile.mkdtemp(prefix="specx-weight-only-"))
+    work = scratch_dir("specx-weight-only-")
     artifact = export_target(args.target, work / "artifact", max_context=512)
     tokenizer = TextTokenizer(artifact / "tokenizer.json")
     stdlib = Path(sysconfig.get_paths()["stdlib"])
