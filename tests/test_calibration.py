@@ -282,6 +282,24 @@ def test_paired_timing_keeps_each_prompts_fastest_run(artifact, monkeypatch):
         measure_speedup(target, drafter, PROMPTS, 8, repeats=0)
 
 
+def test_the_cost_runs_keep_each_prompts_fastest_pass(artifact, monkeypatch):
+    """The cost model's inputs come from the fastest of `repeats` passes, as candidates do;
+    the acceptance observer sees one pass."""
+    target = open_decoder(load_manifest(artifact), threads=2)
+    drafter = make_drafter("ngram", target, DrafterOptions(num_draft_tokens=3))
+    options = CalibrationOptions(**{**FAST.__dict__, "drafter": "ngram", "repeats": 3})
+    monkeypatch.setattr(calibrate_module, "generate_plain", _timed(generate_plain, [5, 2, 9]))
+    assert calibrate_module._run(target, None, PROMPTS[:1], options)["decode_s"] == 2.0
+    speculative = _timed(generate_speculative, [4, 1, 3])
+    monkeypatch.setattr(calibrate_module, "generate_speculative", speculative)
+    observed = []
+    run = calibrate_module._run(
+        target, drafter, PROMPTS[:1], options, lambda *args: observed.append(args)
+    )
+    assert run["decode_s"] == 1.0 and run["rounds"] >= 1
+    assert 0 < len(observed) == run["rounds"]  # rounds of one pass only (all passes alike)
+
+
 def _timed(generate, seconds: list[float]):
     """`generate` whose decode time is the next entry of `seconds` (prefill 0)."""
     times = iter(seconds)

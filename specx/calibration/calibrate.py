@@ -363,24 +363,43 @@ def _drafter(spec: str, target: DecoderBackend, shape: StaticTree, options: Cali
 
 
 def _run(target, drafter, prompts, options, observer=None) -> dict[str, Any]:
-    """Decodes the prompts one at a time; returns summed times, tokens and rounds."""
+    """Decodes the prompts one at a time; returns summed times, tokens and rounds.
+
+    Each prompt is decoded `options.repeats` times and its fastest pass kept, as the
+    candidates are timed: the cost model's inputs (plain ms/token, draft and verify time per
+    round) from single passes were biased up by interference and under-predicted every chain
+    on pyref-deep by 11-18%. `observer` sees the first pass only.
+    """
     total = {"decode_s": 0.0, "tokens": 0, "draft_s": 0.0, "verify_s": 0.0, "rounds": 0}
     sampling = options.sampling()
     for prompt in prompts:
-        if drafter is None:
-            stats = generate_plain(target, [prompt], options.max_new_tokens, sampling).stats
-            total["decode_s"] += stats["decode_s"]
-        else:
-            stats = generate_speculative(
-                target, drafter, [prompt], options.max_new_tokens, sampling, observer=observer
-            ).stats
-            total["draft_s"] += stats["draft_s"]
-            total["verify_s"] += stats["verify_s"]
-            total["rounds"] += stats["rounds"]
-            total["decode_s"] += stats["total_s"] - stats["prefill_s"]
-        total["tokens"] += max(stats["new_tokens"] - 1, 1)
+        passes = [
+            _decode(target, drafter, prompt, options, sampling, observer if i == 0 else None)
+            for i in range(options.repeats)
+        ]
+        fastest = min(passes, key=lambda stats: stats["decode_s"])
+        for key in total:
+            total[key] += fastest[key]
     total["rounds"] = max(total["rounds"], 1)
     return total
+
+
+def _decode(target, drafter, prompt, options, sampling, observer) -> dict[str, Any]:
+    """One prompt's decode: its times (prefill excluded), new tokens after the first, rounds."""
+    if drafter is None:
+        stats = generate_plain(target, [prompt], options.max_new_tokens, sampling).stats
+        row = {"decode_s": stats["decode_s"], "draft_s": 0.0, "verify_s": 0.0, "rounds": 0}
+    else:
+        stats = generate_speculative(
+            target, drafter, [prompt], options.max_new_tokens, sampling, observer=observer
+        ).stats
+        row = {
+            "decode_s": stats["total_s"] - stats["prefill_s"],
+            "draft_s": stats["draft_s"],
+            "verify_s": stats["verify_s"],
+            "rounds": stats["rounds"],
+        }
+    return row | {"tokens": max(stats["new_tokens"] - 1, 1)}
 
 
 def _candidates(
