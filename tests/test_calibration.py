@@ -166,26 +166,30 @@ def test_calibrate_a_draft_model_then_generate_uses_the_choice(artifact, draft_a
     assert [b["batch"] for b in entry["batch_curve"]] == [1, 2]
     assert entry["max_batch_spec"] in (0, 1, 2)
 
-    args = [
-        "generate",
-        str(artifact),
-        "--prompt-ids",
-        "5,9,5,9,5,9",
-        "--max-new-tokens",
-        "16",
-        "--ignore-eos",
-        "--drafter",
-        f"draft-model:{draft_artifacts['llama']}",
-        "--compare",
-        "--json",
-        "--max-batch-spec",
-        "1",
-    ]
-    result = CliRunner().invoke(main, args)
+    drafter = f"draft-model:{draft_artifacts['llama']}"
+    args = ["generate", str(artifact), "--drafter", drafter, "--max-batch-spec", "1"]
+    _assert_generate_follows(entry, args)
+
+
+def _assert_generate_follows(entry: dict, args: list[str]) -> None:
+    """`specx generate ARTIFACT --drafter ... --compare` on a repeating prompt uses `entry`."""
+    args = [*args[:2], "--prompt-ids", "5,9,5,9,5,9", "--max-new-tokens", "16", *args[2:]]
+    result = CliRunner().invoke(main, [*args, "--ignore-eos", "--compare", "--json"])
     assert result.exit_code == 0, result.output
     stats = json.loads(result.stdout)["stats"]
     assert stats["compare"]["identical_tokens"]
     assert stats["calibration"]["predicted_speedup"] == entry["expected_speedup"]
+
+
+@pytest.mark.parametrize("family", ["phi3", "smollm3", "gemma2", "gemma3_text"])
+def test_calibration_on_the_newer_families_records_a_choice_generate_follows(
+    family, artifacts, tmp_path
+):
+    artifact = shutil.copytree(artifacts[family], tmp_path / "artifact")
+    options = CalibrationOptions(**{**FAST.__dict__, "drafter": "ngram"})
+    entry = calibrate_artifact(artifact, PROMPTS, options)
+    assert entry["choice"]["tree"] == "chain" and entry["costs"]["verify_curve"]["ms"][0] > 0
+    _assert_generate_follows(entry, ["generate", str(artifact), "--drafter", "ngram"])
 
 
 def test_calibrate_ngram_picks_a_chain_length(artifact):

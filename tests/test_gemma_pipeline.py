@@ -1,4 +1,4 @@
-"""Gemma 2 and 3 beyond the family tests: draft heads on them, fp16 builds, calibration.
+"""Gemma 2 and 3 beyond the family tests: draft heads on them, and their fp16 builds.
 
 Heads keep Llama's layer form on any target (`TargetConfig.llama_layers`): an EAGLE-1, an
 EAGLE-3 and a Medusa head in the official layouts export next to the Gemma target, and greedy
@@ -11,13 +11,10 @@ import json
 import shutil
 
 import pytest
-from click.testing import CliRunner
 
 from head_checkpoints import write_eagle, write_eagle3, write_medusa
 from specx.artifact import load_manifest
 from specx.build import BuildOptions, build_artifact
-from specx.calibration.calibrate import CalibrationOptions, calibrate_artifact
-from specx.cli import main
 from specx.export.target_export import export_target
 from specx.runtime.drafters import DrafterOptions, make_drafter
 from specx.runtime.drafters.tree_search import DynamicTree, StaticTree
@@ -64,36 +61,3 @@ def test_the_fp16_build_of_a_gemma_target_stays_close_to_fp32(family, artifacts,
     prompts = [rng.integers(1, full.vocab_size, 16).tolist() for _ in range(6)]
     first = [generate_plain(t, prompts, 1).tokens for t in (half, full)]
     assert sum(a == b for a, b in zip(*first, strict=True)) >= 5  # near-ties may flip one
-
-
-@pytest.mark.parametrize("family", GEMMA)
-def test_calibration_on_a_gemma_target_records_a_choice_generate_follows(
-    family, artifacts, tmp_path
-):
-    artifact = shutil.copytree(artifacts[family], tmp_path / "artifact")
-    prompts = [[5, 9, 5, 9, 5, 9, 13, 5, 9], [7, 3, 11, 7, 3, 11, 7, 3]]
-    options = CalibrationOptions(
-        drafter="ngram", max_new_tokens=12, batches=(1, 2), repeats=1, probe_depth=3
-    )
-    entry = calibrate_artifact(artifact, prompts, options)
-    assert entry["choice"]["tree"] == "chain" and entry["costs"]["verify_curve"]["ms"][0] > 0
-    result = CliRunner().invoke(
-        main,
-        [
-            "generate",
-            str(artifact),
-            "--prompt-ids",
-            "5,9,5,9,5,9",
-            "--max-new-tokens",
-            "16",
-            "--ignore-eos",
-            "--drafter",
-            "ngram",
-            "--compare",
-            "--json",
-        ],
-    )
-    assert result.exit_code == 0, result.output
-    stats = json.loads(result.stdout)["stats"]
-    assert stats["compare"]["identical_tokens"]
-    assert stats["calibration"]["predicted_speedup"] == entry["expected_speedup"]
