@@ -20,7 +20,7 @@ from specx.export.tree_attention_op import ONNX_TRANSLATIONS
 from specx.graphs.model_io import TensorSink, save_streamed
 from specx.graphs.packed_matmuls import PackSiblingMatMulsPass
 from specx.graphs.signature import graph_signature
-from specx.graphs.tree_attention import attach_function, attach_function_ir
+from specx.graphs.tree_attention import attach_function_ir
 
 __all__ = [
     "EXPORT_OPSET",
@@ -99,7 +99,7 @@ def export_module(
         ExportError: the tracer failed (its message is kept).
     """
     model = _trace(module, example_inputs, dynamic_shapes, input_names, output_names, what, True)
-    model = ir.from_proto(attach_function(ir.to_proto(model)))
+    model = attach_function_ir(model)
     return ir.to_proto(PackSiblingMatMulsPass()(model).model)
 
 

@@ -245,32 +245,18 @@ def _extra_query_row() -> list[onnx.NodeProto]:
 
 
 def attach_function(model: onnx.ModelProto) -> onnx.ModelProto:
-    """Adds the TreeAttention function to `model` in place and aligns its opsets.
-
-    The default domain is raised to the function's opset because ONNX Runtime
-    requires a model-local function and its model to agree on each domain's version;
-    the ops the exporter emits at opset 23 have the same semantics at 24.
-    """
-    softcaps = [
-        next((a.f for a in n.attribute if a.name == SOFTCAP), 0.0)
-        for n in model.graph.node
-        if (n.domain, n.op_type) == (DOMAIN, OP_TYPE)
-    ]
-    functions = [f for f in model.functions if not (f.domain == DOMAIN and f.name == OP_TYPE)]
-    del model.functions[:]
-    model.functions.extend([*functions, function_proto(softcap=uses_softcap(softcaps))])
-    versions = {o.domain: o for o in model.opset_import}
-    if "" in versions:
-        versions[""].version = max(versions[""].version, FUNCTION_OPSET)
-    else:
-        model.opset_import.append(helper.make_opsetid("", FUNCTION_OPSET))
-    if DOMAIN not in versions:
-        model.opset_import.append(helper.make_opsetid(DOMAIN, 1))
-    return model
+    """`attach_function_ir` for a ModelProto; returns a new proto."""
+    return ir.to_proto(attach_function_ir(ir.from_proto(model)))
 
 
 def attach_function_ir(model: ir.Model) -> ir.Model:
-    """`attach_function` for an onnx-ir model (one whose weights are not in memory)."""
+    """Adds the TreeAttention function to `model` in place and aligns its opsets.
+
+    The body is the capped one when the nodes carry `softcap` (`graph_uses_softcap`). The
+    default domain is raised to the function's opset because ONNX Runtime requires a
+    model-local function and its model to agree on each domain's version; the ops the
+    exporter emits at opset 23 have the same semantics at 24.
+    """
     function = ir.serde.deserialize_function(
         function_proto(softcap=graph_uses_softcap(model.graph))
     )
