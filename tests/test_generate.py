@@ -13,6 +13,7 @@ from conftest import FAMILIES, MAX_CONTEXT
 from specx.artifact import load_manifest
 from specx.cli import main
 from specx.errors import GenerationError
+from specx.runtime.decoder_backend import DecoderBackend
 from specx.runtime.ort_target import OrtTarget
 from specx.runtime.plain_decoding import generate_plain
 from specx.runtime.sampling import SamplingParams
@@ -84,6 +85,35 @@ def test_forward_rejects_cache_overflow(artifacts):
             np.ones((1, 1, 4, 10), bool),
             np.array([6]),
         )
+
+
+def test_decode_step_equals_forward_and_follows_its_cache(artifacts, rng):
+    """The bound-buffer step == the generic one (via forward), rows at different lengths."""
+    target = OrtTarget(load_manifest(artifacts["llama"]), threads=2)
+    prompts = [rng.integers(1, 100, 5).tolist(), rng.integers(1, 100, 9).tolist()]
+    caches = []
+    for _ in range(3):
+        cache = target.allocate_cache(2, 24)
+        target.feed(cache, prompts, np.zeros(2, np.int64))
+        cache.lengths[:] = [5, 9]
+        caches.append(cache)
+    fast, other, generic = caches
+    tokens = np.array([3, 4])
+    for step in range(6):
+        ours = target.decode_step(fast, tokens)
+        logits, taps = ours.logits.copy(), ours.taps.copy()
+        target.decode_step(other, tokens[::-1])  # another cache in between: rebinding
+        reference = DecoderBackend.decode_step(target, generic, tokens)
+        np.testing.assert_allclose(logits, reference.logits, atol=1e-6)
+        np.testing.assert_allclose(taps, reference.taps, atol=1e-6)
+        for mine, theirs in zip(fast.keys + fast.values, generic.keys + generic.values):
+            np.testing.assert_array_equal(mine, theirs)
+        tokens = logits[:, 0].argmax(-1)
+        for cache in caches:
+            cache.lengths += 1
+    fast.lengths[:] = [3, 24]
+    with pytest.raises(GenerationError, match="overflows the KV cache"):
+        target.decode_step(fast, tokens)
 
 
 def cli(*args):

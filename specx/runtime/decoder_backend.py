@@ -2,7 +2,8 @@
 
 A decoder graph takes new tokens at cache slots and returns logits (and hidden states),
 writing its keys and values into a fixed-capacity cache in place. The ONNX Runtime and
-TensorRT backends implement `allocate_cache` and `forward`; the rest is here.
+TensorRT backends implement `allocate_cache` and `forward` (ONNX Runtime also a faster
+`decode_step`); the rest is here.
 """
 
 from __future__ import annotations
@@ -72,6 +73,19 @@ class DecoderBackend:
     ) -> StepOutput:
         """One forward over N new tokens per sequence, written at `write_pos` in `cache`."""
         raise NotImplementedError
+
+    def decode_step(
+        self, cache: KVCache, tokens: np.ndarray, write_pos: np.ndarray | None = None
+    ) -> StepOutput:
+        """One token per sequence (`tokens` [B]) at slot and position `write_pos[b]`.
+
+        The plain decoding step: a causal chain of one, by default at `cache.lengths`.
+        Outputs are [B, 1, ...]; a backend may reuse their arrays on its next `decode_step`.
+        Does not change `cache.lengths`.
+        """
+        write_pos = cache.lengths.copy() if write_pos is None else write_pos
+        mask = causal_mask(write_pos, 1, int(write_pos.max()) + 1)
+        return self.forward(cache, tokens[:, None], write_pos[:, None], mask, write_pos)
 
     def checked_capacity(self, capacity: int | None) -> int:
         """`capacity` (default: the artifact's), refused when the artifact holds fewer slots."""

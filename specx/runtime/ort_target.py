@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import numpy as np
 import onnxruntime as ort
@@ -92,6 +93,7 @@ class OrtTarget(DecoderBackend):
         self.session = open_session(manifest, graph, threads)
         self._binding = self.session.io_binding()
         self._bound_cache: KVCache | None = None
+        self._step: _DecodeStep | None = None
         # A row-invariant GroupQueryAttention graph reads one padding slot past its writes.
         self._spare_slots = int(manifest.runtime_graph(graph).get("kv_spare_slots", 0))
 
@@ -109,11 +111,7 @@ class OrtTarget(DecoderBackend):
         )
 
     def _bind_cache(self, cache: KVCache) -> None:
-        for i, (keys, values) in enumerate(zip(cache.keys, cache.values, strict=True)):
-            for kind, array in (("key", keys), ("value", values)):
-                value = ort.OrtValue.ortvalue_from_numpy(array)
-                self._binding.bind_ortvalue_input(f"past_{kind}_{i}", value)
-                self._binding.bind_ortvalue_output(f"present_{kind}_{i}", value)
+        _bind_cache(self._binding, cache)
         self._bound_cache = cache
 
     def forward(
@@ -156,5 +154,88 @@ class OrtTarget(DecoderBackend):
     def _bind_new_output(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
         # A fresh array per run: callers keep earlier outputs while the next forward runs.
         array = np.empty(shape, dtype=np.float32)
-        self._binding.bind_output(name, "cpu", 0, np.float32, list(shape), array.ctypes.data)
+        _bind_array(self._binding, name, array, output=True)
         return array
+
+    def decode_step(
+        self, cache: KVCache, tokens: np.ndarray, write_pos: np.ndarray | None = None
+    ) -> StepOutput:
+        """`DecoderBackend.decode_step` on buffers bound once per cache (its own IOBinding).
+
+        Plain decoding is one small run per token, so what surrounds the run counts: binding
+        fresh inputs and outputs, building the mask and checking shapes per step cost tens
+        of microseconds (measured on pyref-7m, `benchmarks/peers.py`). Here a step writes
+        the tokens, positions and mask into bound arrays and rebinds only the mask, whose
+        width grows; the returned logits (and taps) are overwritten by the next step.
+        """
+        step = self._step
+        if step is None or step.cache is not cache:
+            step = self._step = _DecodeStep.bind(self, cache)
+        np.copyto(step.write_pos, cache.lengths if write_pos is None else write_pos)
+        step.input_ids[:, 0] = tokens
+        step.position_ids[:, 0] = step.write_pos
+        width = int(step.write_pos.max()) + 1
+        if width > cache.capacity:
+            raise GenerationError(
+                f"writing at slot {width - 1} overflows the KV cache ({cache.capacity} slots)"
+            )
+        mask = step.mask[: cache.batch * width].reshape(cache.batch, 1, 1, width)
+        np.less_equal(step.slots[:width], step.write_pos[:, None, None, None], out=mask)
+        step.binding.bind_cpu_input("attention_mask", mask)
+        self.session.run_with_iobinding(step.binding)
+        return StepOutput(logits=step.logits, taps=step.taps)
+
+
+def _bind_cache(binding: ort.IOBinding, cache: KVCache) -> None:
+    """Binds each layer's buffers as both past and present, so the graph writes in place."""
+    for i, (keys, values) in enumerate(zip(cache.keys, cache.values, strict=True)):
+        for kind, array in (("key", keys), ("value", values)):
+            value = ort.OrtValue.ortvalue_from_numpy(array)
+            binding.bind_ortvalue_input(f"past_{kind}_{i}", value)
+            binding.bind_ortvalue_output(f"present_{kind}_{i}", value)
+
+
+def _bind_array(binding: ort.IOBinding, name: str, array: np.ndarray, output: bool = False):
+    """Binds `array`'s memory (it must outlive the binding, or be rebound first)."""
+    bind = binding.bind_output if output else binding.bind_input
+    bind(name, "cpu", 0, array.dtype, list(array.shape), array.ctypes.data)
+
+
+@dataclass
+class _DecodeStep:
+    """`OrtTarget.decode_step`'s binding and the arrays bound to it, for one cache."""
+
+    cache: KVCache
+    binding: ort.IOBinding
+    input_ids: np.ndarray  # [B, 1] int64
+    position_ids: np.ndarray  # [B, 1] int64
+    write_pos: np.ndarray  # [B] int64
+    slots: np.ndarray  # [capacity] int64: 0, 1, ...
+    mask: np.ndarray  # [B * capacity] bool: the step's [B, 1, 1, L] mask is its prefix
+    logits: np.ndarray  # [B, 1, V] float32
+    taps: np.ndarray | None  # [B, 1, W] float32
+
+    @classmethod
+    def bind(cls, target: OrtTarget, cache: KVCache) -> _DecodeStep:
+        """Arrays for `cache`'s batch, bound to a new IOBinding with the cache."""
+        if target._feature_input is not None:
+            raise GenerationError("decode_step feeds tokens only; a draft head needs `forward`")
+        batch = cache.batch
+        step = cls(
+            cache=cache,
+            binding=target.session.io_binding(),
+            input_ids=np.zeros((batch, 1), np.int64),
+            position_ids=np.zeros((batch, 1), np.int64),
+            write_pos=np.zeros(batch, np.int64),
+            slots=np.arange(cache.capacity, dtype=np.int64),
+            mask=np.zeros(batch * cache.capacity, bool),
+            logits=np.empty((batch, 1, target.vocab_size), np.float32),
+            taps=np.empty((batch, 1, target.tap_width), np.float32) if target.has_taps else None,
+        )
+        _bind_cache(step.binding, cache)
+        for name in ("input_ids", "position_ids", "write_pos"):
+            _bind_array(step.binding, name, getattr(step, name))
+        _bind_array(step.binding, "logits", step.logits, output=True)
+        if step.taps is not None:
+            _bind_array(step.binding, target._hidden_output, step.taps, output=True)
+        return step

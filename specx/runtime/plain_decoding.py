@@ -11,7 +11,6 @@ import numpy as np
 
 from specx.errors import GenerationError
 from specx.runtime.decoder_backend import DecoderBackend
-from specx.runtime.masks import causal_mask
 from specx.runtime.sampling import SamplingParams, sample, sampling_probs
 
 __all__ = [
@@ -135,10 +134,7 @@ def generate_plain(
             progress(emitted, len(prompts) if last else int(done.sum()))
         if last:
             break
-        write_pos = cache.lengths.copy()
-        mask = causal_mask(write_pos, 1, int(write_pos.max()) + 1)
-        step_out = target.forward(cache, tokens[:, None], write_pos[:, None], mask, write_pos)
-        logits = step_out.logits[:, 0]
+        logits = target.decode_step(cache, tokens).logits[:, 0]
         cache.lengths += 1
     total_s = time.perf_counter() - started
     tokens_out = [

@@ -283,8 +283,7 @@ def _plain_round(
     rows = np.flatnonzero(active)
     lengths = np.where(active, cache.lengths, 0)
     roots = np.array([h[-1] for h in histories], dtype=np.int64)
-    mask = causal_mask(lengths, 1, int(lengths.max()) + 1)
-    output = target.forward(cache, roots[:, None], lengths[:, None], mask, lengths)
+    output = target.decode_step(cache, roots, lengths)
     logits = output.logits[:, 0]
     tokens = logits.argmax(-1) if sampling.greedy else sample(sampling_probs(logits, sampling), rng)
     cache.lengths[rows] = lengths[rows] + 1
