@@ -99,14 +99,15 @@ def test_decode_step_equals_forward_and_follows_its_cache(artifacts, rng):
         caches.append(cache)
     fast, other, generic = caches
     tokens = np.array([3, 4])
-    for step in range(6):
+    for _ in range(6):
         ours = target.decode_step(fast, tokens)
         logits, taps = ours.logits.copy(), ours.taps.copy()
         target.decode_step(other, tokens[::-1])  # another cache in between: rebinding
         reference = DecoderBackend.decode_step(target, generic, tokens)
         np.testing.assert_allclose(logits, reference.logits, atol=1e-6)
         np.testing.assert_allclose(taps, reference.taps, atol=1e-6)
-        for mine, theirs in zip(fast.keys + fast.values, generic.keys + generic.values):
+        buffers = zip(fast.keys + fast.values, generic.keys + generic.values, strict=True)
+        for mine, theirs in buffers:
             np.testing.assert_array_equal(mine, theirs)
         tokens = logits[:, 0].argmax(-1)
         for cache in caches:
