@@ -224,12 +224,7 @@ class ContinuousBatch:
     def _view(self, high: int) -> KVCache:
         # One view object per width, so the target's binding is reused across rounds.
         if high not in self._views:
-            self._views[high] = KVCache(
-                keys=[k[:high] for k in self.cache.keys],
-                values=[v[:high] for v in self.cache.values],
-                lengths=self.cache.lengths[:high],
-                spare_slots=self.cache.spare_slots,
-            )
+            self._views[high] = self.cache.rows(0, high)
         return self._views[high]
 
 

@@ -22,6 +22,10 @@ class KVCache:
     values: list[np.ndarray]
     lengths: np.ndarray  # [B] int64
     spare_slots: int = 0  # slots past `capacity` a graph may need as scratch, never written
+    # [2 * layers, B, Hkv, CAP, D]: every key buffer then every value buffer, where one
+    # array holds them all (`allocate`), so `keep_path` moves a path in one copy, not one
+    # per buffer (64 on a 32-layer target).
+    stacked: np.ndarray | None = None
 
     @classmethod
     def allocate(
@@ -35,13 +39,14 @@ class KVCache:
         spare_slots: int = 0,
     ) -> KVCache:
         """Zeroed buffers for `batch` sequences of up to `capacity` tokens."""
-        shape = (batch, num_kv_heads, capacity + spare_slots, head_dim)
-        return cls(
-            keys=[np.zeros(shape, dtype) for _ in range(num_layers)],
-            values=[np.zeros(shape, dtype) for _ in range(num_layers)],
-            lengths=np.zeros(batch, dtype=np.int64),
-            spare_slots=spare_slots,
-        )
+        stacked = np.zeros((2 * num_layers, batch, num_kv_heads, capacity + spare_slots, head_dim),
+                           dtype)  # fmt: skip
+        return cls._of(stacked, np.zeros(batch, dtype=np.int64), spare_slots)
+
+    @classmethod
+    def _of(cls, stacked: np.ndarray, lengths: np.ndarray, spare_slots: int) -> KVCache:
+        layers = len(stacked) // 2
+        return cls(list(stacked[:layers]), list(stacked[layers:]), lengths, spare_slots, stacked)
 
     @property
     def batch(self) -> int:
@@ -55,10 +60,17 @@ class KVCache:
 
     def row(self, b: int) -> KVCache:
         """Sequence b alone, as views of the same buffers: writes land in this cache."""
+        return self.rows(b, b + 1)
+
+    def rows(self, start: int, stop: int) -> KVCache:
+        """Sequences start .. stop - 1, as views of the same buffers."""
+        if self.stacked is not None:
+            stacked = self.stacked[:, start:stop]
+            return KVCache._of(stacked, self.lengths[start:stop], self.spare_slots)
         return KVCache(
-            keys=[k[b : b + 1] for k in self.keys],
-            values=[v[b : b + 1] for v in self.values],
-            lengths=self.lengths[b : b + 1],
+            keys=[k[start:stop] for k in self.keys],
+            values=[v[start:stop] for v in self.values],
+            lengths=self.lengths[start:stop],
             spare_slots=self.spare_slots,
         )
 
@@ -75,5 +87,8 @@ class KVCache:
         if moved.size == 0:
             return
         src, dst = start + nodes[moved], start + moved
+        if self.stacked is not None:
+            self.stacked[:, row, :, dst] = self.stacked[:, row, :, src]
+            return
         for buffer in (*self.keys, *self.values):
             buffer[row, :, dst] = buffer[row, :, src]
