@@ -1,14 +1,15 @@
 """Speculation that never loses: the per-round controller vs fixed drafts vs plain decoding.
 
 For each target (pyref-7m; pyref-deep when `benchmarks/pyref_deep.py` wrote it), drafter
-(ngram, suffix, and every trained head found under --heads: trained against pyref-7m, whose
-last hidden state pyref-deep shares), temperature (0, 0.7, 1.0) and batch (1, 4): plain
-decoding, the drafter at its default configuration with every draft kept (`--fixed-draft`:
-chains of 4, suffix's 16 nodes), and the default `specx generate` (what `specx.load(...)
-.generate_batch(..., speculation=DRAFTER)` does: the calibration entry nearest the
-temperature when there is one, the controller seeded from it), on the ORT-lowered build;
-groups of prompts run interleaved, fastest of --repeats per group; decode time only. All
-three go through one `Engine`.
+(ngram, suffix, every trained head found under --heads (EAGLE-1/3) and --drafters (Medusa,
+MTP, and the draft model; `benchmarks/suite.py` trains them): all trained against pyref-7m,
+whose last hidden state and tokens pyref-deep shares), temperature (0, 0.7, 1.0) and batch
+(1, 4): plain decoding, the drafter at its default configuration with every draft kept
+(`--fixed-draft`: chains of 4, suffix's 16 nodes, Medusa's default tree), and the default
+`specx generate` (what `specx.load(...).generate_batch(..., speculation=DRAFTER)` does: the
+calibration entry nearest the temperature when there is one, and the per-round controller),
+on the ORT-lowered build; groups of prompts run interleaved, fastest of --repeats per group;
+decode time only. All three go through one `Engine`.
 
 With --calibrate, every drafter is first calibrated at each temperature (`specx calibrate
 --temperature T`, batches 1, 2, 4; suffix drafting, which sizes its own trees, gets its
@@ -44,8 +45,12 @@ def log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def artifacts(work: Path, heads: Path) -> dict[str, dict[str, Path]]:
-    """target -> drafter kind ("none" for model-free) -> artifact with an ort-fp32 build."""
+def artifacts(work: Path, heads: Path, drafters: Path) -> dict[str, dict[str, Path]]:
+    """target -> drafter kind ("none" for model-free) -> artifact with an ort-fp32 build.
+
+    Heads: EAGLE-1/3 from `heads` (benchmarks/pyref_heads.py), Medusa and MTP from
+    `drafters` (benchmarks/suite.py's trained drafters), each where it exists.
+    """
     from specx.build import BuildOptions, build_artifact
     from specx.export.target_export import export_target
 
@@ -53,22 +58,36 @@ def artifacts(work: Path, heads: Path) -> dict[str, dict[str, Path]]:
     deep = Path.home() / ".cache" / "specx" / "pyref-deep"
     if (deep / "config.json").is_file():
         targets["pyref-deep"] = deep
-    kinds = [k for k in ("eagle", "eagle3") if (heads / k / "config.json").is_file()]
+    sources = {k: heads / k for k in ("eagle", "eagle3")} | {
+        k: drafters / k for k in ("medusa", "mtp")
+    }
+    sources = {k: d for k, d in sources.items() if (d / "config.json").is_file()}
     built: dict[str, dict[str, Path]] = {}
     for name, checkpoint in targets.items():
         built[name] = {}
-        for kind in ["none", *kinds]:
+        for kind in ["none", *sources]:
             log(f"exporting {name} ({kind})")
-            drafter = None if kind == "none" else f"{kind}:{heads / kind}"
+            drafter = None if kind == "none" else f"{kind}:{sources[kind]}"
             out = export_target(checkpoint, work / name / kind, max_context=1024, drafter=drafter)
             build_artifact(out, BuildOptions("ort", "fp32"))
             built[name][kind] = out
     return built
 
 
+def draft_model(work: Path, drafters: Path) -> str | None:
+    """`draft-model:ARTIFACT` for suite.py's trained draft model, or None when absent."""
+    from specx.export.target_export import export_target
+
+    checkpoint = drafters / "draft-model"
+    if not (checkpoint / "config.json").is_file():
+        return None
+    return f"draft-model:{export_target(checkpoint, work / 'draft-model', max_context=1024)}"
+
+
 def measure_cell(engine, drafter, prompts, batch, temperature, args) -> dict:
     from specx.runtime.engine import Speculation
 
+    # Medusa keeps its default static tree; every other head and the draft model chain 4.
     fixed = Speculation(drafter, num_draft_tokens=16 if drafter == "suffix" else 4,
                         adaptive=False)  # fmt: skip
     options = {"max_new_tokens": args.new_tokens, "temperature": temperature, "seed": 0,
@@ -126,6 +145,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--heads", type=Path, default=Path.home() / ".cache/specx/pyref-heads")
+    parser.add_argument(
+        "--drafters", type=Path, default=Path.home() / ".cache/specx/pyref-drafters",
+        help="suite.py's trained drafters: medusa, mtp and draft-model where present",
+    )  # fmt: skip
     parser.add_argument("--calibrate", action="store_true", help="calibrate every drafter first")
     parser.add_argument("--only", default=None, help="comma-separated drafters to measure")
     parser.add_argument(
@@ -155,10 +178,13 @@ def main() -> None:
         "calibrated": args.calibrate,
         "results": {},
     }
-    for target_name, by_kind in artifacts(work, args.heads).items():
+    draft = draft_model(work, args.drafters)
+    for target_name, by_kind in artifacts(work, args.heads, args.drafters).items():
         for kind, artifact in by_kind.items():
-            kinds = ["ngram", "suffix"] if kind == "none" else [kind]
-            kinds = [d for d in kinds if args.only is None or d in args.only.split(",")]
+            kinds = [kind]
+            if kind == "none":
+                kinds = ["ngram", "suffix", *([draft] if draft else [])]
+            kinds = [d for d in kinds if args.only is None or _name(d) in args.only.split(",")]
             if not kinds:
                 continue
             for drafter in kinds:
@@ -169,7 +195,7 @@ def main() -> None:
             for drafter in kinds:
                 for temperature in TEMPERATURES:
                     for batch in BATCHES:
-                        key = f"{target_name} {drafter} T={temperature} batch {batch}"
+                        key = f"{target_name} {_name(drafter)} T={temperature} batch {batch}"
                         log(key)
                         row = measure_cell(engine, drafter, prompts, batch, temperature, args)
                         report["results"][key] = row
@@ -189,6 +215,11 @@ def main() -> None:
     for key, row in report["results"].items():
         fixed, default = row["fixed_speedup"], row["default_speedup"]
         print(f"| {key} | {fixed:.2f}x | {default:.2f}x | {default / fixed:.0%} |")
+
+
+def _name(drafter: str) -> str:
+    """A drafter's name in the report: `draft-model`, not its artifact's path."""
+    return drafter.partition(":")[0]
 
 
 if __name__ == "__main__":

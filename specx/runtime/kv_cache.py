@@ -39,12 +39,12 @@ class KVCache:
         spare_slots: int = 0,
     ) -> KVCache:
         """Zeroed buffers for `batch` sequences of up to `capacity` tokens."""
-        stacked = np.zeros((2 * num_layers, batch, num_kv_heads, capacity + spare_slots, head_dim),
-                           dtype)  # fmt: skip
-        return cls._of(stacked, np.zeros(batch, dtype=np.int64), spare_slots)
+        shape = (2 * num_layers, batch, num_kv_heads, capacity + spare_slots, head_dim)
+        return cls._of(np.zeros(shape, dtype), np.zeros(batch, dtype=np.int64), spare_slots)
 
     @classmethod
     def _of(cls, stacked: np.ndarray, lengths: np.ndarray, spare_slots: int) -> KVCache:
+        """The cache whose layers are views of `stacked` [2 * layers, B, Hkv, CAP, D]."""
         layers = len(stacked) // 2
         return cls(list(stacked[:layers]), list(stacked[layers:]), lengths, spare_slots, stacked)
 
