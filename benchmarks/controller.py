@@ -45,13 +45,17 @@ def log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def artifacts(work: Path, heads: Path, drafters: Path) -> dict[str, dict[str, Path]]:
+def artifacts(
+    work: Path, heads: Path, drafters: Path, only: list[str] | None = None
+) -> dict[str, dict[str, Path]]:
     """target -> drafter kind ("none" for model-free) -> artifact with an ort-fp32 build.
 
     Heads: EAGLE-1/3 from `heads` (benchmarks/pyref_heads.py), Medusa and MTP from
-    `drafters` (benchmarks/suite.py's trained drafters), each where it exists.
+    `drafters` (benchmarks/suite.py's trained drafters), each where it exists and loads
+    (`only`: these kinds alone).
     """
     from specx.build import BuildOptions, build_artifact
+    from specx.errors import CheckpointError
     from specx.export.target_export import export_target
 
     targets = {"pyref-7m": SHARED / "models" / "pyref-7m"}
@@ -66,9 +70,16 @@ def artifacts(work: Path, heads: Path, drafters: Path) -> dict[str, dict[str, Pa
     for name, checkpoint in targets.items():
         built[name] = {}
         for kind in ["none", *sources]:
+            if only is not None and kind != "none" and kind not in only:
+                continue
             log(f"exporting {name} ({kind})")
             drafter = None if kind == "none" else f"{kind}:{sources[kind]}"
-            out = export_target(checkpoint, work / name / kind, max_context=1024, drafter=drafter)
+            try:
+                out = export_target(checkpoint, work / name / kind, max_context=1024,
+                                    drafter=drafter)  # fmt: skip
+            except CheckpointError as e:  # an MTP head names its layer by the target's depth
+                log(f"  skipped: {e}")
+                continue
             build_artifact(out, BuildOptions("ort", "fp32"))
             built[name][kind] = out
     return built
@@ -178,13 +189,14 @@ def main() -> None:
         "calibrated": args.calibrate,
         "results": {},
     }
+    only = None if args.only is None else args.only.split(",")
     draft = draft_model(work, args.drafters)
-    for target_name, by_kind in artifacts(work, args.heads, args.drafters).items():
+    for target_name, by_kind in artifacts(work, args.heads, args.drafters, only).items():
         for kind, artifact in by_kind.items():
             kinds = [kind]
             if kind == "none":
                 kinds = ["ngram", "suffix", *([draft] if draft else [])]
-            kinds = [d for d in kinds if args.only is None or _name(d) in args.only.split(",")]
+            kinds = [d for d in kinds if only is None or _name(d) in only]
             if not kinds:
                 continue
             for drafter in kinds:
