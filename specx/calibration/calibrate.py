@@ -385,20 +385,17 @@ def _run(target, drafter, prompts, options, observer=None) -> dict[str, Any]:
 
 
 def _decode(target, drafter, prompt, options, sampling, observer) -> dict[str, Any]:
-    """One prompt's decode: its times (prefill excluded), new tokens after the first, rounds."""
+    """One prompt's decode: its times (prefill excluded), new tokens after the first, rounds.
+
+    Plain decoding has no draft, verify or rounds: they count 0.
+    """
     if drafter is None:
         stats = generate_plain(target, [prompt], options.max_new_tokens, sampling).stats
-        row = {"decode_s": stats["decode_s"], "draft_s": 0.0, "verify_s": 0.0, "rounds": 0}
     else:
         stats = generate_speculative(
             target, drafter, [prompt], options.max_new_tokens, sampling, observer=observer
         ).stats
-        row = {
-            "decode_s": stats["total_s"] - stats["prefill_s"],
-            "draft_s": stats["draft_s"],
-            "verify_s": stats["verify_s"],
-            "rounds": stats["rounds"],
-        }
+    row = {key: stats.get(key, 0) for key in ("decode_s", "draft_s", "verify_s", "rounds")}
     return row | {"tokens": max(stats["new_tokens"] - 1, 1)}
 
 

@@ -73,7 +73,7 @@ def verify_inputs(
     """
     batch = len(drafts)
     n = 1 + max(len(d) for d in drafts)
-    if n == 1:  # no drafts at all (the controller's plain rounds): a decode step
+    if n == 1:  # every draft empty (e.g. no n-gram match anywhere): a decode step
         mask = causal_mask(lengths, 1, int(lengths.max()) + 1)
         return roots[:, None].astype(np.int64), lengths[:, None].copy(), mask
     kv_len = int(lengths.max()) + n
