@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -170,6 +171,8 @@ def generate_speculative(
     active = np.array([not (e[-1] in eos or max_new_tokens <= 1) for e in emitted])
     if sink is not None:
         active &= [sink(b, list(e)) for b, e in enumerate(emitted)]
+    loop = _Loop(target, drafter, cache, histories, emitted, active, sampling, rng, coin, eos,
+                 max_new_tokens, stats, sink, verifier, observer, controller)  # fmt: skip
     draft_s = verify_s = 0.0
     forwards = 0
     if controller is not None:
@@ -178,46 +181,25 @@ def generate_speculative(
         tick = time.perf_counter()
         sizes = None if controller is None else controller.sizes(active)
         drafting = active if sizes is None else active & (sizes > 0)
-        if not drafting.any():  # the controller drafts for no row: a plain decoding step
-            tock = time.perf_counter()
-            width = 1
-            _plain_round(target, drafter, cache, histories, emitted, active, sampling, rng,
-                         eos, max_new_tokens, stats, sink)  # fmt: skip
-        else:
-            if sizes is None:
-                proposed = drafter.propose(histories, drafting, sampling, rng)
+        proposed = drafts = None
+        if drafting.any():
+            if sizes is None:  # a drafter without a controller may not take a budget
+                proposed = drafts = drafter.propose(histories, drafting, sampling, rng)
             else:
                 budget = int(sizes.max())
                 proposed = drafter.propose(histories, drafting, sampling, rng, budget=budget)
-            drafts = proposed if sizes is None else list(map(truncated, proposed, sizes))
-            tock = time.perf_counter()
-            roots = np.array([h[-1] for h in histories], dtype=np.int64)
-            # Finished sequences still ride along in the batch; their rows go to slot 0 on.
-            lengths = np.where(active, cache.lengths, 0)
-            input_ids, positions, mask = verify_inputs(roots, drafts, lengths, target.vocab_size)
-            width = input_ids.shape[1]
-            output = target.forward(cache, input_ids, positions, mask, lengths)
-            for b in np.flatnonzero(active):
-                draft = drafts[b]
-                logits = output.logits[b, : 1 + len(draft)]
-                # Only the verify tokens of this row, never the padding, go through the transform.
-                probs = logits if sampling.greedy else sampling_probs(logits, sampling)
-                verdict = verifier(probs, draft, coin, sampling.greedy)
-                if observer is not None:
-                    observer(int(b), draft, verdict)
-                path = np.array([0] + [i + 1 for i in verdict.accepted])
-                cache.keep_path(b, int(lengths[b]), path)
-                cache.lengths[b] = lengths[b] + len(path)
-                path_taps = None if output.taps is None else output.taps[b, path]
-                # The drafter's own tree: a kept prefix has the same node indices.
-                drafter.accept(b, proposed[b], verdict.accepted, path_taps)
-                count = _emit(verdict.emitted(draft), b, emitted, histories, active, eos,
-                              max_new_tokens, sink)  # fmt: skip
-                # Accepted tokens cut off by eos or the token budget are not counted.
-                depth = depth_of(draft)
-                stats[b].record(depth, min(len(verdict.accepted), count - 1))
-                if controller is not None:
-                    controller.observe(int(b), depth, len(verdict.accepted))
+                drafts = list(map(truncated, proposed, sizes))
+        tock = time.perf_counter()
+        if drafts is None or not any(len(d) for d in drafts):
+            # No row drafts (the controller's choice, or no n-gram match anywhere): a decode
+            # step, through the target's bound buffers rather than a one-token verify.
+            width = 1
+            _plain_round(loop)
+            if controller is not None and drafts is not None:
+                for b in np.flatnonzero(drafting):
+                    controller.observe(int(b), 0, 0)
+        else:
+            width = _verify_round(loop, proposed, drafts)
         verified = time.perf_counter()
         draft_s += tock - tick
         verify_s += verified - tock
@@ -260,51 +242,96 @@ def scratch_of(drafter: Drafter | None) -> int:
     return max(drafter.max_nodes + 1, drafter.scratch_slots + 1)
 
 
-def _emit(tokens, row, emitted, histories, active, eos, max_new_tokens, sink=None) -> int:
-    """Appends a round's tokens to a row until eos or the budget; returns how many."""
-    count = 0
-    for token in tokens:
-        emitted[row].append(token)
-        histories[row].append(token)
-        count += 1
-        if token in eos or len(emitted[row]) >= max_new_tokens:
-            active[row] = False
-            break
-    if sink is not None and not sink(int(row), emitted[row][-count:]):
-        active[row] = False
-    return count
+@dataclass(frozen=True)
+class _Loop:
+    """A request's decoding state, shared by its rounds (the arrays and lists change)."""
+
+    target: DecoderBackend
+    drafter: Drafter
+    cache: object  # the target's KV cache
+    histories: list[list[int]]  # prompt + emitted, per row
+    emitted: list[list[int]]
+    active: np.ndarray  # [B] bool
+    sampling: SamplingParams
+    rng: np.random.Generator
+    coin: Coin
+    eos: set[int]
+    max_new_tokens: int
+    stats: list[AcceptanceStats]
+    sink: TokenSink | None
+    verifier: Verifier
+    observer: RoundObserver | None
+    controller: Controller | None
+
+    def emit(self, row: int, tokens: Sequence[int]) -> int:
+        """Appends a round's tokens to a row until eos or the budget; returns how many."""
+        emitted, count = self.emitted[row], 0
+        for token in tokens:
+            emitted.append(token)
+            self.histories[row].append(token)
+            count += 1
+            if token in self.eos or len(emitted) >= self.max_new_tokens:
+                self.active[row] = False
+                break
+        if self.sink is not None and not self.sink(int(row), emitted[-count:]):
+            self.active[row] = False
+        return count
 
 
-def _plain_round(
-    target,
-    drafter,
-    cache,
-    histories,
-    emitted,
-    active,
-    sampling,
-    rng,
-    eos,
-    max_new_tokens,
-    stats,
-    sink=None,
-) -> None:
+def _verify_round(loop: _Loop, proposed: list[DraftTree], drafts: list[DraftTree]) -> int:
+    """Verifies every row's draft in one target forward; returns the forward's width."""
+    target, cache, active = loop.target, loop.cache, loop.active
+    roots = np.array([h[-1] for h in loop.histories], dtype=np.int64)
+    # Finished sequences still ride along in the batch; their rows go to slot 0 on.
+    lengths = np.where(active, cache.lengths, 0)
+    input_ids, positions, mask = verify_inputs(roots, drafts, lengths, target.vocab_size)
+    output = target.forward(cache, input_ids, positions, mask, lengths)
+    for b in np.flatnonzero(active):
+        draft = drafts[b]
+        logits = output.logits[b, : 1 + len(draft)]
+        # Only the verify tokens of this row, never the padding, go through the transform.
+        greedy = loop.sampling.greedy
+        probs = logits if greedy else sampling_probs(logits, loop.sampling)
+        verdict = loop.verifier(probs, draft, loop.coin, greedy)
+        if loop.observer is not None:
+            loop.observer(int(b), draft, verdict)
+        path = np.array([0] + [i + 1 for i in verdict.accepted])
+        cache.keep_path(b, int(lengths[b]), path)
+        cache.lengths[b] = lengths[b] + len(path)
+        path_taps = None if output.taps is None else output.taps[b, path]
+        # The drafter's own tree: a kept prefix has the same node indices.
+        loop.drafter.accept(b, proposed[b], verdict.accepted, path_taps)
+        count = loop.emit(b, verdict.emitted(draft))
+        # Accepted tokens cut off by eos or the token budget are not counted.
+        depth = depth_of(draft)
+        loop.stats[b].record(depth, min(len(verdict.accepted), count - 1))
+        if loop.controller is not None:
+            loop.controller.observe(int(b), depth, len(verdict.accepted))
+    return input_ids.shape[1]
+
+
+def _plain_round(loop: _Loop) -> None:
     """One decoding step for every row, drafts left out.
 
     Emits what an empty draft's verification would (the target's argmax, or a token drawn
     from its distribution) without the verification machinery.
     """
+    cache, active = loop.cache, loop.active
     rows = np.flatnonzero(active)
     lengths = np.where(active, cache.lengths, 0)
-    roots = np.array([h[-1] for h in histories], dtype=np.int64)
-    output = target.decode_step(cache, roots, lengths)
+    roots = np.array([h[-1] for h in loop.histories], dtype=np.int64)
+    output = loop.target.decode_step(cache, roots, lengths)
     logits = output.logits[:, 0]
-    tokens = logits.argmax(-1) if sampling.greedy else sample(sampling_probs(logits, sampling), rng)
+    sampling = loop.sampling
+    tokens = (
+        logits.argmax(-1) if sampling.greedy else sample(sampling_probs(logits, sampling), loop.rng)
+    )
     cache.lengths[rows] = lengths[rows] + 1
     for b in rows:
-        drafter.accept(b, EMPTY_DRAFT, [], None if output.taps is None else output.taps[b, :1])
-        _emit([int(tokens[b])], b, emitted, histories, active, eos, max_new_tokens, sink)
-        stats[b].record(0, 0)
+        taps = None if output.taps is None else output.taps[b, :1]
+        loop.drafter.accept(b, EMPTY_DRAFT, [], taps)
+        loop.emit(b, [int(tokens[b])])
+        loop.stats[b].record(0, 0)
 
 
 EMPTY_DRAFT = DraftTree.empty()
