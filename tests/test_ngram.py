@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from specx.runtime.drafters.ngram import NGramDrafter, ngram_continuations
+from specx.runtime.drafters.ngram import NGramDrafter, NGramIndex, ngram_continuations
 from specx.runtime.sampling import SamplingParams
 
 
@@ -47,3 +47,20 @@ def test_inactive_rows_get_empty_drafts():
         [[1, 1, 1], [1, 1, 1]], np.array([True, False]), SamplingParams(), None
     )
     assert drafts[0].tokens.tolist() == [1] and len(drafts[1]) == 0
+
+
+def test_the_index_follows_the_rule_as_a_history_grows():
+    # A small vocabulary repeats n-grams often; histories grow by rounds of 1-4 tokens, as
+    # the loop's do, and one switches to an unrelated history (a new request) midway.
+    rng = np.random.default_rng(0)
+    for min_n, max_n, matches in [(1, 3, 1), (2, 4, 3), (1, 1, 2)]:
+        index = NGramIndex(min_n, max_n)
+        history = rng.integers(0, 5, size=3).tolist()
+        for round_ in range(120):
+            if round_ == 60:
+                history = rng.integers(0, 5, size=2).tolist()
+            history += rng.integers(0, 5, size=rng.integers(1, 5)).tolist()
+            length = int(rng.integers(1, 6))
+            expected = ngram_continuations(np.array(history), min_n, max_n, length, matches)
+            found = index.continuations(history, length, matches)
+            assert found == [c.tolist() for c in expected], (min_n, max_n, round_)
