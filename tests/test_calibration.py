@@ -301,7 +301,10 @@ def test_the_cost_runs_keep_each_prompts_fastest_pass(artifact, monkeypatch):
         target, drafter, PROMPTS[:1], options, lambda *args: observed.append(args)
     )
     assert run["decode_s"] == 1.0 and run["rounds"] >= 1
-    assert 0 < len(observed) == run["rounds"]  # rounds of one pass only (all passes alike)
+    # Rounds of one pass only (all passes alike); a round where the n-gram drafter found no
+    # match is a plain step and verifies no draft.
+    assert 0 < len(observed) <= run["rounds"]
+    assert all(len(draft) for _, draft, _ in observed)
 
 
 def _timed(generate, seconds: list[float]):
