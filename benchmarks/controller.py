@@ -187,6 +187,7 @@ def main() -> None:
         "prompts": len(prompts),
         "new_tokens": args.new_tokens,
         "calibrated": args.calibrate,
+        "repeats": args.repeats,
         "results": {},
     }
     only = None if args.only is None else args.only.split(",")

@@ -127,10 +127,10 @@ def generate_speculative(
     Batches larger than `max_batch_spec` fall back to plain decoding, where verifying
     trees no longer pays off. `observer(row, draft, verdict)` sees every verified draft
     (calibration records which nodes were accepted); a round where no row has a draft is a
-    plain step and verifies none. A `controller` (`specx.runtime.
-    controller`) sizes each row's draft each round, down to none; without one every row
-    keeps its whole draft. `sink` gets each row's tokens per round as they are verified
-    (streaming) and may end a row.
+    plain step and verifies none. A `controller` (`specx.runtime.controller`) sizes each
+    row's draft each round, down to none; without one every row keeps its whole draft.
+    `sink` gets each row's tokens per round as they are verified (streaming) and may end a
+    row.
     """
     sampling = sampling or SamplingParams()
     if max_batch_spec is not None and len(prompts) > max_batch_spec:
