@@ -74,7 +74,7 @@ def verify_inputs(
     """
     batch = len(drafts)
     n = 1 + max(len(d) for d in drafts)
-    if n == 1:  # every draft empty (e.g. no n-gram match anywhere): a decode step
+    if n == 1:  # every draft empty (a continuous batch where no row drafts): a decode step
         mask = causal_mask(lengths, 1, int(lengths.max()) + 1)
         return roots[:, None].astype(np.int64), lengths[:, None].copy(), mask
     kv_len = int(lengths.max()) + n
@@ -195,10 +195,7 @@ def generate_speculative(
             # No row drafts (the controller's choice, or no n-gram match anywhere): a decode
             # step, through the target's bound buffers rather than a one-token verify.
             width = 1
-            _plain_round(loop)
-            if controller is not None and drafts is not None:
-                for b in np.flatnonzero(drafting):
-                    controller.observe(int(b), 0, 0)
+            _plain_round(loop, tried=drafting if drafts is not None else None)
         else:
             width = _verify_round(loop, proposed, drafts)
         verified = time.perf_counter()
@@ -287,11 +284,11 @@ def _verify_round(loop: _Loop, proposed: list[DraftTree], drafts: list[DraftTree
     lengths = np.where(active, cache.lengths, 0)
     input_ids, positions, mask = verify_inputs(roots, drafts, lengths, target.vocab_size)
     output = target.forward(cache, input_ids, positions, mask, lengths)
+    greedy = loop.sampling.greedy
     for b in np.flatnonzero(active):
         draft = drafts[b]
         logits = output.logits[b, : 1 + len(draft)]
         # Only the verify tokens of this row, never the padding, go through the transform.
-        greedy = loop.sampling.greedy
         probs = logits if greedy else sampling_probs(logits, loop.sampling)
         verdict = loop.verifier(probs, draft, loop.coin, greedy)
         if loop.observer is not None:
@@ -311,11 +308,12 @@ def _verify_round(loop: _Loop, proposed: list[DraftTree], drafts: list[DraftTree
     return input_ids.shape[1]
 
 
-def _plain_round(loop: _Loop) -> None:
+def _plain_round(loop: _Loop, tried: np.ndarray | None = None) -> None:
     """One decoding step for every row, drafts left out.
 
     Emits what an empty draft's verification would (the target's argmax, or a token drawn
-    from its distribution) without the verification machinery.
+    from its distribution) without the verification machinery. `tried` [B]: rows whose
+    drafter was asked and found nothing; their controller learns that, as from a verify.
     """
     cache, active = loop.cache, loop.active
     rows = np.flatnonzero(active)
@@ -333,6 +331,8 @@ def _plain_round(loop: _Loop) -> None:
         loop.drafter.accept(b, EMPTY_DRAFT, [], taps)
         loop.emit(b, [int(tokens[b])])
         loop.stats[b].record(0, 0)
+        if tried is not None and tried[b] and loop.controller is not None:
+            loop.controller.observe(int(b), 0, 0)
 
 
 EMPTY_DRAFT = DraftTree.empty()

@@ -26,19 +26,26 @@ def ngram_continuations(
     for n in range(min(max_n, size - 1), min_n - 1, -1):
         windows = np.lib.stride_tricks.sliding_window_view(history[: size - 1], n)
         starts = np.flatnonzero((windows == history[size - n :]).all(axis=1))
-        found: list[np.ndarray] = []
-        seen: set[tuple[int, ...]] = set()
-        for start in starts[::-1]:
-            continuation = history[start + n : start + n + length]
-            key = tuple(continuation.tolist())
-            if key not in seen:
-                seen.add(key)
-                found.append(continuation)
-            if len(found) == max_matches:
-                break
-        if found:
-            return found
+        if len(starts):
+            return _distinct(history, starts[::-1], n, length, max_matches)
     return []
+
+
+def _distinct(history, starts, n: int, length: int, max_matches: int) -> list:
+    """The continuations after the n-grams at `starts` (most recent first), repeats dropped.
+
+    Slices of `history`: arrays for an array, lists for a list.
+    """
+    found, seen = [], set()
+    for start in starts:
+        continuation = history[start + n : start + n + length]
+        key = tuple(continuation)  # numpy ints hash as Python ints
+        if key not in seen:
+            seen.add(key)
+            found.append(continuation)
+        if len(found) == max_matches:
+            break
+    return found
 
 
 def _trie(continuations: list[list[int]], max_nodes: int) -> DraftTree:
@@ -87,19 +94,8 @@ class NGramIndex:
         size = len(history)
         for n in range(min(self.max_n, size - 1), self.min_n - 1, -1):
             starts = self._starts.get(tuple(history[size - n :]))
-            if not starts:
-                continue
-            found: list[list[int]] = []
-            seen: set[tuple[int, ...]] = set()
-            for start in reversed(starts):
-                continuation = history[start + n : start + n + length]
-                key = tuple(continuation)
-                if key not in seen:
-                    seen.add(key)
-                    found.append(list(continuation))
-                if len(found) == max_matches:
-                    break
-            return found
+            if starts:
+                return _distinct(history, reversed(starts), n, length, max_matches)
         return []
 
     def _update(self, history: Sequence[int]) -> None:
