@@ -314,7 +314,9 @@ def _ray_load_with_a_kill(ray, url):
     deadline = time.monotonic() + 60  # the deployment recovers: a new replica replaces it
     while True:
         again = httpx.post(
-            f"{url}/v1/completions", json={"prompt": [1, 2], "max_tokens": 3}, timeout=60
+            f"{url}/v1/completions",
+            json={"prompt": [1, 2], "max_tokens": 3, "ignore_eos": True},
+            timeout=60,
         )
         if again.status_code == 200 and again.headers["x-specx-replica"] != victim:
             break
@@ -355,7 +357,8 @@ def test_the_serve_command_serves_and_refuses_bad_options(artifacts, tmp_path):
                 pass
             assert time.monotonic() < deadline, "specx serve did not come up"
             time.sleep(0.2)
-        done = complete(f"http://127.0.0.1:{port}", prompt=[5, 9, 5, 9], max_tokens=8)
+        done = complete(f"http://127.0.0.1:{port}", prompt=[5, 9, 5, 9], max_tokens=8,
+                        ignore_eos=True)  # fmt: skip
         assert done["usage"]["completion_tokens"] == 8 and done["speculative"]["rounds"] >= 1
     finally:
         server.terminate()
