@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from specx.artifact import load_manifest
 from specx.runtime.continuous import BatchSequence, ContinuousBatch
-from specx.runtime.controller import AdaptiveController
+from specx.runtime.controller import controller_for
 from specx.runtime.drafters import DrafterOptions, make_drafter
 from specx.runtime.ort_target import OrtTarget
 from specx.runtime.plain_decoding import generate_plain
@@ -23,9 +23,10 @@ def test_joining_sequences_decode_as_alone(artifacts):
     expected = [generate_plain(target, [p], 20).tokens[0] for p in prompts]
     batch = ContinuousBatch(target, 3)
     options = DrafterOptions()
-    waiting = [
-        _sequence(p, 20, make_drafter(d, target, options), AdaptiveController() if i % 2 else None)
-        for i, (p, d) in enumerate(zip(prompts, ["ngram", "suffix"] * 3, strict=False))
+    drafters = [make_drafter(d, target, options) for d in ["ngram", "suffix"] * 2 + ["ngram"]]
+    waiting = [  # suffix trimmed by its confidence (row 1), n-gram sized ahead (row 4)
+        _sequence(p, 20, drafter, controller_for(drafter) if i in (1, 4) else None)
+        for i, (p, drafter) in enumerate(zip(prompts, drafters, strict=True))
     ]
     waiting[3].drafter = waiting[3].controller = None  # a plain sequence among them
     sequences = list(waiting)

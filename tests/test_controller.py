@@ -6,8 +6,15 @@ import numpy as np
 import pytest
 
 from conftest import HEAD_VOCAB
+from cost_curves import FixedCurve
 from specx.artifact import load_manifest
-from specx.runtime.controller import AdaptiveController, FixedSizes, truncated
+from specx.runtime.controller import (
+    AdaptiveController,
+    ConfidenceController,
+    FixedSizes,
+    controller_for,
+    truncated,
+)
 from specx.runtime.drafters import DrafterOptions, make_drafter
 from specx.runtime.drafters.draft_model import DraftModelDrafter
 from specx.runtime.drafters.ngram import NGramDrafter
@@ -85,7 +92,7 @@ def rounds(controller, accepted_at, count: int, width_cost=0.1) -> list[int]:
         (size,) = controller.sizes(np.array([True]))
         chosen.append(int(size))
         depth = accepted_at() if callable(accepted_at) else accepted_at
-        controller.observe(0, size, min(depth, size))
+        controller.observe(0, size, list(range(min(depth, size))))
         controller.timed(1 + size, 1.0 + width_cost * size, 0.2 if size else 0.0)
     return chosen
 
@@ -126,3 +133,111 @@ def test_peers_that_wait_for_a_draft_raise_the_bar_for_it():
         rounds(controller, accepted_at=2, count=12, width_cost=0.1)
     assert alone.sizes(np.array([True]))[0] > 0  # ~3 tokens for 1.4 steps beats 1 per step
     assert crowded.sizes(np.array([True]), peers=15)[0] == 0  # not at 16 rows a forward
+
+
+def chain(confidences) -> DraftTree:
+    n = len(confidences)
+    return DraftTree(np.arange(n), np.arange(n) - 1, confidence=np.array(confidences, float))
+
+
+def random_tree(rng, n: int) -> DraftTree:
+    parents = [-1] + [int(rng.integers(-1, i)) for i in range(1, n)]
+    return DraftTree(np.arange(n), np.array(parents), confidence=rng.uniform(0.05, 1.0, n))
+
+
+def test_suffix_drafts_trimmed_by_confidence_equal_plain(artifacts, rng):
+    target = OrtTarget(load_manifest(artifacts["llama"]), threads=2)
+    prompts = loopy(rng, target.vocab_size, 3)
+    for batch in (1, 3):
+        # Steep costs, a short patience and quick probes: trims, idle rows and probes mix.
+        controller = ConfidenceController(costs=FixedCurve(0.3), patience=1, probe_every=2)
+        drafter = SuffixDrafter(SuffixOptions(8, min_prob=0.0))
+        spec = generate_speculative(target, drafter, prompts[:batch], 30, controller=controller)
+        assert spec.tokens == generate_plain(target, prompts[:batch], 30).tokens
+        assert len(spec.stats["sizes_chosen"]) >= 3 and spec.stats["controller"] == "confidence"
+
+
+def test_confidence_trimming_keeps_the_prefix_that_pays_most():
+    """keep() against the rule written out: (1 + sum of path probabilities) / T(k)."""
+    rng = np.random.default_rng(3)
+    for slope in (0.02, 0.15, 0.5):
+        controller = ConfidenceController(costs=FixedCurve(slope), margin=0.05)
+        controller.start(1, 16)
+        controller.sizes(np.array([True]))  # the first round is a plain step
+        for _ in range(20):
+            draft = random_tree(rng, int(rng.integers(1, 17)))
+            path = []
+            for c, parent in zip(draft.confidence, draft.parents, strict=True):
+                path.append(c * (path[parent] if parent >= 0 else 1.0))
+            rates = [1.05] + [(1 + sum(path[:k])) / (1 + slope * k) for k in range(1, 17)]
+            assert controller.sizes(np.array([True]))[0] == 16
+            (kept,) = controller.keep([draft])
+            assert len(kept) == min(int(np.argmax(rates)), len(draft))
+            assert kept.parents.tolist() == draft.parents[: len(kept)].tolist()
+        # A draft that beats a plain step by less than the margin is not worth its risk.
+        controller.sizes(np.array([True]))
+        barely = chain([1.02 * (1 + slope) - 1])  # (1 + p) / (1 + slope): 1.02 plain steps
+        assert len(controller.keep([barely])[0]) == 0
+
+
+def test_confidence_learns_what_the_target_accepts_idles_and_comes_back():
+    controller = ConfidenceController(costs=FixedCurve(0.1), probe_every=4, max_probe_every=16)
+    controller.start(1, 8)
+    sure = chain([1.0] * 8)
+
+    def rounds(count, accepted):
+        kept = []
+        for _ in range(count):
+            if controller.sizes(np.array([True]))[0] == 0:
+                kept.append(None)  # idle: nothing proposed
+                continue
+            (draft,) = controller.keep([sure])
+            kept.append(len(draft))
+            if len(draft):
+                controller.observe(0, len(draft), list(range(min(accepted, len(draft)))))
+        return kept
+
+    first = rounds(1, 0) + rounds(1, 8)
+    assert first == [None, 8]  # a plain step, then the drafter is trusted
+    # The target stops agreeing: drafts shrink, then the row idles and probes one node.
+    kept = rounds(60, 0)
+    assert 0 in kept and kept[-20:].count(None) >= 17
+    probes = [i for i, k in enumerate(kept) if k == 1]
+    assert len(probes) >= 2 and np.diff(probes)[-1] == 16
+    # It agrees again: the next probe finds it and whole drafts return.
+    assert rounds(40, 8)[-5:] == [8] * 5
+
+
+def test_a_batch_keeps_one_width_and_peers_raise_the_bar():
+    curve = FixedCurve(0.2)
+    controller = ConfidenceController(costs=curve)
+    controller.start(2, 8)
+    controller.sizes(np.array([True, True]))
+    controller.sizes(np.array([True, True]))
+    short, long = controller.keep([chain([1.0] * 2), chain([1.0] * 6)])
+    assert (len(short), len(long)) == (2, 6)  # the forward is as wide as the longest anyway
+    alone, crowded = ConfidenceController(costs=curve), ConfidenceController(costs=curve)
+    for c, peers in ((alone, 0), (crowded, 15)):
+        c.start(1, 8)
+        c.sizes(np.array([True]), peers=peers)
+        c.sizes(np.array([True]), peers=peers)
+    assert len(alone.keep([chain([0.8] * 4)])[0]) == 4
+    assert len(crowded.keep([chain([0.8] * 4)])[0]) == 0  # 16 rows wait for its draft
+
+
+def test_a_sampled_draft_is_never_trimmed_by_its_own_tokens():
+    controller = ConfidenceController(costs=FixedCurve(5.0))  # any draft would be cut
+    controller.start(1, 4)
+    controller.sizes(np.array([True]))
+    controller.sizes(np.array([True]))
+    sampled = DraftTree(np.arange(3), np.array([-1, 0, 1]), np.eye(4)[:3], np.full(3, 0.1))
+    assert controller.keep([sampled])[0] is sampled
+
+
+def test_each_drafter_gets_its_controller(artifacts):
+    target = OrtTarget(load_manifest(artifacts["llama"]), threads=2)
+    assert isinstance(controller_for(SuffixDrafter()), ConfidenceController)
+    assert isinstance(controller_for(NGramDrafter(4)), AdaptiveController)
+    assert isinstance(controller_for(make_drafter("ngram", target, DrafterOptions())),
+                      AdaptiveController)  # fmt: skip
+    assert isinstance(controller_for(object()), AdaptiveController)  # a third-party drafter

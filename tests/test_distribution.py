@@ -7,19 +7,22 @@ run with a deliberately broken verifier must reject, which shows the test has po
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 
 from broken_verifiers import broken_verify
 from chi_square import p_values
 from conftest import perturbed_copy
+from cost_curves import FixedCurve
 from specx.artifact import load_manifest
-from specx.runtime.controller import FixedSizes
+from specx.runtime.controller import ConfidenceController, FixedSizes
 from specx.runtime.drafters.draft_model import DraftModelDrafter
 from specx.runtime.drafters.ngram import NGramDrafter
 from specx.runtime.drafters.suffix import SuffixDrafter, SuffixOptions
 from specx.runtime.drafters.tree_search import DynamicTree, StaticTree
 from specx.runtime.ort_target import OrtTarget
-from specx.runtime.plain_decoding import generate_plain
+from specx.runtime.plain_decoding import GenerationResult, generate_plain
 from specx.runtime.sampling import SamplingParams
 from specx.runtime.speculative_decoding import generate_speculative
 from specx.runtime.verification import verify
@@ -124,4 +127,43 @@ def test_sampling_with_switching_draft_sizes_matches_plain(pair, drafter_name, s
 def test_broken_verifier_is_detected_with_switching_sizes(pair, drafter_name):
     switching = FixedSizes(SWITCHING)
     plain, spec = run(pair, drafter_name, SAMPLING[0], broken_verify, seed=11, controller=switching)
+    assert min(p_values(plain, spec, VOCAB)) < 1e-6
+
+
+def run_trimmed(pair, sampling, verifier, chunk=8, positions=6):
+    """`run` for suffix drafts trimmed by their confidence, in batches of `chunk`.
+
+    One kept size serves a batch (its verify forward is as wide as its widest row), so
+    small batches, each with its own controller at fixed steep costs, make what is kept
+    depend on a few rows' drafts and on what their earlier rounds accepted (over more
+    positions than `run`'s); a patience of 1 and quick probes add idle rows.
+    """
+    target, _, prompt = pair
+    plain = generate_plain(target, [prompt] * SAMPLES, positions, sampling_with(sampling, 11))
+    tokens, sizes = [], Counter()
+    for start in range(0, SAMPLES, chunk):
+        controller = ConfidenceController(costs=FixedCurve(0.3), patience=1, probe_every=2)
+        drafter = SuffixDrafter(SuffixOptions(max_nodes=6, min_prob=0.0))
+        params = sampling_with(sampling, 1000 + start)
+        spec = generate_speculative(target, drafter, [prompt] * chunk, positions, params,
+                                    verifier=verifier, controller=controller)  # fmt: skip
+        tokens += spec.tokens
+        sizes.update(spec.stats["sizes_chosen"])
+    return plain, GenerationResult(tokens, {"sizes_chosen": dict(sizes)})
+
+
+def sampling_with(sampling: SamplingParams, seed: int) -> SamplingParams:
+    return SamplingParams(sampling.temperature, sampling.top_k, sampling.top_p, seed=seed)
+
+
+@pytest.mark.parametrize("sampling", [SAMPLING[0], SAMPLING[1], SAMPLING[3]],
+                         ids=["T0.7", "T1-k8", "T0.7-k10-p0.95"])  # fmt: skip
+def test_sampling_with_drafts_trimmed_by_confidence_matches_plain(pair, sampling):
+    plain, spec = run_trimmed(pair, sampling, verify)
+    assert len(spec.stats["sizes_chosen"]) >= 4, spec.stats["sizes_chosen"]
+    assert min(p_values(plain, spec, VOCAB)) > 1e-3
+
+
+def test_broken_verifier_is_detected_with_confidence_trimming(pair):
+    plain, spec = run_trimmed(pair, SAMPLING[0], broken_verify)
     assert min(p_values(plain, spec, VOCAB)) < 1e-6

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from specx.runtime.controller import AdaptiveController, truncated
+from specx.runtime.controller import Controller, truncated
 from specx.runtime.decoder_backend import DecoderBackend
 from specx.runtime.drafters.base import Drafter
 from specx.runtime.kv_cache import KVCache
@@ -51,7 +51,7 @@ class BatchSequence:
     eos: frozenset[int]
     sink: TokenSink  # gets each round's tokens; returning False ends the sequence
     drafter: Drafter | None = None  # its own (batch 1); None decodes plainly
-    controller: AdaptiveController | None = None  # sizes its drafts; None keeps them whole
+    controller: Controller | None = None  # sizes its drafts; None keeps them whole
     max_batch_spec: int | None = None  # drafts only while the batch runs at most this many
     emitted: list[int] = field(default_factory=list)
     stats: AcceptanceStats = field(default_factory=AcceptanceStats)
@@ -191,6 +191,8 @@ class ContinuousBatch:
                     [row.history], active, row.sampling, row.rng, **budget
                 )[0]
                 kept[b] = truncated(proposed[b], size)
+                if row.controller is not None:
+                    kept[b] = row.controller.keep([kept[b]])[0]
         return proposed, kept
 
     def _commit(self, b, row: BatchSequence, output, length, proposed, draft) -> None:
@@ -210,7 +212,7 @@ class ContinuousBatch:
         depth = depth_of(draft)
         row.stats.record(depth, min(len(verdict.accepted), count - 1))
         if row.controller is not None:
-            row.controller.observe(0, depth, len(verdict.accepted))
+            row.controller.observe(0, depth, verdict.accepted)
 
     def _release(self) -> list[BatchSequence]:
         done = []

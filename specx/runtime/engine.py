@@ -34,7 +34,7 @@ from specx.errors import GenerationError
 from specx.runtime.backends import open_decoder
 from specx.runtime.calibrated import CalibratedChoice, calibrated_choice, greedy_identity
 from specx.runtime.chat import ChatTemplate
-from specx.runtime.controller import AdaptiveController
+from specx.runtime.controller import Controller, controller_for
 from specx.runtime.detokenize import TextStream
 from specx.runtime.drafters import DrafterOptions, make_drafter
 from specx.runtime.drafters.tree_search import parse_tree_spec
@@ -93,11 +93,9 @@ class DraftPlan:
         """Equal for plans that build the same drafter."""
         return (self.drafter, repr(self.options))
 
-    def controller(self) -> AdaptiveController | None:
-        """A fresh per-round controller (None when drafts are kept whole)."""
-        if not self.adaptive:
-            return None
-        return AdaptiveController()
+    def controller(self, drafter) -> Controller | None:
+        """A fresh per-round controller for `drafter` (None when drafts are kept whole)."""
+        return controller_for(drafter) if self.adaptive else None
 
 
 @dataclass(frozen=True)
@@ -410,7 +408,7 @@ class Engine:
                 request.eos,
                 plan.max_batch_spec,
                 progress=progress,
-                controller=plan.controller(),
+                controller=plan.controller(drafter),
                 sink=sink,
             )
         finally:

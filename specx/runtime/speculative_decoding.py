@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from specx.errors import GenerationError
-from specx.runtime.controller import Controller, truncated
+from specx.runtime.controller import Controller
 from specx.runtime.decoder_backend import DecoderBackend
 from specx.runtime.drafters.base import Drafter
 from specx.runtime.masks import causal_mask
@@ -189,7 +189,7 @@ def generate_speculative(
             else:
                 budget = int(sizes.max())
                 proposed = drafter.propose(histories, drafting, sampling, rng, budget=budget)
-                drafts = list(map(truncated, proposed, sizes))
+                drafts = controller.keep(proposed)
         tock = time.perf_counter()
         if drafts is None or not any(len(d) for d in drafts):
             # No row drafts (the controller's choice, or no n-gram match anywhere): a decode
@@ -304,7 +304,7 @@ def _verify_round(loop: _Loop, proposed: list[DraftTree], drafts: list[DraftTree
         depth = depth_of(draft)
         loop.stats[b].record(depth, min(len(verdict.accepted), count - 1))
         if loop.controller is not None:
-            loop.controller.observe(int(b), depth, len(verdict.accepted))
+            loop.controller.observe(int(b), depth, verdict.accepted)
     return input_ids.shape[1]
 
 
@@ -332,7 +332,7 @@ def _plain_round(loop: _Loop, tried: np.ndarray | None = None) -> None:
         loop.emit(b, [int(tokens[b])])
         loop.stats[b].record(0, 0)
         if tried is not None and tried[b] and loop.controller is not None:
-            loop.controller.observe(int(b), 0, 0)
+            loop.controller.observe(int(b), 0, [])
 
 
 EMPTY_DRAFT = DraftTree.empty()

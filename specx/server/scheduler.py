@@ -189,7 +189,7 @@ class Scheduler:
             job.eos,
             sink,
             drafter,
-            None if job.plan is None else job.plan.controller(),
+            None if job.plan is None else job.plan.controller(drafter),
             None if job.plan is None else job.plan.max_batch_spec,
         )
         try:

@@ -25,6 +25,10 @@ class Drafter(Protocol):
     taps: str  # the target taps it reads: "none", "last" or "eagle3"
     scratch_slots: int  # KV slots its own model writes past the history while drafting
     drafts_chains: bool  # every proposal is a chain: at most one child per node
+    # Proposing costs microseconds and every draft is deterministic, best first, with
+    # confidences: a controller trims the whole draft (`ConfidenceController`) rather than
+    # asking for a size before it. Optional: absent means False.
+    sizes_own_drafts: bool
 
     def start(
         self, prompts: Sequence[Sequence[int]], capacity: int, taps: list[np.ndarray] | None

@@ -60,6 +60,7 @@ class DraftModelDrafter:
     """
 
     name = "draft-model"
+    sizes_own_drafts = False
     taps = "none"
 
     def __init__(self, model: DecoderBackend, shape: TreeShape, iid_siblings: bool = False):

@@ -36,6 +36,8 @@ __all__ = ["FeatureHeadDrafter"]
 class FeatureHeadDrafter:
     """Drafts with the artifact's autoregressive head (`drafter.kind` eagle3, eagle or mtp)."""
 
+    sizes_own_drafts = False
+
     def __init__(
         self,
         manifest: Manifest,

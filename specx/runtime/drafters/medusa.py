@@ -36,6 +36,7 @@ class MedusaDrafter:
     """Static trees (default `mc_sim_7b_63`) or chains from the artifact's Medusa heads."""
 
     name = "medusa"
+    sizes_own_drafts = False
     taps = "last"
     scratch_slots = 0
 

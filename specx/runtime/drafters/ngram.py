@@ -113,6 +113,7 @@ class NGramDrafter:
     """Prompt-lookup drafting; several matches form a tree (`max_matches` > 1)."""
 
     name = "ngram"
+    sizes_own_drafts = False
     taps = "none"
     scratch_slots = 0
 

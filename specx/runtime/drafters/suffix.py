@@ -169,6 +169,7 @@ class SuffixDrafter:
     taps = "none"
     scratch_slots = 0
     drafts_chains = False
+    sizes_own_drafts = True
 
     def __init__(self, options: SuffixOptions | None = None, shared: SuffixTrie | None = None):
         self.options = options or SuffixOptions()

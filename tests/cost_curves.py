@@ -1,0 +1,16 @@
+"""A verify cost curve fixed in advance, so that what a controller keeps is host-independent."""
+
+from __future__ import annotations
+
+
+class FixedCurve:
+    """T(k) = 1 + slope k plain steps, whatever the host does (a `_RoundCosts` stand-in)."""
+
+    def __init__(self, slope: float):
+        self.slope = slope
+
+    def verify(self, width: int) -> float:
+        return 1.0 + self.slope * (width - 1)
+
+    def record(self, width: int, verify_s: float, draft_s: float) -> None:
+        pass
