@@ -306,23 +306,27 @@ class ConfidenceController:
     levels at depth d the target judged in b's drafts (the children of the root or of an
     accepted node), a moving average of whether a child was accepted over one of their
     summed c (from 1 over 1). Per depth, because acceptance is not independent: where the
-    first node of a copied span holds, the rest mostly do; one average over every level
-    judged made deep nodes look as unsure as first ones and cut greedy drafts too short.
+    first node of a copied span holds, the rest mostly do (a revision with one moving
+    average over every level judged made deep nodes look as unsure as first ones: 91% of
+    the whole drafts' speed at greedy in the run below's setting).
     The first round is a plain step, so T(0) is measured.
 
-    Measured (pyref-7m, batch 1, 16 prompts x 128 tokens, fastest of 3, one run; time
-    modeled as each round's width at the run's median time per width plus the drafting
-    time measured, which takes the host's noise out of comparing decisions): at greedy
-    this rule ran at 97% of the whole 16-node drafts' speed (97% measured too; 2.05x vs
-    2.12x plain decoding), `AdaptiveController` (sized before drafting: between matches it
-    went idle and missed the next) at 85% (1.77x); at T = 1, where whole drafts lose
-    (0.89x), this rule 0.91x and `AdaptiveController` 0.94x (measured; a calibration at
-    that temperature turns drafting off).
+    Measured (pyref-7m, batch 1, 16 prompts x 128 tokens, fastest of 3, one run per
+    temperature; time modeled as each round's width at the run's median time per width
+    plus the drafting time measured, which takes the host's noise out of comparing
+    decisions): at greedy this rule ran at 98% of the whole 16-node drafts' speed (96%
+    measured; 1.85x vs 1.93x plain decoding), `AdaptiveController` (sized before drafting:
+    between matches it went idle and missed the next) at 86% (1.63x); at T = 1, where
+    whole drafts lose (0.85x, measured), this rule 0.87x and `AdaptiveController` 0.91x
+    (a calibration at that temperature turns drafting off).
 
-    A row whose drafts are trimmed to nothing `patience` times in a row stops proposing
-    (a proposal costs a few percent of a plain step) until a probe: a round, after
-    `probe_every` rounds, doubling up to `max_probe_every` while probes fail, that keeps at
-    least one node.
+    Each round's k is at most twice the widest forward timed so far: T(k) for a width
+    never seen is a one-row guess, far too cheap for a forward of many rows.
+
+    A row that kept nothing `patience` rounds in a row stops proposing until a probe: a
+    round, after `probe_every` rounds (doubling up to `max_probe_every` while probes fail,
+    and never so often that probes cost more than `probe_budget` of the time), that keeps
+    at least one node (see `_after_proposal`).
 
     Lossless: a deterministic draft is a function of the history, so a prefix chosen from
     it is too. A sampled draft (`probs` set) is kept whole: dropping its nodes by their own
@@ -337,11 +341,13 @@ class ConfidenceController:
         probe_every: int = 8,
         max_probe_every: int = 64,
         max_depth: int = 16,
+        probe_budget: float = 0.03,
         costs: _RoundCosts | None = None,
     ):
         self.smoothing, self.margin, self.max_depth = smoothing, margin, max_depth
-        self.patience = patience  # drafts trimmed to nothing before the row stops proposing
+        self.patience = patience  # rounds keeping nothing before the row stops proposing
         self.probe_every, self.max_probe_every = probe_every, max_probe_every
+        self.probe_budget = probe_budget  # the share of time probes may cost
         # T(k); tests pass a fixed curve so that what is kept does not depend on the host
         self.costs = costs or _RoundCosts()
         self._chosen: Counter = Counter()
@@ -390,9 +396,9 @@ class ConfidenceController:
             keep = len(draft)
             if path:
                 keep = min(max(size, int(self.probing[b])), keep)  # a probe keeps a node
-                self._idle_if_missing(b, keep)
             if self.asked[b]:
                 self._chosen[keep] += 1
+                self._after_proposal(b, keep, len(draft))
             kept.append(truncated(draft, keep))
             self.kept[b] = kept[-1]
         return kept
@@ -426,19 +432,50 @@ class ConfidenceController:
         tokens = self._peers + self._active
         verify = self.costs.verify
         best, best_rate = 0, tokens * (1.0 + self.margin) / verify(1)
-        for k, gain in enumerate(gains, start=1):
+        # At most twice the widest draft timed: the cost of a width never seen is a guess,
+        # made for one row; a forward of many rows (continuous batching) pays far more.
+        reach = max(1, 2 * (self.costs.widest - 1))
+        for k, gain in enumerate(gains[:reach], start=1):
             tokens += gain
             rate = tokens / verify(1 + k)
             if rate > best_rate:
                 best, best_rate = k, rate
         return best
 
-    def _idle_if_missing(self, b: int, kept: int) -> None:
-        """After `patience` drafts in a row trimmed to nothing the row stops proposing."""
-        self.misses[b] = 0 if kept else self.misses[b] + 1
-        if self.misses[b] >= self.patience:
+    def _after_proposal(self, b: int, kept: int, proposed: int) -> None:
+        """After `patience` rounds in a row that kept nothing the row stops proposing.
+
+        Nothing kept: a draft trimmed to nothing or, where the forward carries other rows,
+        no draft at all. Alone, a row keeps looking while it finds nothing: a proposal
+        costs a few percent of its step, a match missed while idle a few tokens (idling
+        on no-match streaks too cost 5% at greedy, batch 1). With 15 peers, 16 rows'
+        proposals cost ~10% of the forward (0.72x vs 0.88x under `AdaptiveController`
+        at 16 streams, before this and the reach limit in `_best`; 0.97x vs 1.03x after).
+        A probe that finds no draft failed like one the target rejects (`observe`).
+        """
+        if kept:
             self.misses[b] = 0
-            self.idle_until[b] = self.round + self.interval[b]
+        elif proposed or self._peers + self._active > 1:
+            self.misses[b] += 1
+        if self.probing[b] and not kept:
+            self.probing[b] = False
+            self.interval[b] = min(2 * self.interval[b], self.max_probe_every)
+            self._idle(b)
+        elif self.misses[b] >= self.patience:
+            self._idle(b)
+
+    def _idle(self, b: int) -> None:
+        """Row b proposes again in `interval` rounds, or as many as keep probes affordable."""
+        self.misses[b] = 0
+        self.idle_until[b] = self.round + max(self.interval[b], self._affordable_interval())
+
+    def _affordable_interval(self) -> int:
+        """Rounds between probes for them to cost at most `probe_budget` of the time.
+
+        A probe widens the forward by a node for every row in it, peers included.
+        """
+        extra = self.costs.verify(2) / self.costs.verify(1) - 1.0
+        return max(1, math.ceil(extra / self.probe_budget))
 
     def observe(self, row: int, depth: int, accepted: list[int]) -> None:  # noqa: D102
         draft = self.kept[row]
@@ -450,7 +487,7 @@ class ConfidenceController:
                 self.interval[row] = self.probe_every
             else:
                 self.interval[row] = min(2 * self.interval[row], self.max_probe_every)
-                self.idle_until[row] = self.round + self.interval[row]
+                self._idle(row)
         hits, expected, s = self.hits[row], self.expected[row], self.smoothing
         for d, level in enumerate(_judged_levels(draft, accepted)[: self.max_depth]):
             hits[d] += s * (float(d < len(accepted)) - hits[d])
@@ -515,6 +552,11 @@ class _RoundCosts:
         if width > 1:  # a round that drafted (a plain round's "draft" is the controller's own)
             step = 1.0 if not self.draft else self.smoothing
             self.draft += step * (draft_s - self.draft)
+
+    @property
+    def widest(self) -> int:
+        """The widest verify forward timed (0: none yet)."""
+        return self._seen[-1] if self._seen else 0
 
     @property
     def drafted(self) -> bool:
