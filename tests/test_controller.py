@@ -241,3 +241,32 @@ def test_each_drafter_gets_its_controller(artifacts):
     assert isinstance(controller_for(make_drafter("ngram", target, DrafterOptions())),
                       AdaptiveController)  # fmt: skip
     assert isinstance(controller_for(object()), AdaptiveController)  # a third-party drafter
+
+
+def test_drafts_grow_only_as_far_as_widths_were_timed():
+    """A width never timed is priced by a one-row guess: k reaches twice the widest timed."""
+    controller = ConfidenceController()  # its own cost model, fed flat timings
+    controller.start(1, 16)
+    kept = []
+    for _ in range(6):
+        if controller.sizes(np.array([True]))[0] == 0:
+            controller.timed(1, 1e-3, 0.0)
+            continue
+        (draft,) = controller.keep([chain([1.0] * 16)])
+        kept.append(len(draft))
+        controller.observe(0, len(draft), list(range(len(draft))))
+        controller.timed(1 + len(draft), 1e-3, 1e-4)
+    assert kept == [1, 2, 4, 8, 16]
+
+
+def test_a_row_alone_keeps_looking_a_row_with_peers_idles_on_empty_rounds():
+    """Finding nothing costs a lone row little; with peers, every row's search adds up."""
+    for peers, idles in ((0, False), (3, True)):
+        controller = ConfidenceController(costs=FixedCurve(0.1), patience=2)
+        controller.start(1, 8)
+        asked = []
+        for _ in range(12):
+            asked.append(bool(controller.sizes(np.array([True]), peers=peers)[0]))
+            if asked[-1]:
+                controller.keep([DraftTree.empty()])  # no match
+        assert (False in asked[1:]) == idles, asked
