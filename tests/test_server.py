@@ -20,22 +20,25 @@ from specx.server.app import ServeOptions, create_app  # noqa: E402
 PROMPTS = [[5, 9, 5, 9, 5, 9, 13], [7, 3, 11], [2, 4, 6, 8, 2, 4, 6, 8, 2], [1, 2, 3, 4, 5]]
 
 
+def _slowed(call, seconds: float):
+    def slow(*args, **kwargs):
+        time.sleep(seconds)
+        return call(*args, **kwargs)
+
+    return slow
+
+
 @contextmanager
 def serving(artifact, step_s: float = 0.0, **options):
     """A real server on a free 127.0.0.1 port; yields its base URL, stops on exit.
 
-    `step_s` slows every target forward down, so requests stay in flight while a test
-    acts on them (the tiny model decodes 100 tokens in a blink).
+    `step_s` slows every target forward and decode step down, so requests stay in flight
+    while a test acts on them (the tiny model decodes 100 tokens in a blink).
     """
     engine = specx.load(artifact, threads=2)
     if step_s:
-        forward = engine.target.forward
-
-        def slow(*args, **kwargs):
-            time.sleep(step_s)
-            return forward(*args, **kwargs)
-
-        engine.target.forward = slow
+        for name in ("forward", "decode_step"):
+            setattr(engine.target, name, _slowed(getattr(engine.target, name), step_s))
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]

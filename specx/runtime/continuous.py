@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from specx.runtime.controller import Controller, truncated
-from specx.runtime.decoder_backend import DecoderBackend
+from specx.runtime.decoder_backend import DecoderBackend, StepOutput
 from specx.runtime.drafters.base import Drafter
 from specx.runtime.kv_cache import KVCache
 from specx.runtime.metrics import AcceptanceStats
@@ -147,8 +147,7 @@ class ContinuousBatch:
         cache = self._view(high)
         roots = np.array([r.history[-1] if r else 0 for r in rows], dtype=np.int64)
         lengths = np.array([cache.lengths[i] if r else 0 for i, r in enumerate(rows)])
-        input_ids, positions, mask = verify_inputs(roots, drafts, lengths, self.target.vocab_size)
-        output = self.target.forward(cache, input_ids, positions, mask, lengths)
+        output, width = self._forward(cache, roots, drafts, lengths)
         for b, row in enumerate(rows):
             if row is not None:
                 self._commit(b, row, output, lengths[b], proposed[b], drafts[b])
@@ -158,8 +157,21 @@ class ContinuousBatch:
         self.rounds += 1
         for row in rows:
             if row is not None and row.controller is not None:
-                row.controller.timed(input_ids.shape[1], verified - tock, tock - tick)
+                row.controller.timed(width, verified - tock, tock - tick)
         return done + self._release()
+
+    def _forward(self, cache, roots, drafts, lengths) -> tuple[StepOutput, int]:
+        """The round's target forward and its width.
+
+        A verify forward over every row's tree or, when no row drafts, a decode step on the
+        target's bound buffers (as `generate_speculative`'s plain rounds: a one-token verify
+        costs more).
+        """
+        if not any(len(d) for d in drafts):
+            return self.target.decode_step(cache, roots, lengths), 1
+        input_ids, positions, mask = verify_inputs(roots, drafts, lengths, self.target.vocab_size)
+        output = self.target.forward(cache, input_ids, positions, mask, lengths)
+        return output, input_ids.shape[1]
 
     def _draft(self, rows: list[BatchSequence | None]) -> tuple[list[DraftTree], list[DraftTree]]:
         """Each running sequence's proposal and the prefix it keeps this round.

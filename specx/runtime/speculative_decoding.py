@@ -23,7 +23,6 @@ from specx.errors import GenerationError
 from specx.runtime.controller import Controller
 from specx.runtime.decoder_backend import DecoderBackend
 from specx.runtime.drafters.base import Drafter
-from specx.runtime.masks import causal_mask
 from specx.runtime.metrics import AcceptanceStats
 from specx.runtime.plain_decoding import (
     GenerationResult,
@@ -74,9 +73,6 @@ def verify_inputs(
     """
     batch = len(drafts)
     n = 1 + max(len(d) for d in drafts)
-    if n == 1:  # every draft empty (a continuous batch where no row drafts): a decode step
-        mask = causal_mask(lengths, 1, int(lengths.max()) + 1)
-        return roots[:, None].astype(np.int64), lengths[:, None].copy(), mask
     kv_len = int(lengths.max()) + n
     input_ids = np.zeros((batch, n), dtype=np.int64)
     positions = np.repeat(lengths[:, None], n, axis=1)
