@@ -230,15 +230,11 @@ class AdaptiveController:
                 self.interval[b] = min(2 * self.interval[b], self.max_probe_every)
             elif self.probing[b]:  # it found something: probe again soon
                 self.interval[b] = self.probe_every
-            step = max(int(self.interval[b]), self._affordable_interval())
+            probe = self.costs.time(self.candidates[1]) / self.costs.time(0)
+            step = max(int(self.interval[b]), _affordable_interval(probe, self.probe_budget))
             self.next_probe[b] = (self.round // step + 1) * step
         self.probing[b] = False
         return size
-
-    def _affordable_interval(self) -> int:
-        """Rounds between probes for them to cost at most `probe_budget` of the time."""
-        extra = self.costs.time(self.candidates[1]) / self.costs.time(0) - 1.0
-        return max(1, math.ceil(extra / self.probe_budget))
 
     def _estimates(self, row: int) -> list[float]:
         """The row's p_d, each depth tested fewer than 3 times capped by the one before.
@@ -467,15 +463,10 @@ class ConfidenceController:
     def _idle(self, b: int) -> None:
         """Row b proposes again in `interval` rounds, or as many as keep probes affordable."""
         self.misses[b] = 0
-        self.idle_until[b] = self.round + max(self.interval[b], self._affordable_interval())
-
-    def _affordable_interval(self) -> int:
-        """Rounds between probes for them to cost at most `probe_budget` of the time.
-
-        A probe widens the forward by a node for every row in it, peers included.
-        """
-        extra = self.costs.verify(2) / self.costs.verify(1) - 1.0
-        return max(1, math.ceil(extra / self.probe_budget))
+        # A probe widens the forward by a node for every row in it, peers included.
+        probe = self.costs.verify(2) / self.costs.verify(1)
+        affordable = _affordable_interval(probe, self.probe_budget)
+        self.idle_until[b] = self.round + max(self.interval[b], affordable)
 
     def observe(self, row: int, depth: int, accepted: list[int]) -> None:  # noqa: D102
         draft = self.kept[row]
@@ -508,6 +499,14 @@ class ConfidenceController:
 
     def summary(self) -> dict:  # noqa: D102
         return {"controller": "confidence", "sizes_chosen": dict(sorted(self._chosen.items()))}
+
+
+def _affordable_interval(probe: float, budget: float) -> int:
+    """Rounds between probes for them to cost at most `budget` of the time.
+
+    `probe`: a probe round's time over a plain round's.
+    """
+    return max(1, math.ceil((probe - 1.0) / budget))
 
 
 def _judged_levels(draft: DraftTree, accepted: list[int]) -> list[float]:
