@@ -125,6 +125,21 @@ def test_the_controller_weighs_acceptance_against_cost():
     assert cheap.summary()["sizes_chosen"] and dear.summary()["controller"] == "adaptive"
 
 
+def test_a_row_alone_drafts_until_a_draft_stops_paying():
+    """Stopping leaves a row blind until its probe: it stops at a tie, not at a small loss."""
+    controller = AdaptiveController()
+    controller.start(1, 1)
+    chosen = []
+    for _ in range(6):
+        (size,) = controller.sizes(np.array([True]))
+        chosen.append(int(size))
+        controller.observe(0, size, [])  # every draft rejected
+        controller.timed(1 + size, 1.1 if size else 1.0, 0.2 if size else 0.0)
+    # p_1 falls 0.6 -> 0.48 -> 0.38 -> 0.31 -> 0.25 and a one-node round costs 1.3 plain
+    # steps: a draft pays while 1 + p_1 > 1.3 (at 1.31, 0.6% better, it still drafts).
+    assert chosen == [0, 1, 1, 1, 1, 0]
+
+
 def test_peers_that_wait_for_a_draft_raise_the_bar_for_it():
     """In a continuous batch a row's draft delays every peer: it must pay for the forward."""
     alone, crowded = AdaptiveController(), AdaptiveController()
