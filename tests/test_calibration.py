@@ -14,7 +14,12 @@ import specx.calibration.calibrate as calibrate_module
 import specx.calibration.timing as timing_module
 from specx.artifact import load_manifest
 from specx.calibration.acceptance import AcceptanceCounts, probe_choices
-from specx.calibration.calibrate import CalibrationOptions, calibrate_artifact
+from specx.calibration.calibrate import (
+    PAYS,
+    CalibrationOptions,
+    _max_batch_spec,
+    calibrate_artifact,
+)
 from specx.calibration.costs import VerifyCurve, fit_draft_cost
 from specx.calibration.quantization import quantize_artifact
 from specx.calibration.timing import measure_speedup
@@ -406,3 +411,14 @@ def test_a_learning_drafter_is_timed_fresh_every_run(artifact, monkeypatch):
 
     measure_speedup(target, None, PROMPTS[:2], 6, repeats=2, new_drafter=new_drafter)
     assert len(made) == 4 and len({id(d) for d in made}) == 4  # 2 prompts x 2 repeats
+
+
+def test_a_batch_size_speculates_only_where_it_measured_a_clear_gain():
+    """Idling still costs the loop's bookkeeping: a tie on other prompts is a likely loss."""
+
+    def curve(*speedups):
+        return [{"batch": 2**i, "measured_speedup": s} for i, s in enumerate(speedups)]
+
+    assert _max_batch_spec(curve(1.4, 1.1, 1.03, 1.2)) == 2  # stops at the first short one
+    assert _max_batch_spec(curve(PAYS, PAYS - 0.01)) == 1
+    assert _max_batch_spec(curve(1.02, 1.3)) == 0  # a 2% gain at batch 1 stays plain
