@@ -12,7 +12,6 @@ from specx.runtime.controller import (
     AdaptiveController,
     ConfidenceController,
     FixedSizes,
-    RoundCosts,
     controller_for,
     truncated,
 )
@@ -21,10 +20,8 @@ from specx.runtime.drafters.draft_model import DraftModelDrafter
 from specx.runtime.drafters.ngram import NGramDrafter
 from specx.runtime.drafters.suffix import SuffixDrafter, SuffixOptions
 from specx.runtime.drafters.tree_search import DynamicTree, StaticTree, parse_tree_spec
-from specx.runtime.engine import Speculation, load
 from specx.runtime.ort_target import OrtTarget
 from specx.runtime.plain_decoding import generate_plain
-from specx.runtime.sampling import SamplingParams
 from specx.runtime.speculative_decoding import generate_speculative
 from specx.runtime.trees import DraftTree
 
@@ -141,34 +138,6 @@ def test_a_row_alone_drafts_until_a_draft_stops_paying():
     # p_1 falls 0.6 -> 0.48 -> 0.38 -> 0.31 -> 0.25 and a one-node round costs 1.3 plain
     # steps: a draft pays while 1 + p_1 > 1.3 (at 1.31, 0.6% better, it still drafts).
     assert chosen == [0, 1, 1, 1, 1, 0]
-
-
-def test_costs_an_earlier_request_timed_spare_the_plain_first_round():
-    first = AdaptiveController()
-    first.start(1, 8)
-    assert rounds(first, accepted_at=8, count=6)[:2] == [0, 1]  # timing a step, then a draft
-    shared = AdaptiveController(costs=first.costs)
-    shared.start(1, 8)
-    assert rounds(shared, accepted_at=8, count=1)[0] > 1  # drafts at once, past one node
-    fresh = AdaptiveController(costs=RoundCosts())
-    fresh.start(1, 8)
-    assert rounds(fresh, accepted_at=8, count=1) == [0]
-
-
-def test_an_engine_shares_round_costs_per_plan_and_batch(artifacts):
-    engine = load(artifacts["llama"], threads=2)
-    prompt = [5, 9, 5, 9, 5, 9, 13]
-    plain = engine.generate(prompt, max_new_tokens=24, ignore_eos=True).tokens
-    plan = engine.plan(Speculation("ngram"), SamplingParams())
-    costs = engine.round_costs(plan, 1)
-    assert not costs.known
-    done = [engine.generate(prompt, max_new_tokens=24, ignore_eos=True, speculation="ngram")]
-    assert costs.known and engine.round_costs(plan, 1) is costs
-    assert engine.round_costs(plan, 2) is not costs  # a wider batch times other forwards
-    engine.reset_drafters()  # drops what drafters learnt, not what the machine costs
-    done.append(engine.generate(prompt, max_new_tokens=24, ignore_eos=True, speculation="ngram"))
-    assert engine.round_costs(plan, 1) is costs
-    assert [d.tokens for d in done] == [plain, plain]
 
 
 def test_peers_that_wait_for_a_draft_raise_the_bar_for_it():

@@ -52,7 +52,6 @@ __all__ = [
     "ConfidenceController",
     "Controller",
     "FixedSizes",
-    "RoundCosts",
     "controller_for",
     "truncated",
 ]
@@ -149,12 +148,6 @@ class AdaptiveController:
       against is measured, not guessed; a batch then waits for its first probe (its
       drafting rounds cost several plain steps: a probe at batch 4 ~2x one, measured);
     - the first draft and every probe use the smallest size (one node);
-    - given `costs` that earlier requests timed (`Engine` keeps one per drafting plan and
-      batch size: costs are the machine's, not the request's), neither of the two above
-      happens: the first round drafts at the size the rule picks (pyref-deep EAGLE-1,
-      calibrated chain 5, batch 1, 8 prompts x 64 tokens, one process, fastest of 3: 99%
-      of the fixed chain 4's speedup vs 96% learning the costs per request; EAGLE-3 and
-      n-gram +0.4% and +0.9%);
     - a row that stopped drafting is not re-evaluated until its probe; the interval doubles
       after each probe that found nothing (`probe_every` up to `max_probe_every` rounds)
       and is never shorter than keeps probes within `probe_budget` of the time;
@@ -176,7 +169,6 @@ class AdaptiveController:
         max_depth: int = 16,
         batch_margin: float = 0.5,
         probe_budget: float = 0.03,
-        costs: RoundCosts | None = None,
     ):
         self.prior, self.smoothing, self.max_depth = prior, smoothing, max_depth
         # In a batch a draft must beat a plain step by this many tokens a row: the rows'
@@ -185,7 +177,7 @@ class AdaptiveController:
         self.batch_margin = batch_margin
         self.probe_budget = probe_budget  # the share of time probes may cost
         self.probe_every, self.max_probe_every = probe_every, max_probe_every
-        self.costs = costs or RoundCosts()
+        self.costs = _RoundCosts()
         self._chosen: Counter = Counter()
 
     def start(self, batch: int, max_nodes: int) -> None:  # noqa: D102
@@ -193,7 +185,7 @@ class AdaptiveController:
         self.candidates = sorted({0, max_nodes, *(2**i for i in range(8) if 2**i < max_nodes)})
         self.accept = np.full((batch, self.max_depth), self.prior)  # p_d per row
         self.judged = np.zeros((batch, self.max_depth), dtype=np.int64)  # rounds that tested d
-        self.round = int(self.costs.known)  # known costs: no plain first round to time them
+        self.round = 0
         # 0: the row drafts; else the round of its next probe (a batch waits for its first).
         self.next_probe = np.full(batch, 0 if batch == 1 else self.probe_every, dtype=np.int64)
         self.interval = np.full(batch, self.probe_every)
@@ -351,14 +343,14 @@ class ConfidenceController:
         max_probe_every: int = 64,
         max_depth: int = 16,
         probe_budget: float = 0.03,
-        costs: RoundCosts | None = None,
+        costs: _RoundCosts | None = None,
     ):
         self.smoothing, self.margin, self.max_depth = smoothing, margin, max_depth
         self.patience = patience  # rounds keeping nothing before the row stops proposing
         self.probe_every, self.max_probe_every = probe_every, max_probe_every
         self.probe_budget = probe_budget  # the share of time probes may cost
         # T(k); tests pass a fixed curve so that what is kept does not depend on the host
-        self.costs = costs or RoundCosts()
+        self.costs = costs or _RoundCosts()
         self._chosen: Counter = Counter()
 
     def start(self, batch: int, max_nodes: int) -> None:  # noqa: D102
@@ -534,18 +526,14 @@ def _judged_levels(draft: DraftTree, accepted: list[int]) -> list[float]:
     return [min(1.0, sums[p]) for p in (-1, *accepted) if p in sums]
 
 
-def controller_for(drafter, costs: RoundCosts | None = None) -> Controller:
-    """A fresh per-round controller suited to `drafter` (see the two rules above).
-
-    `costs`: round costs earlier requests timed, which `AdaptiveController` starts from and
-    goes on updating (suffix drafting's rule learns its own).
-    """
+def controller_for(drafter) -> Controller:
+    """A fresh per-round controller suited to `drafter` (see the two rules above)."""
     if getattr(drafter, "sizes_own_drafts", False):  # absent on drafters written before it
         return ConfidenceController()
-    return AdaptiveController(costs=costs)
+    return AdaptiveController()
 
 
-class RoundCosts:
+class _RoundCosts:
     """Round time as a function of the draft size k, learnt from the loop's own rounds.
 
     T(k) = verify(1 + k) + draft [k > 0], each a smoothed measurement: verify(n) at the
@@ -561,7 +549,6 @@ class RoundCosts:
         self.draft = 0.0
 
     def record(self, width: int, verify_s: float, draft_s: float) -> None:
-        """A round's verify time at `width` tokens per row and its drafting time."""
         old = self.by_width.get(width)
         if old is None:
             old, self._seen = verify_s, sorted((*self.by_width, width))
@@ -580,13 +567,7 @@ class RoundCosts:
         """Whether a round with a draft has been timed."""
         return self.draft > 0
 
-    @property
-    def known(self) -> bool:
-        """Whether both a plain step and a round with a draft have been timed."""
-        return 1 in self.by_width and self.drafted
-
     def time(self, size: int) -> float:
-        """T(k): a round keeping `size` draft nodes per row (0: a plain step)."""
         return self.verify(1 + size) + (self.draft if size else 0.0)
 
     def verify(self, width: int) -> float:
