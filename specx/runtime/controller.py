@@ -172,8 +172,8 @@ class AdaptiveController:
     ):
         self.prior, self.smoothing, self.max_depth = prior, smoothing, max_depth
         # In a batch a draft must beat a plain step by this many tokens a row: the rows'
-        # uneven progress, which no per-depth average sees. A row alone needs no margin:
-        # stopping leaves it blind until its probe, so a tie is already a reason to stop.
+        # uneven progress, which no per-depth average sees. A row alone stops at a tie, not
+        # before: stopping leaves it blind until its probe.
         self.batch_margin = batch_margin
         self.probe_budget = probe_budget  # the share of time probes may cost
         self.probe_every, self.max_probe_every = probe_every, max_probe_every
