@@ -343,7 +343,10 @@ def _max_batch_spec(curve: list[dict[str, Any]]) -> int:
 def batch_summary(max_batch_spec: int) -> str:
     """What a batch threshold means for `specx generate`, in words."""
     if max_batch_spec == 0:
-        return "speculation off: it paid at no batch size measured, so generate decodes plainly"
+        return (
+            f"speculation off: it reached {PAYS}x plain decoding at no batch size measured, "
+            "so generate decodes plainly"
+        )
     return f"speculation up to batch {max_batch_spec}"
 
 

@@ -102,9 +102,10 @@ def calibrate(
 
     Records acceptance by depth, draft rank and confidence, the draft cost and the verify
     curve t(N) on this machine and backend; chooses the static tree per node budget, the
-    chain length, EAGLE-2 parameters and the largest batch where speculation pays off,
-    by predicted speedup. `specx generate` uses the choice by default. With --temperature,
-    every run samples (seeded) and acceptance is what the sampled rules accept.
+    chain length, EAGLE-2 parameters and the largest batch where speculation measured at
+    least 1.05x plain decoding, by predicted then measured speedup. `specx generate` uses
+    the choice by default. With --temperature, every run samples (seeded) and acceptance is
+    what the sampled rules accept.
     """
     from specx.calibration.calibrate import CalibrationOptions, calibrate_artifact
 
