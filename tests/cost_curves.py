@@ -4,7 +4,7 @@ from __future__ import annotations
 
 
 class FixedCurve:
-    """T(k) = 1 + slope k plain steps, whatever the host does (a `_RoundCosts` stand-in)."""
+    """T(k) = 1 + slope k plain steps, whatever the host does (a `RoundCosts` stand-in)."""
 
     widest = 10**6  # every width counts as timed: the rule's reach is not limited
 

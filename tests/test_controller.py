@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 
@@ -12,6 +14,7 @@ from specx.runtime.controller import (
     AdaptiveController,
     ConfidenceController,
     FixedSizes,
+    RoundCosts,
     controller_for,
     truncated,
 )
@@ -20,8 +23,10 @@ from specx.runtime.drafters.draft_model import DraftModelDrafter
 from specx.runtime.drafters.ngram import NGramDrafter
 from specx.runtime.drafters.suffix import SuffixDrafter, SuffixOptions
 from specx.runtime.drafters.tree_search import DynamicTree, StaticTree, parse_tree_spec
+from specx.runtime.engine import Speculation, load
 from specx.runtime.ort_target import OrtTarget
 from specx.runtime.plain_decoding import generate_plain
+from specx.runtime.sampling import SamplingParams
 from specx.runtime.speculative_decoding import generate_speculative
 from specx.runtime.trees import DraftTree
 
@@ -138,6 +143,67 @@ def test_a_row_alone_drafts_until_a_draft_stops_paying():
     # p_1 falls 0.6 -> 0.48 -> 0.38 -> 0.31 -> 0.25 and a one-node round costs 1.3 plain
     # steps: a draft pays while 1 + p_1 > 1.3 (at 1.31, 0.6% better, it still drafts).
     assert chosen == [0, 1, 1, 1, 1, 0]
+
+
+def test_costs_an_earlier_request_timed_spare_the_plain_first_round():
+    first = AdaptiveController()
+    first.start(1, 8)
+    assert rounds(first, accepted_at=8, count=6)[:2] == [0, 1]  # timing a step, then a draft
+    shared = AdaptiveController(costs=first.costs)
+    shared.start(1, 8)
+    assert rounds(shared, accepted_at=8, count=1)[0] > 1  # drafts at once, past one node
+    fresh = AdaptiveController(costs=RoundCosts())
+    fresh.start(1, 8)
+    assert rounds(fresh, accepted_at=8, count=1) == [0]
+
+
+def test_one_slow_round_does_not_price_a_width_out_for_good():
+    """Shared costs outlive requests, and the rule only re-times widths it picks."""
+    for rise, later_chose in ((1.5, [4, 4, 4, 8, 8, 8]), (math.inf, [4] * 6)):
+        first = AdaptiveController(costs=RoundCosts(rise=rise))
+        first.start(1, 8)
+        assert rounds(first, accepted_at=8, count=12, width_cost=0.02)[-3:] == [8, 8, 8]
+        first.costs.record(9, 20.0, 0.2)  # a stall: 17x the width's estimate
+        later = AdaptiveController(costs=first.costs)
+        later.start(1, 8)  # a prior 0.6 past depth 1: 8 nodes pay once depths 2-4 hold
+        assert rounds(later, accepted_at=8, count=6, width_cost=0.02) == later_chose
+    assert first.costs.verify(9) > 4  # unguarded (as first shared, 4de2b3d): 4x dearer
+    guarded = RoundCosts()
+    guarded.record(1, 1.0, 0.0)
+    guarded.record(9, 20.0, 0.2)  # the stall on a width's first timing
+    assert guarded.verify(9) == pytest.approx(1.5 * 1.4)  # rise x what the plain step predicts
+
+
+def test_a_width_is_confirmed_by_its_second_timing_and_forgotten_when_not_timed():
+    costs = RoundCosts(horizon=10)
+    costs.record(1, 1.0, 0.0)
+    costs.record(5, 3.0, 0.2)  # dearer than the 1.2 predicted: capped to 1.8 ...
+    assert costs.verify(5) == pytest.approx(1.8)
+    costs.record(5, 3.0, 0.2)  # ... the second timing replaces it, capped at 1.5x again
+    assert costs.verify(5) == pytest.approx(2.7)
+    costs.record(5, 2.0, 0.2)  # from the third on, smoothed
+    assert costs.verify(5) == pytest.approx(2.56)
+    for _ in range(6):
+        costs.record(5, 2.8, 0.2)
+    assert costs.known
+    costs.record(5, 2.8, 0.2)  # the plain step was last timed 10 rounds ago
+    assert not costs.known and costs.verify(1) == pytest.approx(costs.verify(5) / 1.2)
+
+
+def test_an_engine_shares_round_costs_per_plan_and_batch(artifacts):
+    engine = load(artifacts["llama"], threads=2)
+    prompt = [5, 9, 5, 9, 5, 9, 13]
+    plain = engine.generate(prompt, max_new_tokens=24, ignore_eos=True).tokens
+    plan = engine.plan(Speculation("ngram"), SamplingParams())
+    costs = engine.round_costs(plan, 1)
+    assert not costs.known
+    done = [engine.generate(prompt, max_new_tokens=24, ignore_eos=True, speculation="ngram")]
+    assert costs.known and engine.round_costs(plan, 1) is costs
+    assert engine.round_costs(plan, 2) is not costs  # a wider batch times other forwards
+    engine.reset_drafters()  # drops what drafters learnt, not what the machine costs
+    done.append(engine.generate(prompt, max_new_tokens=24, ignore_eos=True, speculation="ngram"))
+    assert engine.round_costs(plan, 1) is costs
+    assert [d.tokens for d in done] == [plain, plain]
 
 
 def test_peers_that_wait_for_a_draft_raise_the_bar_for_it():

@@ -34,7 +34,7 @@ from specx.errors import GenerationError
 from specx.runtime.backends import open_decoder
 from specx.runtime.calibrated import CalibratedChoice, calibrated_choice, greedy_identity
 from specx.runtime.chat import ChatTemplate
-from specx.runtime.controller import Controller, controller_for
+from specx.runtime.controller import Controller, RoundCosts, controller_for
 from specx.runtime.detokenize import TextStream
 from specx.runtime.drafters import DrafterOptions, make_drafter
 from specx.runtime.drafters.tree_search import parse_tree_spec
@@ -93,9 +93,12 @@ class DraftPlan:
         """Equal for plans that build the same drafter."""
         return (self.drafter, repr(self.options))
 
-    def controller(self, drafter) -> Controller | None:
-        """A fresh per-round controller for `drafter` (None when drafts are kept whole)."""
-        return controller_for(drafter) if self.adaptive else None
+    def controller(self, drafter, costs: RoundCosts | None = None) -> Controller | None:
+        """A fresh per-round controller for `drafter` (None when drafts are kept whole).
+
+        `costs`: what earlier requests timed (`controller_for`).
+        """
+        return controller_for(drafter, costs) if self.adaptive else None
 
 
 @dataclass(frozen=True)
@@ -186,6 +189,9 @@ class Engine:
         self._drafters: dict[tuple, list[Any]] = {}  # plan key -> drafters not in use
         self._pool_lock = threading.Lock()
         self._warned: set[tuple] = set()
+        # (plan key, batch) -> round costs timed by earlier requests: the machine's, not a
+        # request's, so they outlive `reset_drafters`.
+        self._round_costs: dict[tuple, RoundCosts] = {}
 
     @property
     def name(self) -> str:
@@ -408,7 +414,7 @@ class Engine:
                 request.eos,
                 plan.max_batch_spec,
                 progress=progress,
-                controller=plan.controller(drafter),
+                controller=plan.controller(drafter, self.round_costs(plan, len(request.prompts))),
                 sink=sink,
             )
         finally:
@@ -439,6 +445,11 @@ class Engine:
         """Returns a drafter to the pool for the next request with the same plan."""
         with self._pool_lock:
             self._drafters.setdefault(plan.key, []).append(drafter)
+
+    def round_costs(self, plan: DraftPlan, batch: int) -> RoundCosts:
+        """The round costs `plan`'s requests of `batch` sequences time and share."""
+        with self._pool_lock:
+            return self._round_costs.setdefault((plan.key, batch), RoundCosts())
 
     def reset_drafters(self) -> None:
         """Drops the pooled drafters and what they learnt across requests.
