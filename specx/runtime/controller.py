@@ -17,7 +17,7 @@ chosen independently of their tokens' draws leaves the rest drafted as the rule 
 
 `AdaptiveController`, per sequence b and round: with p_d the running acceptance at depth d
 given depth d - 1 accepted (an exponential moving average over b's own rounds) and a round
-cost model T(k) learnt from the loop's own timings,
+cost model T(k) learnt from the loop's own timings (an engine's requests share one),
 
     k* = argmax_k (1 + sum_{d <= k} p_1 ... p_d) / T(k),   T(0) = a plain step,
 
@@ -151,10 +151,10 @@ class AdaptiveController:
     - the first draft and every probe use the smallest size (one node);
     - given `costs` that earlier requests timed (`Engine` keeps one per drafting plan and
       batch size: costs are the machine's, not the request's), neither of the two above
-      happens: the first round drafts at the size the rule picks (pyref-deep EAGLE-1,
-      calibrated chain 5, batch 1, 8 prompts x 64 tokens, one process, fastest of 3: 99%
-      of the fixed chain 4's speedup vs 96% learning the costs per request; EAGLE-3 and
-      n-gram +0.4% and +0.9%);
+      happens: the first round drafts at the size the rule picks (pyref-deep, batch 1, 8
+      prompts x 64 tokens, one process, fastest of 3: EAGLE-1 with the calibrated chain 5
+      99% of the fixed chain 4's speedup vs 95% learning the costs per request, EAGLE-3
+      with chain 3 99% vs 97%; `RoundCosts` says how shared costs stay fresh);
     - a row that stopped drafting is not re-evaluated until its probe; the interval doubles
       after each probe that found nothing (`probe_every` up to `max_probe_every` rounds)
       and is never shorter than keeps probes within `probe_budget` of the time;
@@ -556,8 +556,9 @@ class RoundCosts:
     An engine's requests share one (costs are the machine's), so an estimate may live far
     longer than a request, and the rule only re-times a width it picks: a width priced too
     high is never picked again. Shared as first landed (4de2b3d), pyref-deep EAGLE-3 chose
-    1-node drafts in all 303 rounds of a benchmark cell. Two guards, both erring cheap
-    (a width priced too low is picked, so re-timed at once):
+    1-node drafts in all 303 rounds of a benchmark cell (80% of the fixed chain's speedup;
+    100% with the guards, `benchmarks/controller.py`). Two guards, both erring cheap (a
+    width priced too low is picked, so re-timed at once):
     - a timing counts at most `rise` x the width's estimate (for a width not yet timed, what
       the other widths predict): one slow outlier moves an estimate a little, never out of
       the rule. The first two timings of a width replace its estimate (the first is capped,
