@@ -218,7 +218,11 @@ def main() -> None:
         earlier = json.loads(args.out.read_text())
         earlier["results"].update(report["results"])
         earlier.setdefault("merged_runs", []).append(
-            {"specx_commit": report["specx_commit"], "cells": sorted(report["results"])}
+            {
+                "specx_commit": report["specx_commit"],
+                "repeats": args.repeats,
+                "cells": sorted(report["results"]),
+            }
         )
         report = earlier
     args.out.parent.mkdir(parents=True, exist_ok=True)
