@@ -3,7 +3,8 @@
 For each target (pyref-7m; pyref-deep when `benchmarks/pyref_deep.py` wrote it), drafter
 (ngram, suffix, every trained head found under --heads (EAGLE-1/3) and --drafters (Medusa,
 MTP, and the draft model; `benchmarks/suite.py` trains them): all trained against pyref-7m,
-whose last hidden state and tokens pyref-deep shares), temperature (0, 0.7, 1.0) and batch
+whose last hidden state and tokens pyref-deep shares; the MTP head's layer is renumbered for
+pyref-deep, whose depth its checkpoint layout names), temperature (0, 0.7, 1.0) and batch
 (1, 4): plain decoding, the drafter at its default configuration with every draft kept
 (`--fixed-draft`: chains of 4, suffix's 16 nodes, Medusa's default tree), and the default
 `specx generate` (what `specx.load(...).generate_batch(..., speculation=DRAFTER)` does: the
@@ -73,7 +74,10 @@ def artifacts(
             if only is not None and kind != "none" and kind not in only:
                 continue
             log(f"exporting {name} ({kind})")
-            drafter = None if kind == "none" else f"{kind}:{sources[kind]}"
+            source = sources.get(kind)
+            if kind == "mtp":
+                source = mtp_renumbered(source, checkpoint, work / name / "mtp-head")
+            drafter = None if kind == "none" else f"{kind}:{source}"
             try:
                 out = export_target(checkpoint, work / name / kind, max_context=1024,
                                     drafter=drafter)  # fmt: skip
@@ -83,6 +87,28 @@ def artifacts(
             build_artifact(out, BuildOptions("ort", "fp32"))
             built[name][kind] = out
     return built
+
+
+def mtp_renumbered(head: Path, target: Path, out: Path) -> Path:
+    """`head` (DeepSeek-V3 layout, trained on pyref-7m) with its layer named for `target`.
+
+    The layout names the MTP layer by its target's depth (`model.layers.{N}.`), so the head
+    pyref-7m's training wrote loads on pyref-7m only; pyref-deep shares pyref-7m's last
+    hidden state and tokens (as the EAGLE heads rely on), so the same weights under
+    pyref-deep's layer number are a head for it.
+    """
+    from safetensors.numpy import load_file, save_file
+
+    layers = json.loads((target / "config.json").read_text())["num_hidden_layers"]
+    weights = load_file(head / "model.safetensors")
+    prefix = f"model.layers.{layers}."
+    renamed = {prefix + k.split(".", 3)[3]: v for k, v in weights.items()}
+    if renamed.keys() == weights.keys():
+        return head
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(renamed, out / "model.safetensors")
+    (out / "config.json").write_text((head / "config.json").read_text())
+    return out
 
 
 def draft_model(work: Path, drafters: Path) -> str | None:
