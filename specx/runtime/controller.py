@@ -571,8 +571,7 @@ class RoundCosts:
         self.smoothing, self.rise, self.horizon = smoothing, rise, horizon
         self.by_width: dict[int, float] = {}
         self._seen: list[int] = []  # the widths timed, sorted
-        self._timings: dict[int, int] = {}  # width -> how often timed
-        self._timed_at: dict[int, int] = {}  # width -> the round it was last timed in
+        self._timed: dict[int, tuple[int, int]] = {}  # width -> (times timed, last round)
         self._round = 0
         self.draft = 0.0
 
@@ -584,19 +583,19 @@ class RoundCosts:
             old = self.verify(width) if self.by_width else verify_s
             self._seen = sorted((*self.by_width, width))
         verify_s = min(verify_s, self.rise * old)
-        timings = self._timings.get(width, 0) + 1
+        timings = self._timed.get(width, (0, 0))[0] + 1
         step = 1.0 if timings <= 2 else self.smoothing
         self.by_width[width] = old + step * (verify_s - old)
-        self._timings[width], self._timed_at[width] = timings, self._round
+        self._timed[width] = timings, self._round
         self._forget(self._round - self.horizon)
         if width > 1:  # a round that drafted (a plain round's "draft" is the controller's own)
             step = 1.0 if not self.draft else self.smoothing
             self.draft += step * (draft_s - self.draft)
 
     def _forget(self, before: int) -> None:
-        stale = [w for w, r in self._timed_at.items() if r <= before]
+        stale = [w for w, (_, last) in self._timed.items() if last <= before]
         for width in stale:
-            del self.by_width[width], self._timings[width], self._timed_at[width]
+            del self.by_width[width], self._timed[width]
         if stale:
             self._seen = sorted(self.by_width)
 
