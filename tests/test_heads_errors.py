@@ -83,16 +83,28 @@ def test_vocab_and_hidden_mismatch(head_dirs, target, tmp_path):
             load_head(f"eagle3:{copy}", target)
 
 
-def test_unknown_tap_layers(head_dirs, target, tmp_path):
+def test_tap_layers_outside_the_target(head_dirs, target, tmp_path):
     copy = shutil.copytree(head_dirs["eagle3-modelopt"], tmp_path / "taps")
     config = json.loads((copy / "config.json").read_text())
-    config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [0, 1, 2]
+    n = target.config.num_layers
+    config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [0, 1, n]  # layer outputs
     (copy / "config.json").write_text(json.dumps(config))
     with pytest.raises(
         CheckpointError,
-        match=r"eagle_aux_hidden_state_layer_ids \[0, 1, 2\] are not EAGLE-3's taps",
+        match=rf"eagle_aux_hidden_state_layer_ids: EAGLE-3 taps \[1, 2, {n + 1}\] must be three "
+        rf"layers in \[1, {n}\]",
     ):
         load_head(f"eagle3:{copy}", target)
+
+
+def test_a_heads_own_taps_are_read_in_each_layouts_numbering(head_dirs, target, tmp_path):
+    n = target.config.num_layers
+    copy = shutil.copytree(head_dirs["eagle3-modelopt"], tmp_path / "taps")
+    config = json.loads((copy / "config.json").read_text())
+    config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [0, 1, n - 1]  # outputs
+    (copy / "config.json").write_text(json.dumps(config))
+    assert load_head(f"eagle3:{copy}", target).tap_layers == (1, 2, n)  # states entering
+    assert load_head(f"eagle3:{head_dirs['eagle3']}", target).tap_layers is None
 
 
 class _RunsCode:
@@ -274,7 +286,7 @@ def test_a_speculators_eagle3_head_equals_the_same_head_in_the_official_layout(
         ({"speculators_model_type": "dflash"}, "speculators_model_type 'dflash' is not an EAGLE-3"),
         ({"norm_before_residual": True}, "norm_before_residual: true changes the EAGLE-3 layer"),
         ({"fc_norm": True}, "fc_norm: true"),
-        ({"eagle_aux_hidden_state_layer_ids": [1, 2, 3]}, "states entering layers"),
+        ({"eagle_aux_hidden_state_layer_ids": [0, 1, 2]}, r"taps \[0, 1, 2\] must be three"),
     ],
 )
 def test_speculators_variants_specx_does_not_load_are_named(

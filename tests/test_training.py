@@ -81,7 +81,7 @@ def test_resume_reproduces_an_uninterrupted_run(teacher_dir, tmp_path):
         if message.startswith("medusa step 40/"):
             raise KeyboardInterrupt
 
-    cfg = config("medusa", steps=60, save_every=20)
+    cfg = config("medusa", steps=60, save_every=20, eval_every=10)
     with pytest.raises(KeyboardInterrupt):
         train_drafter(teacher_dir, CORPUS, tmp_path / "b", cfg, progress=interrupt)
     assert (tmp_path / "b" / "train_state.pt").is_file()
@@ -92,9 +92,14 @@ def test_resume_reproduces_an_uninterrupted_run(teacher_dir, tmp_path):
     for name, tensor in fresh.model.state_dict().items():
         torch.testing.assert_close(resumed.model.state_dict()[name], tensor)
     assert straight.report["config"]["steps"] == 40
+    # The learning curve survives the interruption: the same steps, the same measures.
+    curve = [(c["step"], round(c["acceptance"], 6)) for c in resumed.report["learning_curve"]]
+    assert curve == [(c["step"], round(c["acceptance"], 6)) for c in fresh.report["learning_curve"]]
+    assert [step for step, _ in curve] == [0, 10, 20, 30, 40, 50, 60]
 
 
-def test_trained_eagle3_drafts_losslessly(teacher_dir, tmp_path):
+@pytest.mark.parametrize("taps", [None, (1, 3, 4)])
+def test_trained_eagle3_drafts_losslessly(teacher_dir, tmp_path, taps):
     from specx.artifact import load_manifest
     from specx.export.target_export import export_target
     from specx.runtime.drafters import DrafterOptions, make_drafter
@@ -103,11 +108,16 @@ def test_trained_eagle3_drafts_losslessly(teacher_dir, tmp_path):
     from specx.runtime.plain_decoding import generate_plain
     from specx.runtime.speculative_decoding import generate_speculative
 
-    train_drafter(teacher_dir, CORPUS, tmp_path / "head", config("eagle3", steps=80))
+    train_drafter(
+        teacher_dir, CORPUS, tmp_path / "head", config("eagle3", steps=80, tap_layers=taps)
+    )
     artifact = export_target(
         teacher_dir, tmp_path / "art", max_context=128, drafter=f"eagle3:{tmp_path / 'head'}"
     )
-    target = OrtTarget(load_manifest(artifact), threads=2)
+    manifest = load_manifest(artifact)
+    # The head's own taps (4 = the last layer's output) reach the exported target.
+    assert manifest.model["taps"]["layers"] == list(taps or (2, 2, 1))
+    target = OrtTarget(manifest, threads=2)
     from specx.runtime.tokenizer import TextTokenizer
 
     tokenizer = TextTokenizer(teacher_dir / "tokenizer.json")

@@ -11,7 +11,7 @@ import logging
 import click
 
 from specx import __version__
-from specx.cli import build, calibrate, export, generate, serve
+from specx.cli import build, calibrate, export, generate, serve, train
 from specx.cli.common import SpecxGroup
 
 __all__ = ["main"]
@@ -36,6 +36,6 @@ def main(verbose: bool) -> None:
     logger.propagate = False
 
 
-for _module in (export, generate, calibrate, build, serve):
+for _module in (export, train, generate, calibrate, build, serve):
     for _command in _module.COMMANDS:
         main.add_command(_command)

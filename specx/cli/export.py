@@ -1,4 +1,4 @@
-"""`specx export`, `train` and `demo`: the commands that need the export extra (torch)."""
+"""`specx export` and `demo`: the commands that need the export extra (torch)."""
 
 from __future__ import annotations
 
@@ -10,19 +10,15 @@ from pathlib import Path
 import click
 
 from specx.cli.common import (
-    NATURAL,
     POSITIVE,
-    FiniteFloat,
     IntRange,
-    only_applies,
-    passed,
     progress,
     require_extra,
 )
 from specx.cli.generate import print_stats
 from specx.errors import GenerationError, SpecxError
 
-__all__ = ["COMMANDS", "demo", "export", "train"]
+__all__ = ["COMMANDS", "demo", "export"]
 
 
 @click.command()
@@ -88,114 +84,6 @@ def export(
         overwrite=overwrite,
         progress=progress,
     )
-
-
-_TRAIN_ONLY = {
-    "draft_vocab": ("eagle3",),
-    "tap_layers": ("eagle3",),
-    "ttt_steps": ("eagle3", "mtp"),
-    "medusa_heads": ("medusa",),
-}
-
-
-@click.command()
-@click.argument("kind", type=click.Choice(["eagle3", "eagle", "medusa", "mtp", "draft-model"]))
-@click.argument("target_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
-@click.option(
-    "--corpus",
-    multiple=True,
-    required=True,
-    help="Text file, directory (.py/.txt/.md, recursive) or JSONL prompt set; repeatable.",
-)
-@click.option(
-    "-o",
-    "--output",
-    "output_dir",
-    required=True,
-    type=click.Path(path_type=Path),
-    help="Directory for the drafter in its public format: new, empty, or an earlier "
-    "training output (whose saved state it resumes).",
-)
-@click.option("--steps", type=POSITIVE, default=300, show_default=True)
-@click.option("--batch", type=POSITIVE, default=8, show_default=True)
-@click.option("--seq-len", type=IntRange(min=2), default=128, show_default=True)
-@click.option("--lr", type=FiniteFloat(min=0, min_open=True), default=1e-3, show_default=True)
-@click.option("--seed", type=NATURAL, default=0, show_default=True)
-@click.option(
-    "--ttt-steps",
-    type=POSITIVE,
-    default=3,
-    show_default=True,
-    help="EAGLE-3/MTP training-time-test steps (later steps weighted 0.8^i).",
-)
-@click.option(
-    "--draft-vocab",
-    type=POSITIVE,
-    default=None,
-    help="EAGLE-3 draft vocabulary size (most frequent corpus tokens; d2t/t2d).",
-)
-@click.option("--medusa-heads", type=POSITIVE, default=4, show_default=True)
-@click.option(
-    "--tap-layers",
-    help="EAGLE-3: comma-separated layers whose input states the head reads [default: 2, "
-    "N//2, N-3]; for a teacher whose streams equal the deployment target's taps.",
-)
-@click.option(
-    "--on-policy",
-    "on_policy",
-    type=NATURAL,
-    default=0,
-    show_default=True,
-    help="Add this many windows continued by the target, half greedy and half at T=0.7 "
-    "(on-policy data).",
-)
-@click.pass_context
-def train(
-    ctx: click.Context,
-    kind: str,
-    target_dir: Path,
-    corpus: tuple[str, ...],
-    output_dir: Path,
-    steps: int,
-    batch: int,
-    seq_len: int,
-    lr: float,
-    seed: int,
-    ttt_steps: int,
-    draft_vocab: int | None,
-    medusa_heads: int,
-    tap_layers: str | None,
-    on_policy: int,
-) -> None:
-    """Distil a KIND drafter against the target in TARGET_DIR (soft labels from the target)."""
-    for name, kinds in _TRAIN_ONLY.items():
-        flags = passed(ctx, name)
-        if flags and kind not in kinds:
-            raise SpecxError(only_applies(flags, f"{' and '.join(kinds)} training, not {kind}"))
-    layers = None
-    if tap_layers is not None:
-        items = [t.strip() for t in tap_layers.split(",")]
-        if len(items) != 3 or not all(t.isascii() and t.isdigit() for t in items):
-            raise SpecxError(f"--tap-layers must be three layer numbers, got {tap_layers!r}")
-        layers = tuple(int(t) for t in items)
-    require_extra("train")
-    from specx.training.loop import TrainConfig, train_drafter
-
-    config = TrainConfig(
-        kind,
-        steps=steps,
-        batch=batch,
-        seq_len=seq_len,
-        lr=lr,
-        seed=seed,
-        ttt_steps=ttt_steps,
-        draft_vocab=draft_vocab,
-        medusa_heads=medusa_heads,
-        on_policy_windows=on_policy,
-        tap_layers=layers,
-    )
-    result = train_drafter(target_dir, corpus, output_dir, config, progress=progress)
-    click.echo(json.dumps(result.report, indent=2))
 
 
 @click.command()
@@ -286,4 +174,4 @@ def _demo(
     }
 
 
-COMMANDS = (export, train, demo)
+COMMANDS = (export, demo)

@@ -39,20 +39,31 @@ __all__ = [
 TAP_KINDS = ("none", "last", "eagle3")
 
 
-def tap_layers(kind: str, num_layers: int) -> tuple[int, ...]:
+def tap_layers(kind: str, num_layers: int, layers: Sequence[int] | None = None) -> tuple[int, ...]:
     """The layers whose INPUT hidden states a tap kind captures; () for none and last.
 
     `eagle3` = the states entering layers 2, N//2 and N-3 (HF `hidden_states[2]`,
-    `[N//2]`, `[N-3]`), pre final norm, concatenated in that order.
+    `[N//2]`, `[N-3]`), pre final norm, concatenated in that order; or the three `layers`
+    a head names (vLLM's `eagle_aux_hidden_state_layer_ids`), each in [1, N], where N is
+    the last layer's output before the final norm (HF `hidden_states[N]` is after it).
+    On a shallow target EAGLE-3's defaults coincide (2, 2, 2 for 5 layers) and miss the
+    last layers, which is what a head's own taps are for.
     """
     if kind not in TAP_KINDS:
         raise ExportError(f"unknown taps {kind!r}; choose one of {', '.join(TAP_KINDS)}")
     if kind != "eagle3":
         return ()
-    layers = (2, num_layers // 2, num_layers - 3)
-    if num_layers < 3 or min(layers) < 0:
+    if layers is not None:
+        if len(layers) != 3 or not all(1 <= t <= num_layers for t in layers):
+            raise ExportError(
+                f"EAGLE-3 taps {list(layers)} must be three layers in [1, {num_layers}] (the "
+                f"states entering them; {num_layers} = the last layer's output)"
+            )
+        return tuple(layers)
+    defaults = (2, num_layers // 2, num_layers - 3)
+    if num_layers < 3 or min(defaults) < 0:
         raise ExportError(f"--taps eagle3 needs at least 3 layers; the target has {num_layers}")
-    return layers
+    return defaults
 
 
 class RMSNorm(nn.Module):
@@ -231,11 +242,13 @@ def _window(mask: torch.Tensor, position_ids: torch.Tensor, window: int) -> torc
 class TargetDecoder(nn.Module):
     """A supported HF decoder whose attention is one `specx::tree_attention` per layer."""
 
-    def __init__(self, config: TargetConfig, taps: str = "none"):
+    def __init__(
+        self, config: TargetConfig, taps: str = "none", layers: Sequence[int] | None = None
+    ):
         super().__init__()
         self.config = config
         self.taps = taps
-        self.tap_layers = tap_layers(taps, config.num_layers)
+        self.tap_layers = tap_layers(taps, config.num_layers, layers)
         self.model = _Backbone(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.compute_rope_tables()
@@ -248,11 +261,15 @@ class TargetDecoder(nn.Module):
 
     @classmethod
     def from_state_dict(
-        cls, config: TargetConfig, state_dict: Mapping[str, torch.Tensor], taps: str = "none"
+        cls,
+        config: TargetConfig,
+        state_dict: Mapping[str, torch.Tensor],
+        taps: str = "none",
+        layers: Sequence[int] | None = None,
     ) -> TargetDecoder:
         """Builds the decoder around checked HF weights without a second copy of them."""
         with torch.device("meta"):
-            decoder = cls(config, taps)
+            decoder = cls(config, taps, layers)
         decoder.load_state_dict(state_dict, strict=True, assign=True)
         decoder.compute_rope_tables()
         return decoder.eval()
@@ -300,6 +317,7 @@ class TargetDecoder(nn.Module):
                 h, cos, sin, kv_cache[2 * i], kv_cache[2 * i + 1], write_pos, mask
             )
             new_cache += [k_cache, v_cache]
+        captured[len(self.model.layers)] = h
         h = self.model.norm(h)
         logits = self.lm_head(h)
         if c.logit_softcap:  # Gemma 2: the logits transformers returns are capped

@@ -69,20 +69,24 @@ def _dynamic_shapes(num_layers: int) -> tuple[Any, ...]:
     return ({0: batch, 1: n}, {0: batch, 1: n}, {0: batch, 2: n, 3: kv_len}, {0: batch}, cache)
 
 
-def _placeholder_decoder(config: TargetConfig, taps: str) -> TargetDecoder:
+def _placeholder_decoder(
+    config: TargetConfig, taps: str, layers: tuple[int, ...] | None = None
+) -> TargetDecoder:
     """The decoder with uninitialised parameters: address space, no resident memory.
 
     The export traces this; the weights come from the checkpoint when the graph is saved.
     """
     with torch.device("meta"):
-        decoder = TargetDecoder(config, taps)
+        decoder = TargetDecoder(config, taps, layers)
     decoder = decoder.to_empty(device="cpu")
     decoder.compute_rope_tables()
     return decoder.eval()
 
 
-def _export_graph(checkpoint: Checkpoint, taps: str) -> tuple[ir.Model, TargetDecoder]:
-    decoder = _placeholder_decoder(checkpoint.config, taps)
+def _export_graph(
+    checkpoint: Checkpoint, taps: str, layers: tuple[int, ...] | None
+) -> tuple[ir.Model, TargetDecoder]:
+    decoder = _placeholder_decoder(checkpoint.config, taps, layers)
     inputs, outputs = io_names(decoder.config.num_layers, decoder.taps)
     model = export_streamed(
         decoder,
@@ -221,10 +225,10 @@ def export_target(
     hashing = ThreadPoolExecutor(1)
     digests = hashing.submit(lambda: {p.name: sha256_file(p) for p in checkpoint.files})
     hashing.shutdown(wait=False)
-    head = None
+    head, layers = None, None
     if drafter is not None:
         head = load_head(drafter, checkpoint)
-        taps = HEAD_TAPS[head.kind]
+        taps, layers = HEAD_TAPS[head.kind], getattr(head, "tap_layers", None)
     taps = taps or "none"
     shapes = TargetDecoder.parameter_shapes(checkpoint.config)
     n_params = sum(math.prod(s) for s in shapes.values())
@@ -238,7 +242,7 @@ def export_target(
         # Writes the weights while the graph is traced.
         WeightWriter(staging, "target.onnx.data", checkpoint.state_dict, plans) as writer,
     ):
-        model, decoder = _export_graph(checkpoint, taps)
+        model, decoder = _export_graph(checkpoint, taps, layers)
         _warn_on_shared_taps(decoder)
         progress("[3/5] writing target.onnx")
         writer.wait_for_plans(_writing_progress(progress))

@@ -41,12 +41,18 @@ def new_head(
     target: dict[str, torch.Tensor],
     draft_ids: np.ndarray | None = None,
     medusa_heads: int = 4,
+    tap_layers: tuple[int, ...] | None = None,
 ) -> torch.nn.Module:
-    """A freshly initialised head of `kind` for the target (`draft_ids`: EAGLE-3's vocab)."""
+    """A freshly initialised head of `kind` for the target.
+
+    EAGLE-3: `draft_ids` is its vocabulary, `tap_layers` the states it reads (None: 2, N//2,
+    N-3).
+    """
     embed, lm_head = target["model.embed_tokens.weight"], target["lm_head.weight"]
     if kind == "eagle3":
         ids = np.arange(config.vocab_size) if draft_ids is None else np.sort(draft_ids)
         head = Eagle3Head(_one_layer(config), config.hidden_size, config.vocab_size, len(ids))
+        head.tap_layers = tap_layers
         _frozen(head.embed_tokens.weight, embed)
         head.lm_head.weight.data.copy_(lm_head[torch.from_numpy(ids)])
         head.d2t.copy_(torch.from_numpy(ids) - torch.arange(len(ids)))
@@ -112,6 +118,9 @@ def save_head(head: torch.nn.Module, directory: Path, target_raw: dict[str, Any]
             draft_vocab_size=len(head.d2t),
             target_hidden_size=head.fc.in_features // 3,
         )
+        if head.tap_layers is not None:  # ModelOpt / SGLang numbering: layer outputs
+            layers = [t - 1 for t in head.tap_layers]
+            config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": layers}
         files = {"model.safetensors": tensors}
     elif isinstance(head, EagleHead):
         tensors = {k: v for k, v in state.items() if not k.startswith(("embed_tokens", "lm_head"))}

@@ -19,7 +19,7 @@ class TeacherOutput:
 
     probs: torch.Tensor  # [B, T, V]
     last: torch.Tensor  # [B, T, d] final post-norm hidden state
-    eagle3: torch.Tensor | None  # [B, T, 3d] states entering layers 2, N//2, N-3
+    eagle3: torch.Tensor | None  # [B, T, 3d] states entering the tap layers
 
 
 class Teacher:
@@ -33,11 +33,9 @@ class Teacher:
     ):
         self.config = config
         taps = "eagle3" if config.num_layers >= 3 else "none"
-        self.decoder = TargetDecoder.from_state_dict(config, state_dict, taps)
-        if tap_layers is not None:
-            # A smaller teacher whose streams equal the deployment target's taps (e.g.
-            # pyref-7m's layers 2, 3, 4 = pyref-deep's 2, 16, 29: benchmarks/pyref_deep.py).
-            self.decoder.tap_layers = tuple(tap_layers)
+        # `tap_layers`: the head's own taps, or those of a deployment target whose streams
+        # equal this teacher's (pyref-7m's 2, 3, 5 are pyref-deep's 2, 16, 32).
+        self.decoder = TargetDecoder.from_state_dict(config, state_dict, taps, tap_layers)
         self._last: list[torch.Tensor] = []
         # The lm_head's input is the final post-norm hidden state (the `last` taps).
         self.decoder.lm_head.register_forward_hook(lambda m, args, out: self._last.append(args[0]))

@@ -4,8 +4,8 @@ Formats (SafeAILab/EAGLE `cnets.py`; vLLM/SGLang `llama_eagle3.py`):
 - official (also SpecForge/SGLang): `midlayer.*` keys with `d2t`/`t2d`, a LlamaConfig-like
   config.json with `draft_vocab_size`;
 - NVIDIA ModelOpt: `layers.0.*` (or `midlayer.*`), an `eagle_config` block whose
-  `eagle_aux_hidden_state_layer_ids` name layer OUTPUTS (k - 1 for the state entering k),
-  no `t2d`;
+  `eagle_aux_hidden_state_layer_ids` name layer OUTPUTS (k - 1 for the state entering k;
+  OpenVINO's `hidden_layers_list` too), no `t2d`;
 - vllm-project/speculators: config.json with `speculators_model_type: "eagle3"`, the draft
   layer's LlamaConfig in `transformer_layer_config`, `draft_vocab_size`,
   `target_hidden_size` and `eagle_aux_hidden_state_layer_ids` (the states ENTERING those
@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from specx.errors import CheckpointError
+from specx.errors import CheckpointError, ExportError
 from specx.export.config import TargetConfig
 from specx.export.decoder import MLP, Attention, RMSNorm, RotaryEmbedding, tap_layers
 from specx.export.heads.weights import check_state_dict, head_attention_config, read_head
@@ -66,6 +66,9 @@ class Eagle3Head(nn.Module):
         self.lm_head = nn.Linear(d, draft_vocab, bias=False)
         self.register_buffer("d2t", torch.zeros(draft_vocab, dtype=torch.int64))
         self.rotary = RotaryEmbedding(config)
+        # The states entering these target layers, when the head names its own (None:
+        # EAGLE-3's 2, N//2, N-3; `specx.export.decoder.tap_layers`).
+        self.tap_layers: tuple[int, ...] | None = None
 
     def project(self, taps: torch.Tensor) -> torch.Tensor:
         """Target taps [B, N, 3d] -> first-step features [B, N, d]."""
@@ -90,23 +93,20 @@ def load_eagle3(directory: str | Path, target: TargetConfig, target_weights) -> 
 
     Raises:
         CheckpointError: missing or mis-shaped keys, hidden size or vocabulary mismatch,
-            `d2t` out of range or inconsistent with `t2d`, tap layers other than EAGLE-3's.
+            `d2t` out of range or inconsistent with `t2d`, tap layers outside the target.
     """
     ckpt = read_head(directory, WEIGHT_NAMES)
     where = ckpt.directory / "config.json"
     raw = dict(ckpt.config)
-    taps = list(tap_layers("eagle3", target.num_layers))
     if "speculators_model_type" in raw:
         raw, layers = _speculators_config(raw, where)
-        expected_layers, meaning = taps, "the states entering layers"
-    else:
+    else:  # ModelOpt / SGLang name layer outputs: the state entering layer i + 1
         layers = (raw.pop("eagle_config", None) or {}).get("eagle_aux_hidden_state_layer_ids")
-        expected_layers, meaning = [i - 1 for i in taps], "outputs of layers"
-    if layers is not None and list(layers) != expected_layers:
-        raise CheckpointError(
-            f"{where}: eagle_aux_hidden_state_layer_ids {layers} are not EAGLE-3's taps "
-            f"({meaning} {expected_layers} of a {target.num_layers}-layer target)"
-        )
+        layers = None if layers is None else [i + 1 for i in layers]
+    try:
+        taps = tap_layers("eagle3", target.num_layers, layers)
+    except ExportError as e:
+        raise CheckpointError(f"{where}: eagle_aux_hidden_state_layer_ids: {e}") from None
     tensors, origin = dict(ckpt.tensors), dict(ckpt.origin)
     if any(k.startswith("layers.1.") for k in tensors):
         raise CheckpointError(
@@ -144,6 +144,7 @@ def load_eagle3(directory: str | Path, target: TargetConfig, target_weights) -> 
     state["d2t"] = d2t
     head.load_state_dict(state, strict=True, assign=True)
     head.rotary = RotaryEmbedding(config)
+    head.tap_layers = taps if layers is not None else None
     return head.eval()
 
 
