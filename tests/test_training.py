@@ -57,6 +57,12 @@ def test_loss_falls_and_acceptance_rises(kind, teacher_dir, tmp_path):
     report = train_drafter(teacher_dir, CORPUS, tmp_path / kind, config(kind)).report
     assert report["final_loss"] < report["first_loss"]
     assert report["held_out_acceptance_after"] > report["held_out_acceptance_before"] + 0.01
+    first, last = report["learning_curve"][0], report["learning_curve"][-1]
+    assert last["acceptance_by_depth"][0] == report["held_out_acceptance_after"]
+    if kind != "draft-model":  # deeper drafts, from the drafter's own outputs, improve too
+        assert len(last["acceptance_by_depth"]) >= 4
+        assert last["acceptance_by_depth"][1] > first["acceptance_by_depth"][1]
+    assert last["tau_chain5_estimate"] > first["tau_chain5_estimate"]
     assert json.loads((tmp_path / kind / "train_report.json").read_text()) == report
     assert not (tmp_path / kind / "train_state.pt").exists()
 

@@ -1,8 +1,9 @@
 """`train_drafter`: distil a draft head or draft model against a frozen target.
 
 Deterministic for a seed (batch order is a function of (seed, step)), resumable from the
-last saved state, and it reports the held-out acceptance estimate `sum_x min(p, q)` of the
-first draft position before and after training.
+last saved state (learning curve included), and it reports the held-out acceptance estimate
+`sum_x min(p, q)` by draft depth (1..5) before, during (`eval_every`) and after training,
+with the chain-5 acceptance length those rates imply.
 """
 
 from __future__ import annotations
@@ -24,7 +25,13 @@ from specx.export.config import load_target_config
 from specx.export.heads.eagle3 import Eagle3Head
 from specx.training.corpus import read_texts, token_windows
 from specx.training.heads import HEAD_KINDS, new_head, save_head
-from specx.training.objectives import draft_model_loss, eagle_loss, medusa_loss, unrolled_loss
+from specx.training.objectives import (
+    draft_model_loss,
+    eagle_loss,
+    medusa_loss,
+    unrolled,
+    unrolled_loss,
+)
 from specx.training.regenerate import continue_windows, is_regenerated, read_windows
 from specx.training.teacher import Teacher, TeacherOutput
 
@@ -153,45 +160,63 @@ def _loss(kind: str, model, windows: torch.Tensor, teacher: TeacherOutput, cfg: 
     return draft_model_loss(model, windows, teacher)
 
 
+EVAL_DEPTH = 5  # held-out acceptance is measured for chains this deep
+
+
+def _full_vocab(model, q: torch.Tensor, vocab: int) -> torch.Tensor:
+    """EAGLE-3's draft-vocabulary distribution placed on the target's vocabulary."""
+    if not isinstance(model, Eagle3Head):
+        return q
+    full = q.new_zeros(*q.shape[:-1], vocab)
+    full[..., torch.arange(len(model.d2t)) + model.d2t] = q
+    return full
+
+
 @torch.no_grad()
-def _first_position_q(kind: str, model, windows: torch.Tensor, teacher: TeacherOutput):
-    """The drafter's distribution for x_{t+2} given x_<=t+1 (full vocab), and its labels."""
-    batch, n = windows.shape
+def _depth_q(kind: str, model, windows: torch.Tensor, teacher: TeacherOutput):
+    """Yields (q, p) per draft depth: the drafter's and the target's distributions.
+
+    Depth d's q is the drafter's distribution of x_{t+d+1} for a chain rooted after x_t
+    whose first d - 1 tokens were accepted (they are the window's own tokens), built from
+    its own earlier outputs as at inference; p is the target's. A draft model reads real
+    tokens at every depth, so its one distribution stands for all depths.
+    """
+    vocab = teacher.probs.shape[-1]
     if kind == "draft-model":
-        return torch.softmax(model(windows).logits[:, 1:-1], -1), teacher.probs[:, 1:-1]
+        yield torch.softmax(model(windows).logits[:, 1:-1], -1), teacher.probs[:, 1:-1]
+        return
     if kind == "medusa":
-        return torch.softmax(model(teacher.last)[:, :-2, 0], -1), teacher.probs[:, 1:-1]
+        logits = model(teacher.last)  # [B, T, K, V]
+        for k in range(min(EVAL_DEPTH, logits.shape[2])):
+            valid = windows.shape[1] - k - 2
+            yield torch.softmax(logits[:, :valid, k], -1), teacher.probs[:, k + 1 : k + 1 + valid]
+        return
     features = model.project(teacher.eagle3) if kind == "eagle3" else teacher.last
-    c = model.config
-    cache = [torch.zeros(batch, c.num_kv_heads, n, c.head_dim) for _ in range(2)]
-    tokens = torch.cat([windows[:, 1:], windows.new_zeros(batch, 1)], 1)
-    mask = torch.ones(n, n, dtype=torch.bool).tril()[None, None].expand(batch, 1, n, n)
-    logits = model(
-        tokens,
-        features,
-        torch.arange(n).expand(batch, n),
-        mask,
-        torch.zeros(batch, dtype=torch.int64),
-        cache,
-    )[0][:, :-2]
-    q = torch.softmax(logits, -1)
-    if isinstance(model, Eagle3Head):
-        full = q.new_zeros(*q.shape[:-1], teacher.probs.shape[-1])
-        full[..., torch.arange(len(model.d2t)) + model.d2t] = q
-        q = full
-    return q, teacher.probs[:, 1:-1]
+    for step, logits in unrolled(model, windows, features, EVAL_DEPTH):
+        q = _full_vocab(model, torch.softmax(logits, -1), vocab)
+        yield q, teacher.probs[:, step + 1 : step + 1 + logits.shape[1]]
 
 
-def _acceptance(kind, model, windows: np.ndarray, teacher: Teacher, batch: int) -> float:
+def _acceptance(kind, model, windows: np.ndarray, teacher: Teacher, batch: int) -> list[float]:
+    """Held-out acceptance estimate `sum min(p, q)` by draft depth (first = depth 1)."""
     was_training = model.training
     model.eval()
-    rates = []
+    sums: dict[int, list[float]] = {}
     for start in range(0, len(windows), batch):
         chunk = torch.from_numpy(windows[start : start + batch])
-        q, p = _first_position_q(kind, model, chunk, teacher(chunk))
-        rates.append(torch.minimum(p, q).sum(-1).mean().item())
+        for depth, (q, p) in enumerate(_depth_q(kind, model, chunk, teacher(chunk))):
+            sums.setdefault(depth, []).append(torch.minimum(p, q).sum(-1).mean().item())
     model.train(was_training)
-    return float(np.mean(rates))
+    return [float(np.mean(sums[d])) for d in sorted(sums)]
+
+
+def chain_tau(by_depth: Sequence[float], length: int) -> float:
+    """Tokens a round emits on a chain of `length` (bonus counted), if depths were independent.
+
+    A draft model's one estimate stands for every depth.
+    """
+    rates = [by_depth[min(d, len(by_depth) - 1)] for d in range(length)]
+    return 1.0 + float(sum(np.cumprod(rates)))
 
 
 def check_output(output_dir: Path, sources: Sequence[Path]) -> None:
@@ -448,12 +473,19 @@ class _Run:
         partial.replace(self.state_path)
 
     def _measure(self, step: int) -> float:
-        acceptance = _acceptance(
+        by_depth = _acceptance(
             self.cfg.kind, self.model, self.windows.held_out, self.teacher, self.cfg.batch
         )
-        tokens = step * self.cfg.batch * self.cfg.seq_len
-        self.curve.append({"step": step, "tokens": tokens, "acceptance": acceptance})
-        return acceptance
+        self.curve.append(
+            {
+                "step": step,
+                "tokens": step * self.cfg.batch * self.cfg.seq_len,
+                "acceptance": by_depth[0],
+                "acceptance_by_depth": by_depth,
+                "tau_chain5_estimate": chain_tau(by_depth, EVAL_DEPTH),
+            }
+        )
+        return by_depth[0]
 
     def _step(self, step: int) -> None:
         cfg = self.cfg

@@ -17,7 +17,14 @@ import torch.nn.functional as F
 
 from specx.training.teacher import TeacherOutput
 
-__all__ = ["draft_model_loss", "eagle_loss", "medusa_loss", "soft_cross_entropy", "unrolled_loss"]
+__all__ = [
+    "draft_model_loss",
+    "eagle_loss",
+    "medusa_loss",
+    "soft_cross_entropy",
+    "unrolled",
+    "unrolled_loss",
+]
 
 STEP_DECAY = 0.8
 
@@ -34,6 +41,29 @@ def _chain_mask(n: int, step: int) -> torch.Tensor:
     return torch.cat([real] + [own] * step, dim=1)
 
 
+def unrolled(head, windows: torch.Tensor, features: torch.Tensor, steps: int):
+    """The training-time-test unroll of an autoregressive head (EAGLE-3, EAGLE-1, MTP).
+
+    Yields (step, logits [B, valid, V']) for each step whose labels lie in the window: the
+    chains rooted at positions 0..valid-1, step `step` labelled `probs[:, step + 1 :][:,
+    :valid]` (the module docstring's conventions).
+    """
+    batch, n = windows.shape
+    c = head.config
+    cache = [torch.zeros(batch, c.num_kv_heads, steps * n, c.head_dim) for _ in range(2)]
+    hidden = features
+    for step in range(steps):
+        valid = n - step - 2  # chains whose label x_{r+step+2} lies in the window
+        if valid <= 0:
+            return
+        tokens = torch.cat([windows[:, step + 1 :], windows.new_zeros(batch, step + 1)], 1)
+        positions = (torch.arange(n) + step).expand(batch, n)
+        mask = _chain_mask(n, step)[None, None].expand(batch, 1, n, (step + 1) * n)
+        write_pos = torch.full((batch,), step * n, dtype=torch.int64)
+        logits, hidden, *cache = head(tokens, hidden, positions, mask, write_pos, cache)
+        yield step, logits[:, :valid]
+
+
 def unrolled_loss(
     head,
     windows: torch.Tensor,
@@ -46,22 +76,10 @@ def unrolled_loss(
 
     `draft_probs` maps teacher probabilities onto the head's output vocabulary.
     """
-    batch, n = windows.shape
-    c = head.config
-    cache = [torch.zeros(batch, c.num_kv_heads, steps * n, c.head_dim) for _ in range(2)]
     loss = windows.new_zeros((), dtype=torch.float32)
-    hidden = features
-    for step in range(steps):
-        valid = n - step - 2  # chains whose label x_{r+step+2} lies in the window
-        if valid <= 0:
-            break
-        tokens = torch.cat([windows[:, step + 1 :], windows.new_zeros(batch, step + 1)], 1)
-        positions = (torch.arange(n) + step).expand(batch, n)
-        mask = _chain_mask(n, step)[None, None].expand(batch, 1, n, (step + 1) * n)
-        write_pos = torch.full((batch,), step * n, dtype=torch.int64)
-        logits, hidden, *cache = head(tokens, hidden, positions, mask, write_pos, cache)
-        labels = draft_probs(teacher.probs[:, step + 1 : step + 1 + valid])
-        loss = loss + STEP_DECAY**step * soft_cross_entropy(logits[:, :valid], labels)
+    for step, logits in unrolled(head, windows, features, steps):
+        labels = draft_probs(teacher.probs[:, step + 1 : step + 1 + logits.shape[1]])
+        loss = loss + STEP_DECAY**step * soft_cross_entropy(logits, labels)
     return loss
 
 
