@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 from runners import scratch_dir
-from suite import SHARED, stdlib_split, train_drafters
+from suite import SHARED, stdlib_split, trained_drafters
 
 HUMANEVAL = SHARED / "data" / "eval" / "humaneval.jsonl"
 SMALL_TREE = [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 0, 0]]
@@ -115,7 +115,7 @@ def main() -> None:
 
     configure_threads(args.threads)
     started = time.perf_counter()
-    drafters_dir = train_drafters(model_dir, 400, False)
+    drafters_dir = trained_drafters()
     work = scratch_dir("specx-calibration-")
     tokenizer = TextTokenizer(model_dir / "tokenizer.json")
     calibration_prompts, held = split_prompts(tokenizer)

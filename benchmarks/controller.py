@@ -1,10 +1,10 @@
 """Speculation that never loses: the per-round controller vs fixed drafts vs plain decoding.
 
 For each target (pyref-7m; pyref-deep when `benchmarks/pyref_deep.py` wrote it), drafter
-(ngram, suffix, every trained head found under --heads (EAGLE-1/3) and --drafters (Medusa,
-MTP, and the draft model; `benchmarks/suite.py` trains them): all trained against pyref-7m,
-whose last hidden state and tokens pyref-deep shares; the MTP head's layer is renumbered for
-pyref-deep, whose depth its checkpoint layout names), temperature (0, 0.7, 1.0) and batch
+(ngram, suffix, and every trained drafter under --heads, the committed
+benchmarks/heads/pyref-7m: EAGLE-1/3, Medusa, MTP and the draft model, all trained against
+pyref-7m, whose residual stream and tokens pyref-deep shares; what a head's layout names by
+layer is renumbered for pyref-deep, `pyref_heads.for_deep`), temperature (0, 0.7, 1.0) and batch
 (1, 4): plain decoding, the drafter at its default configuration with every draft kept
 (`--fixed-draft`: chains of 4, suffix's 16 nodes, Medusa's default tree), and the default
 `specx generate` (what `specx.load(...).generate_batch(..., speculation=DRAFTER)` does: the
@@ -34,10 +34,12 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import pyref_heads  # noqa: E402
 from peers import load_prompts  # noqa: E402
 from runners import scratch_dir  # noqa: E402
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"
+HEAD_KINDS = ("eagle", "eagle3", "medusa", "mtp")
 TEMPERATURES = (0.0, 0.7, 1.0)
 BATCHES = (1, 4)
 
@@ -46,76 +48,42 @@ def log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def artifacts(
-    work: Path, heads: Path, drafters: Path, only: list[str] | None = None
-) -> dict[str, dict[str, Path]]:
+def artifacts(work: Path, heads: Path, only: list[str] | None = None) -> dict[str, dict[str, Path]]:
     """target -> drafter kind ("none" for model-free) -> artifact with an ort-fp32 build.
 
-    Heads: EAGLE-1/3 from `heads` (benchmarks/pyref_heads.py), Medusa and MTP from
-    `drafters` (benchmarks/suite.py's trained drafters), each where it exists and loads
-    (`only`: these kinds alone).
+    Heads: EAGLE-1/3, Medusa and MTP from `heads` (benchmarks/pyref_heads.py; renumbered for
+    pyref-deep by `pyref_heads.for_deep`), each where it exists (`only`: these kinds alone).
     """
     from specx.build import BuildOptions, build_artifact
-    from specx.errors import CheckpointError
     from specx.export.target_export import export_target
 
     targets = {"pyref-7m": SHARED / "models" / "pyref-7m"}
     deep = Path.home() / ".cache" / "specx" / "pyref-deep"
     if (deep / "config.json").is_file():
         targets["pyref-deep"] = deep
-    sources = {k: heads / k for k in ("eagle", "eagle3")} | {
-        k: drafters / k for k in ("medusa", "mtp")
-    }
-    sources = {k: d for k, d in sources.items() if (d / "config.json").is_file()}
+    kinds = [k for k in HEAD_KINDS if (heads / k / "config.json").is_file()]
     built: dict[str, dict[str, Path]] = {}
     for name, checkpoint in targets.items():
         built[name] = {}
-        for kind in ["none", *sources]:
+        for kind in ["none", *kinds]:
             if only is not None and kind != "none" and kind not in only:
                 continue
             log(f"exporting {name} ({kind})")
-            source = sources.get(kind)
-            if kind == "mtp":
-                source = mtp_renumbered(source, checkpoint, work / name / "mtp-head")
+            source = heads / kind
+            if name == "pyref-deep" and kind != "none":
+                source = pyref_heads.for_deep(kind, heads, work / name)
             drafter = None if kind == "none" else f"{kind}:{source}"
-            try:
-                out = export_target(checkpoint, work / name / kind, max_context=1024,
-                                    drafter=drafter)  # fmt: skip
-            except CheckpointError as e:  # an MTP head names its layer by the target's depth
-                log(f"  skipped: {e}")
-                continue
+            out = export_target(checkpoint, work / name / kind, max_context=1024, drafter=drafter)
             build_artifact(out, BuildOptions("ort", "fp32"))
             built[name][kind] = out
     return built
 
 
-def mtp_renumbered(head: Path, target: Path, out: Path) -> Path:
-    """`head` (DeepSeek-V3 layout, trained on pyref-7m) with its layer named for `target`.
-
-    The layout names the MTP layer by its target's depth (`model.layers.{N}.`), so the head
-    pyref-7m's training wrote loads on pyref-7m only; pyref-deep shares pyref-7m's last
-    hidden state and tokens (as the EAGLE heads rely on), so the same weights under
-    pyref-deep's layer number are a head for it.
-    """
-    from safetensors.numpy import load_file, save_file
-
-    layers = json.loads((target / "config.json").read_text())["num_hidden_layers"]
-    weights = load_file(head / "model.safetensors")
-    prefix = f"model.layers.{layers}."
-    renamed = {prefix + k.split(".", 3)[3]: v for k, v in weights.items()}
-    if renamed.keys() == weights.keys():
-        return head
-    out.mkdir(parents=True, exist_ok=True)
-    save_file(renamed, out / "model.safetensors")
-    (out / "config.json").write_text((head / "config.json").read_text())
-    return out
-
-
-def draft_model(work: Path, drafters: Path) -> str | None:
-    """`draft-model:ARTIFACT` for suite.py's trained draft model, or None when absent."""
+def draft_model(work: Path, heads: Path) -> str | None:
+    """`draft-model:ARTIFACT` for the committed draft model, or None when absent."""
     from specx.export.target_export import export_target
 
-    checkpoint = drafters / "draft-model"
+    checkpoint = heads / "draft-model"
     if not (checkpoint / "config.json").is_file():
         return None
     return f"draft-model:{export_target(checkpoint, work / 'draft-model', max_context=1024)}"
@@ -181,11 +149,8 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--heads", type=Path, default=Path.home() / ".cache/specx/pyref-heads")
-    parser.add_argument(
-        "--drafters", type=Path, default=Path.home() / ".cache/specx/pyref-drafters",
-        help="suite.py's trained drafters: medusa, mtp and draft-model where present",
-    )  # fmt: skip
+    parser.add_argument("--heads", type=Path, default=pyref_heads.HEADS,
+                        help="the trained drafters (benchmarks/heads/pyref-7m)")  # fmt: skip
     parser.add_argument("--calibrate", action="store_true", help="calibrate every drafter first")
     parser.add_argument("--only", default=None, help="comma-separated drafters to measure")
     parser.add_argument(
@@ -217,8 +182,8 @@ def main() -> None:
         "results": {},
     }
     only = None if args.only is None else args.only.split(",")
-    draft = draft_model(work, args.drafters)
-    for target_name, by_kind in artifacts(work, args.heads, args.drafters, only).items():
+    draft = draft_model(work, args.heads)
+    for target_name, by_kind in artifacts(work, args.heads, only).items():
         for kind, artifact in by_kind.items():
             kinds = [kind]
             if kind == "none":

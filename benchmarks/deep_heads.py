@@ -1,8 +1,8 @@
 """Trained heads on pyref-deep: measured speedup next to its ideal bound, and drafting overhead.
 
 pyref-deep (benchmarks/pyref_deep.py) is exported with each trained head under
-`--heads DIR/<kind>` (benchmarks/pyref_heads.py: trained against pyref-7m when missing, by a
-fixed recipe). For every configuration,
+`--heads DIR/<kind>` (the committed benchmarks/heads/pyref-7m, trained against pyref-7m by
+benchmarks/pyref_heads.py; `--retrain` trains and ships them again). For every configuration,
 on 18 held-out prompts (12 HumanEval stubs + 6 held-out stdlib files, as the suite), 96 new
 tokens, each prompt plain and speculative back to back, fastest of `--repeats`
 (`specx.calibration.timing`), greedy and at T=0.7:
@@ -15,7 +15,7 @@ context (median of 7), N the configuration's node budget and `draft` the measure
 time per round. For one-call chains the drafting overhead is also reported: the draft_chain
 graph's own ONNX Runtime time per round against the drafter's wall time per round.
 
-    python benchmarks/deep_heads.py [--heads ~/.cache/specx/pyref-heads] [--kinds eagle,eagle3]
+    python benchmarks/deep_heads.py [--heads benchmarks/heads/pyref-7m] [--kinds eagle,eagle3]
         [--build ort-fp32|ort-int4|ort-int8-draft|ort-int4-draft|exported]
 
 The target runs as `specx build --backend ort` leaves it (the ORT lowering) unless
@@ -135,8 +135,8 @@ def model_free(target, prompts, args, samplings, curve, report) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--heads", type=Path, default=pyref_heads.HEADS)
-    parser.add_argument("--kinds", default="eagle,eagle3", help="trained first when missing")
-    parser.add_argument("--retrain", action="store_true", help="train the heads again")
+    parser.add_argument("--kinds", default="eagle,eagle3", help="committed heads to measure")
+    parser.add_argument("--retrain", action="store_true", help="train and ship the heads again")
     parser.add_argument("--new-tokens", type=int, default=96)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
@@ -180,7 +180,10 @@ def main() -> None:
     for kind in kinds:
         log(f"exporting pyref-deep with the {kind} head")
         artifact = export_target(
-            deep, work / kind, max_context=1024, drafter=f"{kind}:{args.heads / kind}"
+            deep,
+            work / kind,
+            max_context=1024,
+            drafter=f"{kind}:{pyref_heads.for_deep(kind, args.heads, work)}",
         )
         if args.build != "exported":  # the ORT lowering, what `specx build` gives users
             build_artifact(artifact, build_options(args.build))

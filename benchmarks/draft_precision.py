@@ -65,7 +65,7 @@ def main() -> None:
 
     work = scratch_dir("specx-draft-precision-")
     deep = pyref_deep.write(source, work / "pyref-deep")
-    drafter_spec = f"{args.kind}:{head}"
+    drafter_spec = f"{args.kind}:{pyref_heads.for_deep(args.kind, args.heads, work)}"
     artifact = export_target(deep, work / "artifact", max_context=1024, drafter=drafter_spec)
     for build in BUILDS.values():
         log(f"building {build}")

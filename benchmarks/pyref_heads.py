@@ -1,74 +1,235 @@
-"""The trained heads the pyref-deep benchmarks read: one recipe per kind, trained when missing.
+"""The trained pyref-7m drafters every benchmark reads: committed under benchmarks/heads/.
 
-Each head is distilled against pyref-7m (`shared/models/pyref-7m`), whose residual stream is
-pyref-deep's (benchmarks/pyref_deep.py), so training is 6x cheaper than against the deep
-target; EAGLE-3 reads the teacher's layers 2, 3, 4, which are pyref-deep's taps 2, 16, 29.
-Corpus: the CPython standard library files the reference split does not hold out (as the
-suite). A head is trained only when `DIR/<kind>/train_report.json` is missing (`retrain`:
-always), so the benchmarks rerun on the same heads; the recipe and seed are in each
-`train_report.json`.
+`benchmarks/heads/pyref-7m/<kind>/` (kind = eagle3, eagle, mtp, medusa, draft-model) holds
+each drafter in the public format its loader reads, weights in fp16, with its training
+report; `benchmarks/heads/pyref-7m/README.md` gives the recipe, seed, training time, held-out
+acceptance and sha256 of each. The benchmarks use them as they are; `--retrain KINDS` trains
+those again with the recipes below and ships them in place of the committed ones.
 
-    python benchmarks/pyref_heads.py [--kinds eagle,eagle3] [--heads DIR] [--retrain]
+Data (the target's own text, as EAGLE-3, HASS and SpecForge train): `specx regenerate` has
+pyref-7m continue 32-token prompts from the CPython stdlib files its reference split trains
+on (8192 windows of 256 tokens, half greedy, a quarter each at T=0.7 and T=1), and, for
+held-out acceptance, prompts from the 26 files it holds out (256 windows). Both are written
+to ~/.cache/specx/pyref-data once (13 minutes here) and resumed if interrupted; training
+resumes from its last saved state too (`~/.cache/specx/pyref-heads-train/<kind>`).
+
+pyref-deep (benchmarks/pyref_deep.py) shares pyref-7m's residual stream, so the same heads
+draft for it: `for_deep` renumbers what a layout names by layer (MTP's layer index,
+EAGLE-3's taps) for the 32-layer target.
+
+    python benchmarks/pyref_heads.py [--retrain eagle3,eagle,...] [--steps N]
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
+import shutil
 import sys
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
 from suite import SHARED, stdlib_split  # noqa: E402
 
-HEADS = Path.home() / ".cache" / "specx" / "pyref-heads"
-# kind -> TrainConfig fields besides COMMON (on a 2-core machine: EAGLE-1 ~24 min, EAGLE-3 ~40).
+KINDS = ("eagle3", "eagle", "mtp", "medusa", "draft-model")
+HEADS = Path(__file__).resolve().parent / "heads" / "pyref-7m"
+TRAIN = Path.home() / ".cache" / "specx" / "pyref-heads-train"
+DATA = Path.home() / ".cache" / "specx" / "pyref-data"
+COMMON = {"batch": 8, "seq_len": 256, "lr": 2e-3, "seed": 0, "save_every": 100}
+# kind -> TrainConfig fields besides COMMON.
 RECIPES: dict[str, dict] = {
-    "eagle": {"steps": 2400, "on_policy_windows": 256},
-    "eagle3": {
-        "steps": 1500,
-        "ttt_steps": 4,
-        "draft_vocab": 2048,
-        "tap_layers": (2, 3, 4),
-        "on_policy_windows": 512,
-    },
+    "eagle3": {"steps": 3000, "ttt_steps": 7, "tap_layers": (2, 3, 5), "eval_every": 250},
+    "eagle": {"steps": 2400, "eval_every": 200},
+    "mtp": {"steps": 1200, "ttt_steps": 3, "eval_every": 200},
+    "medusa": {"steps": 800, "eval_every": 200},
+    "draft-model": {"steps": 800, "eval_every": 200},
 }
-COMMON = {"batch": 8, "seq_len": 256, "lr": 2e-3, "seed": 0, "save_every": 200}
+TRAIN_DATA = {"windows": 8192, "batch": 64, "shard_windows": 512, "seed": 0}
+HELD_OUT_DATA = {"windows": 256, "batch": 64, "shard_windows": 256, "seed": 1}
+# pyref-7m's residual stream entering layer i (0..5) is pyref-deep's entering DEEP_LAYER[i].
+DEEP_LAYER = (0, 1, 2, 16, 29, 32)
 
 
 def log(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
+    print(time.strftime("%H:%M:%S"), message, file=sys.stderr, flush=True)
+
+
+@dataclass(frozen=True)
+class Data:
+    train: Path
+    held_out: Path
+
+
+def ensure_data() -> Data:
+    """The regenerated training and held-out windows, written (or completed) when missing."""
+    from specx.training.regenerate import RegenerateConfig, regenerate
+
+    target = SHARED / "models" / "pyref-7m"
+    train_files, held_files = stdlib_split()
+    for name, files, settings in (
+        ("held-out", held_files, HELD_OUT_DATA),
+        ("train", train_files, TRAIN_DATA),
+    ):
+        regenerate(target, [str(p) for p in files], DATA / name, RegenerateConfig(**settings), log)
+    return Data(DATA / "train", DATA / "held-out")
+
+
+def train(kind: str, steps: int | None = None) -> Path:
+    """Trains `kind` with its recipe into TRAIN/kind (resuming); returns that directory."""
+    from specx.training.loop import TrainConfig, train_drafter
+
+    data = ensure_data()
+    recipe = {**COMMON, **RECIPES[kind], **({"steps": steps} if steps else {})}
+    out = TRAIN / kind
+    if (out / "train_report.json").is_file() and not (out / "train_state.pt").is_file():
+        shutil.rmtree(out)  # an earlier finished run: train afresh
+    log(f"training {kind} into {out} ({recipe})")
+    config = TrainConfig(kind, **recipe)
+    train_drafter(
+        SHARED / "models" / "pyref-7m",
+        [],
+        out,
+        config,
+        log,
+        data=[data.train],
+        held_out=data.held_out,
+    )
+    return out
+
+
+def ship(kind: str, trained: Path, heads: Path = HEADS) -> Path:
+    """Copies a trained drafter into `heads/kind` with fp16 weights, and its report."""
+    from safetensors.numpy import load_file, save_file
+
+    out = heads / kind
+    staging = heads / f".{kind}.partial"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    for path in sorted(trained.iterdir()):
+        if path.suffix == ".safetensors":
+            tensors = {
+                k: v.astype("float16") if v.dtype.kind == "f" else v
+                for k, v in load_file(path).items()
+            }
+            save_file(tensors, staging / path.name, metadata={"format": "pt"})
+        elif path.name in ("config.json", "train_report.json", "generation_config.json"):
+            shutil.copyfile(path, staging / path.name)
+    if out.exists():
+        shutil.rmtree(out)
+    staging.replace(out)
+    write_readme(heads)
+    return out
+
+
+def weights_sha256(directory: Path) -> dict[str, str]:
+    return {
+        p.name: hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(directory.glob("*.safetensors"))
+    }
+
+
+def write_readme(heads: Path = HEADS) -> None:
+    """heads/README.md: recipe, seed, time, acceptance and hashes of every shipped drafter."""
+    rows, hashes = [], {}
+    for kind in KINDS:
+        report_path = heads / kind / "train_report.json"
+        if not report_path.is_file():
+            continue
+        report = json.loads(report_path.read_text())
+        cfg, last = report["config"], report["learning_curve"][-1]
+        recipe = {k: cfg[k] for k in ("steps", "batch", "seq_len", "lr", "seed")}
+        for key in ("ttt_steps", "tap_layers", "draft_vocab"):
+            if kind in ("eagle3", "mtp") and cfg.get(key) is not None:
+                recipe[key] = cfg[key]
+        depth = ", ".join(f"{a:.2f}" for a in last["acceptance_by_depth"])
+        minutes = report["train_seconds"] / 60
+        rows.append(
+            f"| {kind} | {json.dumps(recipe)} | {minutes:.0f} min | {depth} | "
+            f"{last['tau_chain5_estimate']:.2f} |"
+        )
+        hashes[kind] = weights_sha256(heads / kind)
+    text = README_HEAD + "\n".join(rows) + "\n\nsha256 of the weight files:\n\n"
+    for kind, files in hashes.items():
+        text += "".join(f"- `{kind}/{name}`: `{digest}`\n" for name, digest in files.items())
+    (heads / "README.md").write_text(text)
+    (heads / "heads.json").write_text(json.dumps(hashes, indent=2) + "\n")
+
+
+README_HEAD = """# Trained drafters for pyref-7m
+
+Written by `python benchmarks/pyref_heads.py` (see its docstring for the data and recipes):
+distilled against `shared/models/pyref-7m` on 8192 windows of its own continuations of
+stdlib prompts, each in the public format its loader reads (`specx export --drafter
+KIND:DIR`; the draft model is an HF Llama checkpoint), weights in fp16. Held-out
+acceptance is `sum min(p, q)` by draft depth on 256 windows of the target continuing
+prompts from the files the reference split holds out (never trained on), and the chain-5
+acceptance length (bonus counted) those rates imply. Training ran on 2 CPU cores.
+
+| kind | recipe | training time | held-out acceptance by depth | chain-5 tau (estimate) |
+|---|---|---|---|---|
+"""
+
+
+def for_deep(kind: str, heads: Path, work: Path) -> Path:
+    """A head for pyref-deep: the same weights, with layer numbers renumbered (see above)."""
+    if kind == "mtp":
+        return _mtp_renumbered(heads / kind, 32, work / "mtp-deep")
+    if kind != "eagle3":
+        return heads / kind
+    config = json.loads((heads / kind / "config.json").read_text())
+    outputs = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    if outputs is None:
+        return heads / kind
+    out = work / "eagle3-deep"
+    shutil.copytree(heads / kind, out, dirs_exist_ok=True)
+    deep = [DEEP_LAYER[o + 1] - 1 for o in outputs]  # layer outputs in both numberings
+    config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = deep
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return out
+
+
+def _mtp_renumbered(head: Path, layers: int, out: Path) -> Path:
+    """The MTP head under `model.layers.{layers}.` (DeepSeek-V3 names it by target depth)."""
+    from safetensors.numpy import load_file, save_file
+
+    weights = load_file(head / "model.safetensors")
+    prefix = f"model.layers.{layers}."
+    renamed = {prefix + k.split(".", 3)[3]: v for k, v in weights.items()}
+    if renamed.keys() == weights.keys():
+        return head
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(renamed, out / "model.safetensors")
+    (out / "config.json").write_text((head / "config.json").read_text())
+    return out
 
 
 def ensure_heads(kinds: list[str], heads: Path = HEADS, retrain: bool = False) -> list[str]:
-    """Trains the `kinds` missing under `heads` (all of them with `retrain`); returns them."""
-    from specx.training.loop import TrainConfig, train_drafter
-
+    """The `kinds` present under `heads`; trains and ships the missing ones (all: `retrain`)."""
     unknown = sorted(set(kinds) - set(RECIPES))
     if unknown:
         raise SystemExit(f"no recipe for {unknown}; known: {sorted(RECIPES)}")
-    train_files, _ = stdlib_split()
     for kind in kinds:
-        out = heads / kind
-        if retrain or not (out / "train_report.json").is_file():
-            log(f"training the {kind} head into {out} ({RECIPES[kind]})")
-            config = TrainConfig(kind, **COMMON, **RECIPES[kind])
-            train_drafter(
-                SHARED / "models" / "pyref-7m", [str(p) for p in train_files], out, config, log
-            )
+        if retrain or not (heads / kind / "config.json").is_file():
+            ship(kind, train(kind), heads)
     return kinds
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--kinds", default=",".join(RECIPES))
+    parser.add_argument("--retrain", default="", help="kinds to train again and ship")
+    parser.add_argument("--steps", type=int, default=None, help="instead of the recipe's")
     parser.add_argument("--heads", type=Path, default=HEADS)
-    parser.add_argument("--retrain", action="store_true")
     args = parser.parse_args()
     if not (SHARED / "models" / "pyref-7m" / "model.safetensors").is_file():
         log("skipped: shared/models/pyref-7m is absent")
         return
-    ensure_heads(args.kinds.split(","), args.heads, args.retrain)
+    for kind in [k for k in args.retrain.split(",") if k]:
+        ship(kind, train(kind, args.steps), args.heads)
+    write_readme(args.heads)
 
 
 if __name__ == "__main__":

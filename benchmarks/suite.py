@@ -1,10 +1,10 @@
 """The benchmark suite: every drafter on the reference target, against plain decoding and peers.
 
-    python benchmarks/suite.py [--prompts 12] [--new-tokens 96] [--train-steps 400]
+    python benchmarks/suite.py [--prompts 12] [--new-tokens 96] [--retrain]
 
-Target: pyref-7m (`shared/models/pyref-7m`). Drafters are trained with `specx train` on the
-CPython standard library (files the reference split does not hold out) and cached in
-`~/.cache/specx/pyref-drafters` (rebuilt with `--retrain`). Prompts: HumanEval stubs plus
+Target: pyref-7m (`shared/models/pyref-7m`). Drafters: the committed ones under
+benchmarks/heads/pyref-7m (benchmarks/pyref_heads.py; `--retrain` trains and ships them
+again). Prompts: HumanEval stubs plus
 held-out stdlib files. In one run: plain decoding vs n-gram, draft model, Medusa, EAGLE-1,
 EAGLE-3 (chain / static / dynamic) and MTP, greedy and T=0.7; the dynamic-tree size sweep;
 the batch curve; transformers plain, assisted generation and prompt lookup on the same
@@ -26,9 +26,8 @@ from pathlib import Path
 from runners import scratch_dir
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"
-CACHE = Path.home() / ".cache" / "specx" / "pyref-drafters"
 RESULTS = Path(__file__).resolve().parent / "results"
-HEADS = {"eagle3": {"draft_vocab": 2048}, "eagle": {}, "medusa": {}, "mtp": {}}
+HEADS = ("eagle3", "eagle", "medusa", "mtp")
 
 
 def log(message: str) -> None:
@@ -41,21 +40,12 @@ def stdlib_split() -> tuple[list[Path], list[Path]]:
     return stdlib_files()
 
 
-def train_drafters(target: Path, steps: int, retrain: bool) -> dict[str, Path]:
-    from specx.training.loop import TrainConfig, train_drafter
+def trained_drafters(retrain: bool = False) -> dict[str, Path]:
+    """kind -> the committed trained drafter (benchmarks/heads/pyref-7m; `retrain`: anew)."""
+    import pyref_heads
 
-    train_files, _ = stdlib_split()
-    corpus = [str(p) for p in train_files]
-    out = {}
-    for kind in [*HEADS, "draft-model"]:
-        directory = CACHE / kind
-        if retrain or not (directory / "train_report.json").is_file():
-            log(f"training {kind} ({steps} steps)")
-            extra = HEADS.get(kind, {})
-            config = TrainConfig(kind, steps=steps, batch=8, seq_len=256, lr=2e-3, **extra)
-            train_drafter(target, corpus, directory, config, progress=log)
-        out[kind] = directory
-    return out
+    kinds = pyref_heads.ensure_heads(list(pyref_heads.KINDS), retrain=retrain)
+    return {kind: pyref_heads.HEADS / kind for kind in kinds}
 
 
 def prompts_for(tokenizer, count: int) -> list[list[int]]:
@@ -199,7 +189,6 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompts", type=int, default=12)
     parser.add_argument("--new-tokens", type=int, default=96)
-    parser.add_argument("--train-steps", type=int, default=400)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--retrain", action="store_true")
     args = parser.parse_args()
@@ -222,7 +211,7 @@ def main() -> None:
     from specx.runtime.tokenizer import TextTokenizer
 
     started = time.perf_counter()
-    drafters_dir = train_drafters(model_dir, args.train_steps, args.retrain)
+    drafters_dir = trained_drafters(args.retrain)
     work = scratch_dir("specx-suite-")
     log("exporting the target with each head, and the draft model")
     arts = {

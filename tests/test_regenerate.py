@@ -74,6 +74,9 @@ def test_an_interrupted_run_resumes_to_the_same_bytes(target_dir, straight, tmp_
     regenerate(target_dir, CORPUS, tmp_path / "r", SMALL, messages.append)
     assert "(1 done;" in messages[0]
     assert _shards(tmp_path / "r") == _shards(straight)
+    messages.clear()  # complete: nothing is exported or generated again
+    regenerate(target_dir, CORPUS, tmp_path / "r", SMALL, messages.append)
+    assert messages == [f"{tmp_path / 'r'}: all 3 shards of 10 windows are written"]
 
 
 def test_bad_output_and_settings_are_refused_before_work(target_dir, straight, tmp_path):

@@ -174,6 +174,9 @@ def regenerate(
             f"regenerating needs {need / 1e6:.0f} MB in {output_dir}, more than half of the "
             f"{free / 1e6:.0f} MB free"
         )
+    if len(done) == cfg.shards:
+        progress(f"{output_dir}: all {cfg.shards} shards of {cfg.windows} windows are written")
+        return output_dir
     tokenizer = TextTokenizer(tokenizer_path)
     stream = np.concatenate([np.asarray(tokenizer.encode(t), np.int64) for t in read_texts(corpus)])
     if len(stream) <= cfg.prompt_tokens:
