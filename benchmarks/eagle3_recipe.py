@@ -83,6 +83,24 @@ def run(name: str, steps: int, work: Path) -> dict:
     }
 
 
+def coverage(sizes=(512, 1024, 2048, 3072, 4096)) -> dict[str, dict[str, float]]:
+    """Share of training / held-out target tokens inside a draft vocabulary of each size
+    (the most frequent training tokens, as `specx train --draft-vocab`)."""
+    from specx.training.loop import _coverage, _draft_vocab
+    from specx.training.regenerate import read_windows
+
+    data = pyref_heads.ensure_data()
+    train, held = read_windows(data.train), read_windows(data.held_out)
+    out = {}
+    for size in sizes:
+        ids = _draft_vocab(train, size, 4096)
+        out[str(size)] = {
+            "train": _coverage(train, ids, 4096),
+            "held_out": _coverage(held, ids, 4096),
+        }
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=150)
@@ -101,7 +119,9 @@ def main() -> None:
             "machine": {"platform": platform.platform(), "cpu_threads": 2},
         }
     )
-    for name in args.only.split(","):
+    report["draft_vocab_coverage"] = coverage()
+    log(f"draft vocabulary coverage: {report['draft_vocab_coverage']}")
+    for name in [n for n in args.only.split(",") if n]:
         log(f"{name}: {VARIANTS[name][0]}")
         report["runs"][name] = row = run(name, args.steps, work)
         log(

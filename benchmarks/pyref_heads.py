@@ -39,14 +39,14 @@ KINDS = ("eagle3", "eagle", "mtp", "medusa", "draft-model")
 HEADS = Path(__file__).resolve().parent / "heads" / "pyref-7m"
 TRAIN = Path.home() / ".cache" / "specx" / "pyref-heads-train"
 DATA = Path.home() / ".cache" / "specx" / "pyref-data"
-COMMON = {"batch": 8, "seq_len": 256, "lr": 2e-3, "seed": 0, "save_every": 100}
+COMMON = {"batch": 8, "seq_len": 256, "lr": 2e-3, "seed": 0, "save_every": 100, "bf16": True}
 # kind -> TrainConfig fields besides COMMON.
 RECIPES: dict[str, dict] = {
-    "eagle3": {"steps": 3000, "ttt_steps": 7, "tap_layers": (2, 3, 5), "eval_every": 250},
-    "eagle": {"steps": 2400, "eval_every": 200},
-    "mtp": {"steps": 1200, "ttt_steps": 3, "eval_every": 200},
-    "medusa": {"steps": 800, "eval_every": 200},
-    "draft-model": {"steps": 800, "eval_every": 200},
+    "eagle3": {"steps": 1200, "ttt_steps": 7, "tap_layers": (2, 3, 5), "eval_every": 100},
+    "eagle": {"steps": 1200, "eval_every": 100},
+    "mtp": {"steps": 600, "ttt_steps": 3, "eval_every": 100},
+    "medusa": {"steps": 400, "eval_every": 100},
+    "draft-model": {"steps": 400, "eval_every": 100},
 }
 TRAIN_DATA = {"windows": 8192, "batch": 64, "shard_windows": 512, "seed": 0}
 HELD_OUT_DATA = {"windows": 256, "batch": 64, "shard_windows": 256, "seed": 1}

@@ -14,7 +14,9 @@ import pytest
 from conftest import SHARED
 
 HEADS = Path(__file__).resolve().parents[1] / "benchmarks" / "heads" / "pyref-7m"
-RECORDED = json.loads((HEADS / "heads.json").read_text()) if (HEADS / "heads.json").is_file() else {}
+RECORDED = (
+    json.loads((HEADS / "heads.json").read_text()) if (HEADS / "heads.json").is_file() else {}
+)
 # Acceptance length (bonus counted) of greedy chains of 4 on the prompts below: well under
 # what each head measures (heads/README.md), far over an untrained head's ~1.05.
 FLOORS = {"eagle3": 2.2, "eagle": 2.0, "mtp": 1.8, "medusa": 1.3, "draft-model": 1.4}

@@ -172,3 +172,10 @@ def test_on_policy_windows_are_added(teacher_dir, tmp_path):
     ).report
     plain = train_drafter(teacher_dir, CORPUS, tmp_path / "plain", config("medusa", steps=3)).report
     assert report["train_windows"] == plain["train_windows"] + 4
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "eagle", "medusa", "mtp", "draft-model"])
+def test_bf16_autocast_trains_every_kind(kind, teacher_dir, tmp_path):
+    report = train_drafter(teacher_dir, CORPUS, tmp_path / kind, config(kind, bf16=True)).report
+    assert report["final_loss"] < report["first_loss"]
+    assert report["held_out_acceptance_after"] > report["held_out_acceptance_before"]

@@ -39,8 +39,9 @@ def tree_attention_reference(
     batch, kv_heads, n, head_dim = k.shape
     slots = write_pos[:, None] + torch.arange(n, device=k.device)  # [B, N]
     index = slots[:, None, :, None].expand(batch, kv_heads, n, head_dim)
-    k_cache = k_cache.scatter(2, index, k)
-    v_cache = v_cache.scatter(2, index, v)
+    # Under bf16 autocast (training) RoPE's fp32 tables promote k; the cache keeps one dtype.
+    k_cache = k_cache.scatter(2, index, k.to(k_cache.dtype))
+    v_cache = v_cache.scatter(2, index, v.to(v_cache.dtype))
     kv_len = mask.shape[-1]
     keys, values = k_cache[:, :, :kv_len], v_cache[:, :, :kv_len]
     if softcap > 0:

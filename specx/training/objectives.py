@@ -41,6 +41,14 @@ def _chain_mask(n: int, step: int) -> torch.Tensor:
     return torch.cat([real] + [own] * step, dim=1)
 
 
+def _empty_cache(head, batch: int, slots: int) -> list[torch.Tensor]:
+    """The head's K/V cache, in the dtype its projections produce (bf16 under autocast)."""
+    c = head.config
+    bf16 = torch.is_autocast_enabled("cpu")
+    dtype = torch.get_autocast_dtype("cpu") if bf16 else torch.float32
+    return [torch.zeros(batch, c.num_kv_heads, slots, c.head_dim, dtype=dtype) for _ in range(2)]
+
+
 def unrolled(head, windows: torch.Tensor, features: torch.Tensor, steps: int):
     """The training-time-test unroll of an autoregressive head (EAGLE-3, EAGLE-1, MTP).
 
@@ -49,8 +57,7 @@ def unrolled(head, windows: torch.Tensor, features: torch.Tensor, steps: int):
     :valid]` (the module docstring's conventions).
     """
     batch, n = windows.shape
-    c = head.config
-    cache = [torch.zeros(batch, c.num_kv_heads, steps * n, c.head_dim) for _ in range(2)]
+    cache = _empty_cache(head, batch, steps * n)
     hidden = features
     for step in range(steps):
         valid = n - step - 2  # chains whose label x_{r+step+2} lies in the window
@@ -88,8 +95,7 @@ def eagle_loss(
 ) -> torch.Tensor:
     """EAGLE-1: smooth-L1 regression of the next feature + soft CE of the next token."""
     batch, n = windows.shape
-    c = head.config
-    cache = [torch.zeros(batch, c.num_kv_heads, n, c.head_dim) for _ in range(2)]
+    cache = _empty_cache(head, batch, n)
     tokens = torch.cat([windows[:, 1:], windows.new_zeros(batch, 1)], 1)
     mask = torch.ones(n, n, dtype=torch.bool).tril()[None, None].expand(batch, 1, n, n)
     logits, hidden, *_ = head(
