@@ -53,6 +53,9 @@ def new_head(
         ids = np.arange(config.vocab_size) if draft_ids is None else np.sort(draft_ids)
         head = Eagle3Head(_one_layer(config), config.hidden_size, config.vocab_size, len(ids))
         head.tap_layers = tap_layers
+        # Its output meets the target's lm_head, so its final norm starts as the target's
+        # (pyref-7m's scale is ~2: from ones, Adam at lr 2e-3 needs ~500 steps to get there).
+        head.norm.weight.data.copy_(target["model.norm.weight"])
         _frozen(head.embed_tokens.weight, embed)
         head.lm_head.weight.data.copy_(lm_head[torch.from_numpy(ids)])
         head.d2t.copy_(torch.from_numpy(ids) - torch.arange(len(ids)))
@@ -69,6 +72,7 @@ def new_head(
         head = MTPHead(_one_layer(config), hidden_first=False)
         _frozen(head.embed_tokens.weight, embed)
         _frozen(head.head.weight, lm_head)
+        head.norm.weight.data.copy_(target["model.norm.weight"])  # as EAGLE-3's, above
     else:
         raise ValueError(f"unknown head {kind!r}; choose one of {', '.join(HEAD_KINDS)}")
     return head

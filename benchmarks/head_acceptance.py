@@ -1,0 +1,117 @@
+"""Acceptance of every committed pyref-7m drafter at equal node counts: no timing, so it may
+run beside other work.
+
+On pyref-7m (exported with each head; the draft model as its own artifact), 18 held-out
+prompts (12 HumanEval stubs + 6 stdlib files the reference split holds out, as the suite),
+96 new tokens, batch 1: the acceptance length tau (tokens a round emits, the bonus counted)
+and acceptance by depth, for a chain of 5 greedy and at T=0.7 and an EAGLE-2 dynamic tree
+of 16 nodes (`dynamic:17,5,4`) greedy. Medusa drafts its chain from the top-1 of each of its
+heads (it has 4, so its chain stops at 4) and its tree from the same dynamic rule. Every
+greedy output is compared with plain decoding's. Writes benchmarks/results/head_acceptance.json.
+
+    python benchmarks/head_acceptance.py [--kinds eagle3,eagle,mtp,medusa,draft-model]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import pyref_heads  # noqa: E402
+from runners import scratch_dir  # noqa: E402
+from suite import SHARED, prompts_for  # noqa: E402
+
+CONFIGS = {
+    "chain 5 greedy": ("chain:5", 0.0),
+    "chain 5 T=0.7": ("chain:5", 0.7),
+    "tree 16 greedy": ("dynamic:17,5,4", 0.0),
+}
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def artifacts(kind: str, work: Path) -> tuple[Path, str]:
+    """(target artifact, drafter spec) for a committed drafter on pyref-7m."""
+    from specx.export.target_export import export_target
+
+    source = SHARED / "models" / "pyref-7m"
+    if kind == "draft-model":
+        draft = export_target(pyref_heads.HEADS / kind, work / "draft", max_context=1024)
+        return export_target(source, work / "plain", max_context=1024), f"{kind}:{draft}"
+    head = f"{kind}:{pyref_heads.HEADS / kind}"
+    return export_target(source, work / kind, max_context=1024, drafter=head), kind
+
+
+def measure(target, spec: str, tree: str, temperature: float, prompts, new_tokens) -> dict:
+    from specx.runtime.drafters import DrafterOptions, make_drafter
+    from specx.runtime.drafters.tree_search import parse_tree_spec
+    from specx.runtime.plain_decoding import generate_plain
+    from specx.runtime.sampling import SamplingParams
+    from specx.runtime.speculative_decoding import generate_speculative
+
+    shape = parse_tree_spec(tree)
+    if spec == "medusa" and tree.startswith("chain"):
+        shape = parse_tree_spec("chain:4")
+    drafter = make_drafter(spec, target, DrafterOptions(tree=shape))
+    rounds = emitted = 0
+    reached: list[int] = []
+    accepted: list[int] = []
+    identical = True
+    for i, prompt in enumerate(prompts):
+        sampling = SamplingParams(temperature, seed=i)
+        out = generate_speculative(target, drafter, [prompt], new_tokens, sampling)
+        stats = out.stats
+        rounds += stats["rounds"]
+        emitted += stats["acceptance_length"] * stats["rounds"]
+        for d, rate in enumerate(stats["acceptance_by_position"]):
+            while len(reached) <= d:
+                reached.append(0)
+                accepted.append(0)
+            reached[d] += stats["rounds"]
+            accepted[d] += rate * stats["rounds"]
+        if sampling.greedy:
+            identical &= out.tokens == generate_plain(target, [prompt], new_tokens).tokens
+    return {
+        "tree": str(shape) if spec == "medusa" else tree,
+        "acceptance_length": emitted / rounds,
+        "acceptance_by_position": [a / r for a, r in zip(accepted, reached, strict=True)],
+        "identical_to_plain": identical if temperature == 0 else None,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--kinds", default=",".join(pyref_heads.KINDS))
+    parser.add_argument("--new-tokens", type=int, default=96)
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/head_acceptance.json"))
+    args = parser.parse_args()
+    if not (SHARED / "models" / "pyref-7m" / "model.safetensors").is_file():
+        log("skipped: shared/models/pyref-7m is absent")
+        return
+    from specx.artifact import load_manifest
+    from specx.runtime.ort_target import OrtTarget
+    from specx.runtime.tokenizer import TextTokenizer
+
+    prompts = prompts_for(TextTokenizer(SHARED / "models" / "pyref-7m" / "tokenizer.json"), 12)
+    work = scratch_dir("specx-head-acceptance-")
+    report = {"benchmark": "head_acceptance", "prompts": len(prompts),
+              "new_tokens": args.new_tokens, "results": {}}  # fmt: skip
+    for kind in args.kinds.split(","):
+        artifact, spec = artifacts(kind, work / kind)
+        target = OrtTarget(load_manifest(artifact), threads=1)
+        for name, (tree, temperature) in CONFIGS.items():
+            row = measure(target, spec, tree, temperature, prompts, args.new_tokens)
+            report["results"][f"{kind} {name}"] = row
+            depth = ", ".join(f"{a:.2f}" for a in row["acceptance_by_position"])
+            log(f"{kind} {name}: tau {row['acceptance_length']:.2f} ({depth})")
+            args.out.write_text(json.dumps(report, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
