@@ -4,9 +4,11 @@ pyref-7m has 5 real layers R0..R4. pyref-deep has 32: R0 and R1 at layers 0 and 
 R3 at 28, R4 at 31, and 27 copies of real layers with their o_proj and down_proj zeroed
 (`specx.training.block_expansion`): every layer does real attention and MLP work and keeps a
 KV cache (6.4x pyref-7m's), but the residual stream, and so every logit and the greedy
-output, is pyref-7m's bit for bit. EAGLE-3's taps (layers 2, 16, 29) read the streams after
-R1, R2 and R3 (low, mid, high); the last hidden state is pyref-7m's, so heads trained on
-pyref-7m's last state carry over unchanged.
+output, is pyref-7m's bit for bit. EAGLE-3's default taps (layers 2, 16, 29) read the
+streams after R1, R2 and R3 (low, mid, high) and miss R4; the committed EAGLE-3 head names
+its own (2, 3, 5 on pyref-7m: after R1, R2 and R4, which are pyref-deep's 2, 16, 32;
+`pyref_heads.for_deep`). The last hidden state is pyref-7m's, so heads trained on pyref-7m
+carry over unchanged.
 
     python benchmarks/pyref_deep.py [--out ~/.cache/specx/pyref-deep]
 """
