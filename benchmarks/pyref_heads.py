@@ -44,7 +44,7 @@ COMMON = {"batch": 8, "seq_len": 256, "lr": 2e-3, "seed": 0, "save_every": 100, 
 RECIPES: dict[str, dict] = {
     "eagle3": {"steps": 1000, "ttt_steps": 7, "tap_layers": (2, 3, 5), "eval_every": 100},
     "eagle": {"steps": 1200, "eval_every": 100},
-    "mtp": {"steps": 600, "ttt_steps": 3, "eval_every": 100},
+    "mtp": {"steps": 300, "ttt_steps": 3, "eval_every": 100},
     "medusa": {"steps": 400, "eval_every": 100},
     "draft-model": {"steps": 400, "eval_every": 100},
 }

@@ -123,6 +123,12 @@ def check_manifest_types(where: str, data: dict[str, Any]) -> None:
         if not isinstance(digest, str) or not _SHA256.fullmatch(digest):
             raise ArtifactError(f"{where}: files[{name!r}] is not a sha256 hex digest")
     _fields(f"{where}: model", data["model"], _MODEL)
+    vocab = data["model"]["vocab_size"]
+    outside = [t for t in data["model"]["eos_token_ids"] if t >= vocab]
+    if outside:
+        raise ArtifactError(
+            f"{where}: model.eos_token_ids {outside} lie outside the vocabulary of {vocab} tokens"
+        )
     _fields(f"{where}: model.taps", data["model"]["taps"], _TAPS)
     for name, entry in data["graphs"].items():
         _graph(f"{where}: graphs.{name}", entry)

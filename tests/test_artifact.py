@@ -106,3 +106,13 @@ def test_interrupted_overwrite_keeps_old_artifact(checkpoints, artifact_copy, mo
     assert (artifact_copy / "manifest.json").read_text() == before
     assert sorted(p.name for p in artifact_copy.parent.iterdir()) == ["artifact"]
     load_manifest(artifact_copy)
+
+
+def test_an_eos_token_outside_the_vocabulary_is_refused(artifact_copy):
+    path = artifact_copy / "manifest.json"
+    manifest = json.loads(path.read_text())
+    vocab = manifest["model"]["vocab_size"]
+    manifest["model"]["eos_token_ids"] = [0, vocab]
+    path.write_text(json.dumps(manifest))
+    with pytest.raises(ArtifactError, match=rf"eos_token_ids \[{vocab}\] lie outside the vocab"):
+        load_manifest(artifact_copy)

@@ -167,3 +167,13 @@ def test_export_with_head_and_generate(head_target, head_dirs, tmp_path):
         f"eagle3:{head_dirs['eagle3']}",
     )
     assert taps.exit_code == 2 and "reads --taps eagle3, not last" in taps.output
+
+
+def test_compare_at_a_temperature_gives_no_token_verdict(artifacts):
+    args = ["generate", artifacts["llama"], "--prompt-ids", "5,6,7,8,5,6,7,8", "--drafter"]
+    result = invoke(*args, "ngram", "--compare", "--temperature", 0.8, "--max-new-tokens", 8)
+    assert result.exit_code == 0, result.output
+    assert "sampled: lossless in distribution, not token by token" in result.stderr
+    assert "identical tokens" not in result.stderr
+    result = invoke(*args, "ngram", "--compare", "--json", "--temperature", 0.8)
+    assert json.loads(result.stdout)["stats"]["compare"]["identical_tokens"] is None

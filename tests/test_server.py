@@ -166,7 +166,7 @@ def test_chat_completions_with_the_openai_client(chat_artifact):
         ({"prompt": "x", "top_p": 1.5}, 400, "top_p must be in (0, 1]"),
         ({"prompt": "x", "top_p": 0}, 400, "top_p must be in (0, 1]"),
         ({"prompt": ""}, 400, "prompt must be"),
-        ({"prompt": "x", "drafter": "telepathy"}, 400, "is not served here"),
+        ({"prompt": "x", "drafter": "telepathy"}, 400, "choose one of ['ngram', 'suffix'] or null"),
         ({"prompt": "x", "drafter": "draft-model:/etc"}, 400, "is not served here"),
         ({"prompt": [1, 2, 3], "max_tokens": 126}, 400, "capacity"),  # + the drafter's scratch
         ({"prompt": "x", "n": 2}, 400, "n must be 1"),

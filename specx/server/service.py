@@ -190,7 +190,7 @@ class Service:
         default; never a path of their own (which draft model runs is the operator's call).
         """
         head = (self.engine.manifest.data.get("drafter") or {}).get("kind")
-        allowed = [d for d in ("ngram", "suffix", head, self.options.drafter) if d]
+        allowed = [d for d in dict.fromkeys(("ngram", "suffix", head, self.options.drafter)) if d]
         if drafter not in allowed:
             raise ApiError(
                 400, f"drafter {drafter!r} is not served here; choose one of {allowed} or null",
