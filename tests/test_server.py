@@ -363,6 +363,9 @@ def test_the_serve_command_serves_and_refuses_bad_options(artifacts, tmp_path):
         done = complete(f"http://127.0.0.1:{port}", prompt=[5, 9, 5, 9], max_tokens=8,
                         ignore_eos=True)  # fmt: skip
         assert done["usage"]["completion_tokens"] == 8 and done["speculative"]["rounds"] >= 1
+        busy = CliRunner().invoke(main, ["serve", str(artifacts["llama"]), "--port", str(port)])
+        assert busy.exit_code == 2 and f"cannot listen on 127.0.0.1:{port}" in busy.output
+        assert "serving" not in busy.output, busy.output
     finally:
         server.terminate()
         server.wait(timeout=30)

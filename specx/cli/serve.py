@@ -99,8 +99,26 @@ def serve(
 
     from specx.server.app import create_app
 
-    progress(f"serving {engine.name} on http://{host}:{port} ({slots} slots, drafter {drafter})")
-    uvicorn.run(create_app(engine, options), host=host, port=port, log_level="warning")
+    listening = _listen(host, port)  # before saying "serving": a busy port is one clear error
+    default = f"default drafter {drafter}" if drafter else "no default drafter"
+    progress(f"serving {engine.name} on http://{host}:{port} ({slots} slots, {default})")
+    server = uvicorn.Server(uvicorn.Config(create_app(engine, options), log_level="warning"))
+    server.run(sockets=[listening])
+
+
+def _listen(host: str, port: int):
+    """A socket listening on host:port.
+
+    Raises:
+        SpecxError: the address is in use or cannot be bound, with the reason.
+    """
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        return socket.create_server((host, port), family=family)
+    except OSError as e:
+        raise SpecxError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
 
 
 def _serve_on_ray(artifact_dir, threads, options, replicas, address, cpus, host, port) -> None:
