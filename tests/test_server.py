@@ -369,3 +369,43 @@ def test_the_serve_command_serves_and_refuses_bad_options(artifacts, tmp_path):
     finally:
         server.terminate()
         server.wait(timeout=30)
+
+
+def test_a_chat_template_supplied_at_serve_or_export_time(artifacts, tmp_path):
+    from pathlib import Path
+
+    from click.testing import CliRunner
+
+    from conftest import CHAT_TEMPLATE
+    from specx.artifact import load_manifest
+    from specx.cli import main
+    from specx.runtime.chat import ChatTemplate
+
+    messages = [{"role": "user", "content": "Sort a list"}]
+    body = {"messages": messages, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    with serving(artifacts["llama"], slots=1) as (url, _):  # exported without a template
+        refused = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)
+        message = refused.json()["error"]["message"]
+        assert refused.status_code == 400 and "has no chat template" in message
+        assert str(artifacts["llama"]) not in message and "--" not in message  # HTTP words
+    (tmp_path / "chat.jinja").write_text(CHAT_TEMPLATE)
+    template = ChatTemplate.from_file(tmp_path / "chat.jinja")
+    with serving(artifacts["llama"], slots=1, chat_template=template) as (url, engine):
+        answer = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60).json()
+        expected = engine.chat(messages, max_new_tokens=6, ignore_eos=True)
+        assert answer["choices"][0]["message"]["content"] == expected.text
+    # At export, from a tokenizer_config.json-like file: the artifact then carries it.
+    (tmp_path / "config.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE}))
+    checkpoint = Path(load_manifest(artifacts["llama"]).data["source"]["path"])
+    out = tmp_path / "art"
+    args = [str(checkpoint), "-o", str(out), "--max-context", "64"]
+    result = CliRunner().invoke(
+        main, ["export", *args, "--chat-template", str(tmp_path / "config.json")]
+    )
+    assert result.exit_code == 0, result.output
+    assert json.loads((out / "chat_template.json").read_text())["template"] == CHAT_TEMPLATE
+    (tmp_path / "broken.jinja").write_text("{% for %}")
+    bad = CliRunner().invoke(
+        main, ["export", *args, "--chat-template", str(tmp_path / "broken.jinja")]
+    )
+    assert bad.exit_code == 2 and "the chat template does not compile" in bad.output

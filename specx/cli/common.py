@@ -27,6 +27,7 @@ __all__ = [
     "passed",
     "progress",
     "require_extra",
+    "CHAT_TEMPLATE_HELP",
     "warn",
 ]
 
@@ -36,6 +37,11 @@ class IntRange(click.IntRange):
 
     name = "integer"
 
+
+CHAT_TEMPLATE_HELP = (
+    "Jinja chat template for /v1/chat/completions and Engine.chat: a .jinja file, or a .json "
+    "holding chat_template (and bos_token / eos_token) like tokenizer_config.json"
+)
 
 POSITIVE = IntRange(min=1)
 NATURAL = IntRange(min=0)

@@ -10,6 +10,7 @@ from pathlib import Path
 import click
 
 from specx.cli.common import (
+    CHAT_TEMPLATE_HELP,
     POSITIVE,
     IntRange,
     progress,
@@ -61,6 +62,11 @@ __all__ = ["COMMANDS", "demo", "export"]
     is_flag=True,
     help="Replace an existing specx artifact at --output (never anything else).",
 )
+@click.option(
+    "--chat-template",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help=CHAT_TEMPLATE_HELP + " [default: the checkpoint's own, if any].",
+)
 def export(
     target_dir: Path,
     output_dir: Path,
@@ -69,8 +75,12 @@ def export(
     drafter: str | None,
     max_tree_tokens: int | None,
     overwrite: bool,
+    chat_template: Path | None,
 ) -> None:
     """Export the HF checkpoint in TARGET_DIR to a specx artifact (ONNX + manifest)."""
+    from specx.runtime.chat import ChatTemplate
+
+    template = ChatTemplate.from_file(chat_template) if chat_template else None
     require_extra("export")
     from specx.export.target_export import export_target
 
@@ -82,6 +92,7 @@ def export(
         drafter=drafter,
         max_tree_tokens=max_tree_tokens,
         overwrite=overwrite,
+        chat_template=template,
         progress=progress,
     )
 

@@ -6,7 +6,14 @@ from pathlib import Path
 
 import click
 
-from specx.cli.common import POSITIVE, only_applies, passed, progress, require_extra
+from specx.cli.common import (
+    CHAT_TEMPLATE_HELP,
+    POSITIVE,
+    only_applies,
+    passed,
+    progress,
+    require_extra,
+)
 from specx.errors import SpecxError
 
 __all__ = ["COMMANDS", "serve"]
@@ -37,6 +44,11 @@ __all__ = ["COMMANDS", "serve"]
     "it; null decodes plainly): ngram | suffix | draft-model:ARTIFACT | the artifact's head.",
 )
 @click.option(
+    "--chat-template",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help=CHAT_TEMPLATE_HELP + " [default: the artifact's, if any].",
+)
+@click.option(
     "--max-body-bytes", type=POSITIVE, default=1 << 20, show_default=True, help="413 beyond."
 )
 @click.option("--threads", type=POSITIVE, default=None, help="ONNX Runtime threads.")
@@ -65,6 +77,7 @@ def serve(
     slots: int,
     queue_size: int,
     drafter: str | None,
+    chat_template: Path | None,
     max_body_bytes: int,
     threads: int | None,
     on_ray: bool,
@@ -83,14 +96,17 @@ def serve(
         raise SpecxError(only_applies(ray_only, "--ray"))
     if on_ray:
         require_extra("serve --ray", "ray")
+    from specx.runtime.chat import ChatTemplate
     from specx.runtime.engine import Speculation, load
     from specx.runtime.sampling import SamplingParams
     from specx.server.service import ServeOptions
 
+    template = ChatTemplate.from_file(chat_template) if chat_template else None
+
     engine = load(artifact_dir, threads=threads)  # checked here, before any replica starts
     if drafter is not None:  # a bad default is refused now, not on the first request
         engine.check_drafter(engine.plan(Speculation(drafter), SamplingParams()))
-    options = ServeOptions(slots, queue_size, drafter, max_body_bytes)
+    options = ServeOptions(slots, queue_size, drafter, max_body_bytes, chat_template=template)
     if on_ray:
         _serve_on_ray(artifact_dir, threads, options, replicas, address, cpus_per_replica,
                       host, port)  # fmt: skip

@@ -22,7 +22,7 @@ from specx.export.config import TargetConfig
 from specx.export.decoder import TargetDecoder
 from specx.export.onnx_graph import export_streamed, graph_entry, save_graph_streamed
 from specx.export.weight_writer import WeightWriter, planned_weights
-from specx.runtime.chat import CHAT_TEMPLATE_FILE, read_checkpoint_template
+from specx.runtime.chat import CHAT_TEMPLATE_FILE, ChatTemplate, read_checkpoint_template
 
 __all__ = ["DEFAULT_MAX_CONTEXT", "export_target", "io_names"]
 
@@ -196,6 +196,7 @@ def export_target(
     max_tree_tokens: int | None = None,
     drafter: str | None = None,
     overwrite: bool = False,
+    chat_template: ChatTemplate | None = None,
     progress: Progress = lambda message: None,
 ) -> Path:
     """Exports an HF target checkpoint (and optionally a draft head) to an artifact directory.
@@ -204,7 +205,7 @@ def export_target(
     then exports the taps that head reads (`taps` None picks them). An existing
     `output_dir` is replaced only with `overwrite`, and only if it is a specx artifact
     (`specx.artifact.check_output_dir`); that and the option ranges are checked before
-    anything is loaded.
+    anything is loaded. `chat_template` replaces the checkpoint's own (or its lack).
 
     Returns:
         The artifact directory. It appears only when the export completed.
@@ -263,7 +264,7 @@ def export_target(
         if tokenizer.is_file():
             shutil.copyfile(tokenizer, staging / "tokenizer.json")
         body["tokenizer"] = "tokenizer.json" if tokenizer.is_file() else None
-        chat = read_checkpoint_template(checkpoint_dir)
+        chat = chat_template or read_checkpoint_template(checkpoint_dir)
         if chat is not None:  # for `Engine.chat` and the server's /v1/chat/completions
             (staging / CHAT_TEMPLATE_FILE).write_text(chat.to_json(), encoding="utf-8")
             body["chat_template"] = CHAT_TEMPLATE_FILE

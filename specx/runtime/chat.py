@@ -40,8 +40,39 @@ class ChatTemplate:
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise ArtifactError(f"{path}: not a specx chat template ({e!r})") from e
 
+    @classmethod
+    def from_file(cls, path: Path) -> ChatTemplate:
+        """A template supplied by hand: a Jinja file, or JSON with `chat_template`.
+
+        The JSON form is what a tokenizer_config.json holds (`bos_token` / `eos_token` too).
+
+        Raises:
+            ArtifactError: the file cannot be read, or the template does not compile.
+        """
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise ArtifactError(f"cannot read the chat template {path}: {e}") from e
+        if path.suffix == ".json":
+            template = _from_config(_read_config(path), path)
+            if template is None:
+                raise ArtifactError(f"{path} has no chat_template")
+        else:
+            template = cls(text)
+        template.check()
+        return template
+
+    def check(self) -> None:
+        """Compiles the template now rather than on the first chat request.
+
+        Raises:
+            ArtifactError: the template does not compile.
+        """
+        self._compiled  # noqa: B018
+
     def to_json(self) -> str:  # noqa: D102
-        return json.dumps(self.__dict__, ensure_ascii=False, indent=1)
+        fields = {"template": self.template, "bos_token": self.bos_token}
+        return json.dumps({**fields, "eos_token": self.eos_token}, ensure_ascii=False, indent=1)
 
     def render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt=True) -> str:
         """The prompt text for `messages` ([{"role": ..., "content": ...}, ...]).
@@ -84,7 +115,7 @@ class ChatTemplate:
         try:
             return env.from_string(self.template)
         except jinja2.TemplateError as e:
-            raise ArtifactError(f"the artifact's chat template does not compile: {e}") from e
+            raise ArtifactError(f"the chat template does not compile: {e}") from e
 
 
 def read_checkpoint_template(checkpoint_dir: Path) -> ChatTemplate | None:
@@ -94,21 +125,33 @@ def read_checkpoint_template(checkpoint_dir: Path) -> ChatTemplate | None:
     `chat_template` (a string, or a list of named templates: the one named "default").
     """
     config_path = checkpoint_dir / "tokenizer_config.json"
-    config: dict[str, Any] = {}
-    if config_path.is_file():
-        try:
-            config = json.loads(config_path.read_text(encoding="utf-8"))
-        except ValueError as e:
-            raise ArtifactError(f"{config_path}: not JSON ({e})") from e
+    config = _read_config(config_path) if config_path.is_file() else {}
     jinja = checkpoint_dir / "chat_template.jinja"
-    template = jinja.read_text(encoding="utf-8") if jinja.is_file() else config.get("chat_template")
+    if jinja.is_file():
+        config = {**config, "chat_template": jinja.read_text(encoding="utf-8")}
+    return _from_config(config, config_path)
+
+
+def _read_config(path: Path) -> dict[str, Any]:
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except ValueError as e:
+        raise ArtifactError(f"{path}: not JSON ({e})") from e
+    if not isinstance(config, dict):
+        raise ArtifactError(f"{path}: not a JSON object")
+    return config
+
+
+def _from_config(config: dict[str, Any], where: Path) -> ChatTemplate | None:
+    """The template a tokenizer_config.json-like object holds, with its special tokens."""
+    template = config.get("chat_template")
     if isinstance(template, list):
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
         template = named.get("default")
     if template is None:
         return None
     if not isinstance(template, str):
-        raise ArtifactError(f"{config_path}: chat_template is neither a string nor named templates")
+        raise ArtifactError(f"{where}: chat_template is neither a string nor named templates")
     return ChatTemplate(template, _token(config.get("bos_token")), _token(config.get("eos_token")))
 
 

@@ -223,11 +223,20 @@ class Engine:
             raise GenerationError("the prompt is empty")
         return ids
 
+    def use_chat_template(self, template: ChatTemplate) -> None:
+        """Formats chat messages with `template` instead of the artifact's (or its lack)."""
+        template.check()
+        self.chat_template = template
+
     def chat_prompt(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
         """Token ids of `messages` through the checkpoint's chat template."""
         if self.chat_template is None or self.tokenizer is None:
+            # Said to HTTP clients too: no path, no command-line flag.
+            what = "chat template" if self.tokenizer is not None else "tokenizer"
             raise GenerationError(
-                f"{self.manifest.root} has no chat template (the checkpoint had none at export)"
+                f"the model {self.name} has no {what}, so it cannot format chat messages: send a "
+                "plain prompt (completions), or have a chat template supplied at export or serve "
+                "time"
             )
         text = self.chat_template.render(messages)
         return self.tokenizer.encode(text, add_special_tokens=False)

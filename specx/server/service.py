@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 from specx.errors import SpecxError
+from specx.runtime.chat import ChatTemplate
 from specx.runtime.engine import Engine, Speculation
 from specx.server.metrics import Metrics
 from specx.server.protocol import (
@@ -40,6 +41,7 @@ class ServeOptions:
     drafter: str | None = None  # default drafting for requests that name none
     max_body_bytes: int = 1 << 20
     retry_after_s: int = 1
+    chat_template: ChatTemplate | None = None  # instead of the artifact's (or its lack)
 
 
 @dataclass(frozen=True)
@@ -66,6 +68,8 @@ class Service:
 
     def __init__(self, engine: Engine, options: ServeOptions):
         self.engine, self.options = engine, options
+        if options.chat_template is not None:
+            engine.use_chat_template(options.chat_template)
         self.metrics = Metrics()
         self.scheduler = Scheduler(engine, options.slots, options.queue_size, self.metrics)
 
