@@ -103,3 +103,22 @@ def test_manifest_records_signature_and_dynamic_dims(artifacts):
     assert outputs["hidden_taps"]["shape"] == ["batch", "tokens", 3 * 64]
     assert manifest.model["kv_capacity"] == MAX_CONTEXT
     assert manifest.model["taps"] == {"kind": "eagle3", "layers": [2, 2, 1], "width": 192}
+
+
+def test_max_context_defaults_to_the_trained_positions_and_more_is_asked_for_by_name(tmp_path):
+    from specx.artifact import load_manifest
+    from specx.errors import ExportError
+    from specx.export.random_checkpoint import CheckpointPreset, write_random_checkpoint
+    from specx.export.target_export import export_target
+
+    preset = CheckpointPreset(32, 64, 1, 2, 1, 128, max_position_embeddings=96)
+    checkpoint = write_random_checkpoint(tmp_path / "ck", "llama", preset)
+    default = export_target(checkpoint, tmp_path / "a")
+    assert load_manifest(default).model["kv_capacity"] == 96
+    with pytest.raises(ExportError, match=r"--max-context 128 exceeds the 96 positions ck was"):
+        export_target(checkpoint, tmp_path / "b", max_context=128)
+    assert not (tmp_path / "b").exists()
+    allowed = export_target(
+        checkpoint, tmp_path / "c", max_context=128, beyond_trained_positions=True
+    )
+    assert load_manifest(allowed).model["kv_capacity"] == 128

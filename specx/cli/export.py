@@ -35,9 +35,14 @@ __all__ = ["COMMANDS", "demo", "export"]
 @click.option(
     "--max-context",
     type=IntRange(min=2),
-    default=2048,
-    show_default=True,
-    help="KV-cache capacity in tokens (prompt + generated + tree scratch).",
+    default=None,
+    help="KV-cache capacity in tokens (prompt + generated + tree scratch) [default: 2048, or "
+    "the positions the checkpoint was trained for if fewer].",
+)
+@click.option(
+    "--beyond-trained-positions",
+    is_flag=True,
+    help="Allow a --max-context past the checkpoint's max_position_embeddings.",
 )
 @click.option(
     "--taps",
@@ -70,7 +75,8 @@ __all__ = ["COMMANDS", "demo", "export"]
 def export(
     target_dir: Path,
     output_dir: Path,
-    max_context: int,
+    max_context: int | None,
+    beyond_trained_positions: bool,
     taps: str | None,
     drafter: str | None,
     max_tree_tokens: int | None,
@@ -88,6 +94,7 @@ def export(
         target_dir,
         output_dir,
         max_context=max_context,
+        beyond_trained_positions=beyond_trained_positions,
         taps=taps,
         drafter=drafter,
         max_tree_tokens=max_tree_tokens,

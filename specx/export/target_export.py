@@ -18,7 +18,7 @@ import torch
 from specx.artifact import atomic_output_dir, check_output_dir, sha256_file, write_manifest
 from specx.errors import ExportError
 from specx.export.checkpoint import Checkpoint, load_checkpoint
-from specx.export.config import TargetConfig
+from specx.export.config import TargetConfig, load_target_config
 from specx.export.decoder import TargetDecoder
 from specx.export.onnx_graph import export_streamed, graph_entry, save_graph_streamed
 from specx.export.weight_writer import WeightWriter, planned_weights
@@ -145,7 +145,9 @@ def _check_request(
     return tuple(sources)
 
 
-def _check_capacity(checkpoint: Checkpoint, max_context: int, max_tree_tokens: int) -> None:
+def _check_capacity(
+    checkpoint: Checkpoint, max_context: int, max_tree_tokens: int, beyond_trained_positions: bool
+) -> None:
     config = checkpoint.config
     window = config.sliding_window
     if window is not None and not config.windowed_layers and max_context > window:
@@ -166,12 +168,11 @@ def _check_capacity(checkpoint: Checkpoint, max_context: int, max_tree_tokens: i
             "switches to the long factors mid-sequence past it); export with --max-context "
             f"<= {config.rope_max_context}"
         )
-    if max_context > config.max_position_embeddings:
-        log.warning(
-            "--max-context %d exceeds max_position_embeddings %d of %s",
-            max_context,
-            config.max_position_embeddings,
-            checkpoint.directory,
+    if max_context > config.max_position_embeddings and not beyond_trained_positions:
+        raise ExportError(
+            f"--max-context {max_context} exceeds the {config.max_position_embeddings} positions "
+            f"{checkpoint.directory.name} was trained for (max_position_embeddings): export with "
+            "--max-context <= that, or allow it by name with --beyond-trained-positions"
         )
 
 
@@ -191,7 +192,8 @@ def export_target(
     checkpoint_dir: str | Path,
     output_dir: str | Path,
     *,
-    max_context: int = DEFAULT_MAX_CONTEXT,
+    max_context: int | None = None,
+    beyond_trained_positions: bool = False,
     taps: str | None = None,
     max_tree_tokens: int | None = None,
     drafter: str | None = None,
@@ -205,7 +207,9 @@ def export_target(
     then exports the taps that head reads (`taps` None picks them). An existing
     `output_dir` is replaced only with `overwrite`, and only if it is a specx artifact
     (`specx.artifact.check_output_dir`); that and the option ranges are checked before
-    anything is loaded. `chat_template` replaces the checkpoint's own (or its lack).
+    anything is loaded. `max_context` (the KV capacity) defaults to 2048 or the positions the
+    checkpoint was trained for, if fewer; more than those is refused unless
+    `beyond_trained_positions`. `chat_template` replaces the checkpoint's own (or its lack).
 
     Returns:
         The artifact directory. It appears only when the export completed.
@@ -214,6 +218,9 @@ def export_target(
 
     started = time.perf_counter()
     checkpoint_dir, output_dir = Path(checkpoint_dir), Path(output_dir)
+    if max_context is None:
+        trained = load_target_config(checkpoint_dir)[0].max_position_embeddings
+        max_context = min(DEFAULT_MAX_CONTEXT, trained)
     if max_tree_tokens is None:
         max_tree_tokens = min(DEFAULT_MAX_TREE_TOKENS, max_context)
     sources = _check_request(
@@ -221,7 +228,7 @@ def export_target(
     )
     progress(f"[1/5] loading {checkpoint_dir}")
     checkpoint = load_checkpoint(checkpoint_dir)
-    _check_capacity(checkpoint, max_context, max_tree_tokens)
+    _check_capacity(checkpoint, max_context, max_tree_tokens, beyond_trained_positions)
     # Hashed while the graph is traced (hashlib releases the GIL): 2 s of a 1.5B export.
     hashing = ThreadPoolExecutor(1)
     digests = hashing.submit(lambda: {p.name: sha256_file(p) for p in checkpoint.files})
