@@ -141,7 +141,7 @@ def write_readme(heads: Path = HEADS) -> None:
             continue
         report = json.loads(report_path.read_text())
         cfg, last = report["config"], report["learning_curve"][-1]
-        recipe = {k: cfg[k] for k in ("steps", "batch", "seq_len", "lr", "seed")}
+        recipe = {k: cfg[k] for k in ("steps", "batch", "seq_len", "lr", "seed", "bf16")}
         for key in ("ttt_steps", "tap_layers", "draft_vocab"):
             if kind in ("eagle3", "mtp") and cfg.get(key) is not None:
                 recipe[key] = cfg[key]
@@ -167,7 +167,8 @@ stdlib prompts, each in the public format its loader reads (`specx export --draf
 KIND:DIR`; the draft model is an HF Llama checkpoint), weights in fp16. Held-out
 acceptance is `sum min(p, q)` by draft depth on 256 windows of the target continuing
 prompts from the files the reference split holds out (never trained on), and the chain-5
-acceptance length (bonus counted) those rates imply. Training ran on 2 CPU cores.
+acceptance length (bonus counted) those rates imply. Training ran on this 2-core machine,
+one thread per run, two runs at a time (`OMP_NUM_THREADS=1`).
 
 | kind | recipe | training time | held-out acceptance by depth | chain-5 tau (estimate) |
 |---|---|---|---|---|
