@@ -116,7 +116,12 @@ def ship(kind: str, trained: Path, heads: Path = HEADS) -> Path:
                 for k, v in load_file(path).items()
             }
             save_file(tensors, staging / path.name, metadata={"format": "pt"})
-        elif path.name in ("config.json", "train_report.json", "generation_config.json"):
+        elif path.name in (
+            "config.json",
+            "train_report.json",
+            "generation_config.json",
+            "tokenizer.json",
+        ):
             shutil.copyfile(path, staging / path.name)
     if out.exists():
         shutil.rmtree(out)
