@@ -1,0 +1,122 @@
+"""Widening: a wider checkpoint (and wider heads) computing the same function."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from safetensors.numpy import load_file
+from test_heads_reference import head_tensors, reference
+
+from conftest import HEAD_VOCAB
+from specx.training.widening import NarrowShape, Widening, widen_checkpoint, widen_tensors
+
+# Tiny shapes: 4 query / 2 KV heads widen to 12 / 6 (two queries per KV head, as before).
+WIDE = Widening(factor=3, heads=12, kv_heads=6, intermediate=200, seed=1)
+
+
+def test_widened_checkpoint_has_the_same_logits_and_greedy_output(checkpoints, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    wide_dir = widen_checkpoint(checkpoints["llama"], tmp_path / "wide", WIDE)
+    config = json.loads((wide_dir / "config.json").read_text())
+    assert (config["hidden_size"], config["num_attention_heads"]) == (3 * 64, 12)
+    assert config["tie_word_embeddings"] is False
+    narrow = AutoModelForCausalLM.from_pretrained(checkpoints["llama"]).eval()
+    wide = AutoModelForCausalLM.from_pretrained(wide_dir).eval()
+    prompt = torch.tensor([[5, 17, 300, 2, 41, 99, 7]])
+    with torch.no_grad():
+        torch.testing.assert_close(wide(prompt).logits, narrow(prompt).logits, atol=1e-4, rtol=0)
+        greedy = [
+            m.generate(prompt, max_new_tokens=12, do_sample=False, pad_token_id=0)
+            for m in (narrow, wide)
+        ]
+    assert greedy[0].tolist() == greedy[1].tolist()
+
+
+@pytest.mark.parametrize("name", ["eagle3", "eagle", "mtp-deepseek"])
+def test_widened_head_drafts_what_it_drafted(name, head_target, head_dirs):
+    """A head widened with its target: the same logits from the repeated features."""
+    cfg = json.loads((head_target / "config.json").read_text())
+    narrow_shape = NarrowShape.of(cfg)
+    widening = Widening(factor=3, heads=8, kv_heads=4, intermediate=150)
+    target = {
+        k: torch.from_numpy(v) for k, v in load_file(head_target / "model.safetensors").items()
+    }
+    wide_target = {
+        k: torch.from_numpy(v)
+        for k, v in widen_tensors(
+            {k: v.numpy() for k, v in target.items()}, narrow_shape, widening
+        ).items()
+    }
+    head = head_tensors(name, head_dirs, head_target)
+    wide_head = {
+        k: torch.from_numpy(v)
+        for k, v in widen_tensors(
+            {k: v.numpy() for k, v in head.items()}, narrow_shape, widening
+        ).items()
+    }
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, HEAD_VOCAB, (2, 6), generator=g)
+    taps = torch.randn(2, 6, (3 if name == "eagle3" else 1) * cfg["hidden_size"], generator=g)
+    wide_taps = (
+        taps.reshape(2, 6, -1, cfg["hidden_size"]).repeat_interleave(3, -1).reshape(2, 6, -1)
+    )
+    positions = torch.arange(6).repeat(2, 1)
+    wide_cfg = {**cfg, "num_attention_heads": 8, "num_key_value_heads": 4}
+    logits, hidden = reference(name, head, target, ids, taps, positions, cfg)
+    wide_logits, wide_hidden = reference(
+        name, wide_head, wide_target, ids, wide_taps, positions, wide_cfg
+    )
+    torch.testing.assert_close(wide_logits, logits, atol=1e-4, rtol=0)
+    torch.testing.assert_close(wide_hidden, hidden.repeat_interleave(3, -1), atol=1e-5, rtol=0)
+
+
+def test_widened_medusa_block_commutes_with_the_repeat(head_dirs, rng):
+    t = load_file(head_dirs["medusa"] / "medusa_lm_head.safetensors")
+    shape = NarrowShape(hidden=32, heads=4, kv_heads=2, head_dim=8, intermediate=64)
+    w = widen_tensors(t, shape, Widening(factor=2, heads=4, kv_heads=2, intermediate=64))
+    x = rng.standard_normal((3, 32)).astype(np.float32)
+    for k in range(4):
+        narrow = x + _silu(x @ t[f"{k}.0.linear.weight"].T + t[f"{k}.0.linear.bias"])
+        xw = np.repeat(x, 2, axis=1)
+        wide = xw + _silu(xw @ w[f"{k}.0.linear.weight"].T + w[f"{k}.0.linear.bias"])
+        np.testing.assert_allclose(wide, np.repeat(narrow, 2, axis=1), atol=1e-5)
+        np.testing.assert_allclose(
+            wide @ w[f"{k}.1.weight"].T, narrow @ t[f"{k}.1.weight"].T, atol=1e-4
+        )
+
+
+def _silu(x: np.ndarray) -> np.ndarray:
+    return x / (1 + np.exp(-x))
+
+
+def test_a_tensor_without_a_rule_or_too_few_heads_is_refused():
+    shape = NarrowShape(hidden=8, heads=4, kv_heads=2, head_dim=2, intermediate=16)
+    with pytest.raises(ValueError, match="no widening rule for tensor 'rotary.inv_freq'"):
+        widen_tensors({"rotary.inv_freq": np.ones(4, np.float32)}, shape, WIDE)
+    with pytest.raises(ValueError, match="query heads per KV head"):
+        widen_tensors({}, shape, Widening(factor=2, heads=4, kv_heads=4, intermediate=16))
+    with pytest.raises(ValueError, match="intermediate 8 <"):
+        widen_tensors({}, shape, Widening(factor=2, heads=4, kv_heads=2, intermediate=8))
+
+
+def test_pyref_1b_layer_map_lands_on_the_streams_after_real_blocks():
+    """pyref_wide's `entering(i)`: the wide layer entered by the stream after i real blocks,
+    which is what EAGLE-3's renumbered taps read (and OpenVINO's `hidden_layers_list`)."""
+    import sys
+    from pathlib import Path
+
+    from specx.training.block_expansion import ExpansionLayout
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import pyref_wide
+
+    for layers in (20, 32):
+        shape = pyref_wide.Shape(layers=layers)
+        layout = ExpansionLayout.placing(layers, shape.real_positions)
+        for i in range(6):
+            assert sum(layout.real[: shape.entering(i)]) == i
+        assert shape.entering(5) == layers  # the last real block is the last layer
