@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import socket
 import threading
 import time
@@ -340,15 +341,21 @@ def test_the_serve_command_serves_and_refuses_bad_options(artifacts, tmp_path):
         ([str(tmp_path)], "not a specx artifact"),
         ([str(artifacts["llama"]), "--drafter", "telepathy"], "unknown drafter"),
         ([str(artifacts["llama"]), "--replicas", "3"], "--replicas applies only to --ray"),
+        ([str(artifacts["llama"]), "--host", "0.0.0.0"], "lets other machines reach the server"),
+        ([str(artifacts["llama"]), "--api-key", "a b"], "empty or holds whitespace"),
+        ([str(artifacts["llama"]), "--api-key-file", str(tmp_path / "none")], "cannot read it"),
     ]:
-        result = CliRunner().invoke(main, ["serve", *args])
+        result = CliRunner().invoke(main, ["serve", *args], env={"SPECX_API_KEY": ""})
         assert result.exit_code == 2 and message in result.output, result.output
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
+    (tmp_path / "keys").write_text("# the team's keys\nfile-key-1\n\nfile-key-2\n")
     command = [sys.executable, "-m", "specx.cli", "serve", str(artifacts["llama"]), "--port",
-               str(port), "--threads", "2", "--drafter", "suffix"]  # fmt: skip
-    server = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
+               str(port), "--threads", "2", "--drafter", "suffix", "--api-key-file",
+               str(tmp_path / "keys")]  # fmt: skip
+    environment = {**os.environ, "SPECX_API_KEY": "env-key"}
+    server = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env=environment)
     try:
         deadline = time.monotonic() + 60
         while True:
@@ -360,8 +367,14 @@ def test_the_serve_command_serves_and_refuses_bad_options(artifacts, tmp_path):
                 pass
             assert time.monotonic() < deadline, "specx serve did not come up"
             time.sleep(0.2)
-        done = complete(f"http://127.0.0.1:{port}", prompt=[5, 9, 5, 9], max_tokens=8,
-                        ignore_eos=True)  # fmt: skip
+        body = {"prompt": [5, 9, 5, 9], "max_tokens": 8, "ignore_eos": True}
+        url = f"http://127.0.0.1:{port}/v1/completions"
+        for key, status in [("file-key-2", 200), ("env-key", 200), ("file-key-3", 401)]:
+            headers = {"Authorization": f"Bearer {key}"}
+            answer = httpx.post(url, json=body, headers=headers, timeout=60)
+            assert answer.status_code == status, answer.text
+        assert answer.json()["error"]["code"] == "invalid_api_key"
+        done = httpx.post(url, json=body, headers={"Authorization": "Bearer env-key"}).json()
         assert done["usage"]["completion_tokens"] == 8 and done["speculative"]["rounds"] >= 1
         busy = CliRunner().invoke(main, ["serve", str(artifacts["llama"]), "--port", str(port)])
         assert busy.exit_code == 2 and f"cannot listen on 127.0.0.1:{port}" in busy.output
@@ -369,6 +382,9 @@ def test_the_serve_command_serves_and_refuses_bad_options(artifacts, tmp_path):
     finally:
         server.terminate()
         server.wait(timeout=30)
+    logged = server.stderr.read()
+    assert "3 API keys" in logged
+    assert not any(key in logged for key in ("file-key-1", "file-key-2", "file-key-3", "env-key"))
 
 
 def test_a_chat_template_supplied_at_serve_or_export_time(artifacts, tmp_path):
@@ -409,3 +425,59 @@ def test_a_chat_template_supplied_at_serve_or_export_time(artifacts, tmp_path):
         main, ["export", *args, "--chat-template", str(tmp_path / "broken.jinja")]
     )
     assert bad.exit_code == 2 and "the chat template does not compile" in bad.output
+
+
+def test_api_keys_guard_every_path_but_health(artifacts):
+    from openai import AuthenticationError, OpenAI
+
+    from specx.server.auth import Access
+
+    calls = [
+        ("GET", "/v1/models", None),
+        ("GET", "/metrics", None),
+        ("POST", "/v1/completions", {"prompt": [5, 9], "max_tokens": 2}),
+        ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}),
+        ("GET", "/no-such-path", None),
+    ]
+    with serving(artifacts["llama"], slots=1, access=Access(("key-a", "key-b"))) as (url, _):
+        assert httpx.get(f"{url}/health").status_code == 200
+        for header in ({}, {"Authorization": "Bearer key-c"}, {"Authorization": "key-a"}):
+            for method, path, body in calls:
+                refused = httpx.request(method, url + path, json=body, headers=header)
+                assert refused.status_code == 401, (path, header, refused.text)
+                assert refused.json()["error"]["code"] == "invalid_api_key"
+                assert refused.headers["www-authenticate"] == "Bearer"
+        good = {"Authorization": "Bearer key-b"}
+        assert httpx.get(f"{url}/v1/models", headers=good).status_code == 200
+        assert httpx.get(f"{url}/metrics", headers=good).status_code == 200
+        client = OpenAI(base_url=f"{url}/v1", api_key="key-a")
+        done = client.completions.create(model="llama", prompt="hi", max_tokens=3)
+        assert done.usage.completion_tokens >= 1
+        with pytest.raises(AuthenticationError):
+            OpenAI(base_url=f"{url}/v1", api_key="key-z", max_retries=0).models.list()
+    with serving(artifacts["llama"], slots=1, access=Access(("k",), open_metrics=True)) as (
+        url,
+        _,
+    ):
+        assert httpx.get(f"{url}/metrics").status_code == 200
+        assert httpx.get(f"{url}/v1/models").status_code == 401
+
+
+def test_keys_are_collected_from_flags_file_and_environment(tmp_path):
+    from specx.errors import SpecxError
+    from specx.server.auth import Access, check_bind, collect_keys
+
+    (tmp_path / "keys").write_text("k2\n# comment\n\n  k3  \n")
+    keys = collect_keys(["k1", "k2"], tmp_path / "keys", {"SPECX_API_KEY": "k4, k1"})
+    assert keys == ("k1", "k2", "k3", "k4")
+    assert "k1" not in repr(Access(keys)) and "4 keys" in repr(Access(keys))
+    (tmp_path / "empty").write_text("# nothing\n")
+    with pytest.raises(SpecxError, match="holds no key"):
+        collect_keys([], tmp_path / "empty", {})
+    check_bind("127.0.0.1", Access(), False)
+    check_bind("::1", Access(), False)
+    check_bind("0.0.0.0", Access(("k",)), False)
+    check_bind("0.0.0.0", Access(), True)
+    for host in ("0.0.0.0", "10.1.2.3", "example.org"):
+        with pytest.raises(SpecxError, match="--insecure-no-api-key"):
+            check_bind(host, Access(), False)

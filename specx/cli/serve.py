@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import click
@@ -53,6 +54,26 @@ __all__ = ["COMMANDS", "serve"]
 )
 @click.option("--threads", type=POSITIVE, default=None, help="ONNX Runtime threads.")
 @click.option(
+    "--api-key",
+    "api_keys",
+    multiple=True,
+    help="A key clients must send as 'Authorization: Bearer KEY' (repeatable; also "
+    "--api-key-file and the SPECX_API_KEY variable, comma-separated). /health stays open.",
+)
+@click.option(
+    "--api-key-file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="A file of API keys, one per line (kept out of the process list, unlike --api-key).",
+)
+@click.option(
+    "--metrics-without-key", is_flag=True, help="Serve /metrics to callers without a key."
+)
+@click.option(
+    "--insecure-no-api-key",
+    is_flag=True,
+    help="Serve a non-loopback --host without any API key (refused otherwise).",
+)
+@click.option(
     "--ray",
     "on_ray",
     is_flag=True,
@@ -80,6 +101,10 @@ def serve(
     chat_template: Path | None,
     max_body_bytes: int,
     threads: int | None,
+    api_keys: tuple[str, ...],
+    api_key_file: Path | None,
+    metrics_without_key: bool,
+    insecure_no_api_key: bool,
     on_ray: bool,
     replicas: int,
     address: str | None,
@@ -91,6 +116,11 @@ def serve(
     /metrics; concurrent requests are decoded together (continuous batching).
     """
     require_extra("serve", "serve")
+
+    from specx.server.auth import Access, check_bind, collect_keys
+
+    access = Access(collect_keys(api_keys, api_key_file, os.environ), metrics_without_key)
+    check_bind(host, access, insecure_no_api_key)
     ray_only = passed(ctx, "replicas", "address", "cpus_per_replica")
     if ray_only and not on_ray:
         raise SpecxError(only_applies(ray_only, "--ray"))
@@ -106,7 +136,9 @@ def serve(
     engine = load(artifact_dir, threads=threads)  # checked here, before any replica starts
     if drafter is not None:  # a bad default is refused now, not on the first request
         engine.check_drafter(engine.plan(Speculation(drafter), SamplingParams()))
-    options = ServeOptions(slots, queue_size, drafter, max_body_bytes, chat_template=template)
+    options = ServeOptions(
+        slots, queue_size, drafter, max_body_bytes, chat_template=template, access=access
+    )
     if on_ray:
         _serve_on_ray(artifact_dir, threads, options, replicas, address, cpus_per_replica,
                       host, port)  # fmt: skip
@@ -117,7 +149,8 @@ def serve(
 
     listening = _listen(host, port)  # before saying "serving": a busy port is one clear error
     default = f"default drafter {drafter}" if drafter else "no default drafter"
-    progress(f"serving {engine.name} on http://{host}:{port} ({slots} slots, {default})")
+    keys = f"{len(access.keys)} API keys" if access.required else "no API key"
+    progress(f"serving {engine.name} on http://{host}:{port} ({slots} slots, {default}, {keys})")
     server = uvicorn.Server(uvicorn.Config(create_app(engine, options), log_level="warning"))
     server.run(sockets=[listening])
 

@@ -3,10 +3,11 @@
 Endpoints: POST /v1/completions and /v1/chat/completions (SSE streaming and not), GET
 /v1/models, /health and /metrics (Prometheus text). Request handling is the `Service`'s
 (`specx.server.service`); decoding runs on its scheduler's thread (continuous batching).
-Bodies over `max_body_bytes` get 413 (before they are read whole), malformed JSON 400, a
-full queue 503 with Retry-After; every error is OpenAI's error object. A client that
-disconnects cancels its request, which frees its slot at the next round. (This module
-needs the serve extra.)
+With API keys set (`ServeOptions.access`, `specx.server.auth`) every path but /health (and
+/metrics if opened) needs one: 401 otherwise. Bodies over `max_body_bytes` get 413 (before
+they are read whole), malformed JSON 400, a full queue 503 with Retry-After; every error is
+OpenAI's error object. A client that disconnects cancels its request, which frees its slot
+at the next round. (This module needs the serve extra.)
 """
 
 from __future__ import annotations
@@ -17,10 +18,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from specx.runtime.engine import Engine
+from specx.server.auth import Access
 from specx.server.protocol import ApiError
 from specx.server.service import Reply, ServeOptions, Service
 
-__all__ = ["ServeOptions", "create_app", "read_body", "to_response"]
+__all__ = ["ServeOptions", "create_app", "read_body", "require_keys", "to_response"]
 
 
 def create_app(engine: Engine, options: ServeOptions | None = None) -> FastAPI:
@@ -36,6 +38,7 @@ def create_app(engine: Engine, options: ServeOptions | None = None) -> FastAPI:
 
     app = FastAPI(title="specx", lifespan=lifespan)
     app.state.service = service
+    require_keys(app, options.access)
 
     @app.get("/health")
     async def health():
@@ -69,6 +72,19 @@ def create_app(engine: Engine, options: ServeOptions | None = None) -> FastAPI:
         return await generate(http, chat=True)
 
     return app
+
+
+def require_keys(app: FastAPI, access: Access) -> None:
+    """Every request to `app` passes `access.check` first (401 otherwise)."""
+
+    @app.middleware("http")
+    async def authenticate(http: Request, call_next):
+        try:
+            access.check(http.url.path, http.headers.get("authorization"))
+        except ApiError as e:
+            headers = {"WWW-Authenticate": "Bearer"}
+            return JSONResponse(e.body(), status_code=e.status, headers=headers)
+        return await call_next(http)
 
 
 async def read_body(http: Request, limit: int) -> bytes:

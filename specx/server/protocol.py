@@ -31,14 +31,21 @@ UNSUPPORTED = ("logprobs", "top_logprobs", "echo", "best_of", "logit_bias", "suf
 class ApiError(Exception):
     """An HTTP error in OpenAI's shape."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, kind: str = ""):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        kind: str = "",
+        code: str | None = None,
+    ):
         super().__init__(message)
-        self.status, self.message, self.param = status, message, param
+        self.status, self.message, self.param, self.code = status, message, param, code
         self.kind = kind or ("invalid_request_error" if status < 500 else "server_error")
 
     def body(self) -> dict[str, Any]:  # noqa: D102
         return {"error": {"message": self.message, "type": self.kind, "param": self.param,
-                          "code": None}}  # fmt: skip
+                          "code": self.code}}  # fmt: skip
 
 
 @dataclass(frozen=True)

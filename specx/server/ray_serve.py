@@ -32,7 +32,7 @@ from fastapi.responses import PlainTextResponse, StreamingResponse
 from ray import serve
 from ray.exceptions import RayActorError
 
-from specx.server.app import read_body, to_response
+from specx.server.app import read_body, require_keys, to_response
 from specx.server.protocol import ApiError
 from specx.server.service import Reply, ServeOptions
 
@@ -110,6 +110,7 @@ class SpecxGateway:
 def gateway_app(model, options: ServeOptions) -> FastAPI:
     """The gateway's routes; `model` is a deployment handle to the replicas."""
     app = FastAPI(title="specx (Ray Serve)")
+    require_keys(app, options.access)
 
     @app.get("/health")
     async def health():

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from specx.errors import SpecxError
 from specx.runtime.chat import ChatTemplate
 from specx.runtime.engine import Engine, Speculation
+from specx.server.auth import Access
 from specx.server.metrics import Metrics
 from specx.server.protocol import (
     ApiError,
@@ -42,6 +43,7 @@ class ServeOptions:
     max_body_bytes: int = 1 << 20
     retry_after_s: int = 1
     chat_template: ChatTemplate | None = None  # instead of the artifact's (or its lack)
+    access: Access = Access()  # API keys (none: open)
 
 
 @dataclass(frozen=True)
