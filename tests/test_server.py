@@ -267,9 +267,14 @@ def test_ray_serve_replicas_share_the_load_and_survive_a_killed_replica(artifact
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    options = ServeOptions(slots=1, queue_size=64)  # one slot: requests stay in flight
+    from specx.server.auth import Access
+
+    # One slot: requests stay in flight. The gateway asks for the key as the local server.
+    options = ServeOptions(slots=1, queue_size=64, access=Access(("ray-key",)))
     url = deploy(artifacts["llama"], 1, options, RayOptions(replicas=2, port=port))
     try:
+        refused = httpx.post(f"{url}/v1/completions", json={"prompt": [1]}, timeout=60)
+        assert refused.status_code == 401 and httpx.get(f"{url}/health").status_code == 200
         _ray_load_with_a_kill(ray, url)
     finally:
         serve.shutdown()
@@ -278,6 +283,7 @@ def test_ray_serve_replicas_share_the_load_and_survive_a_killed_replica(artifact
 
 def _ray_load_with_a_kill(ray, url):
     body = {"max_tokens": 60, "temperature": 0, "ignore_eos": True, "stream": True}
+    key = {"Authorization": "Bearer ray-key"}
     opened = []
     with ThreadPoolExecutor(48) as pool:
 
@@ -285,7 +291,7 @@ def _ray_load_with_a_kill(ray, url):
             prompt = PROMPTS[i % len(PROMPTS)] + [i % 50 + 1]
             out = {"prompt": prompt, "tokens": [], "done": 0, "error": None}
             with httpx.stream("POST", f"{url}/v1/completions", json={**body, "prompt": prompt},
-                              timeout=120) as r:  # fmt: skip
+                              headers=key, timeout=120) as r:  # fmt: skip
                 out["status"], out["replica"] = r.status_code, r.headers.get("x-specx-replica")
                 opened.append(out["replica"])
                 for line in r.iter_lines():
@@ -320,6 +326,7 @@ def _ray_load_with_a_kill(ray, url):
         again = httpx.post(
             f"{url}/v1/completions",
             json={"prompt": [1, 2], "max_tokens": 3, "ignore_eos": True},
+            headers=key,
             timeout=60,
         )
         if again.status_code == 200 and again.headers["x-specx-replica"] != victim:
@@ -481,3 +488,78 @@ def test_keys_are_collected_from_flags_file_and_environment(tmp_path):
     for host in ("0.0.0.0", "10.1.2.3", "example.org"):
         with pytest.raises(SpecxError, match="--insecure-no-api-key"):
             check_bind(host, Access(), False)
+
+
+def test_a_request_past_its_deadline_gets_504_and_frees_its_slot(artifacts):
+    body = {"prompt": [5, 9, 5], "max_tokens": 100, "ignore_eos": True}
+    with serving(artifacts["llama"], step_s=0.02, slots=1, request_timeout_s=0.5) as (url, _):
+        started = time.monotonic()
+        late = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+        assert late.status_code == 504 and late.json()["error"]["type"] == "timeout"
+        assert "0.5 s limit" in late.json()["error"]["message"]
+        assert time.monotonic() - started < 5
+        with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True},
+                          timeout=60) as r:  # fmt: skip
+            lines = [line.removeprefix("data: ") for line in r.iter_lines() if line]
+        assert lines[-1] == "[DONE]" and json.loads(lines[-2])["error"]["type"] == "timeout"
+        quick = httpx.post(f"{url}/v1/completions", json={**body, "max_tokens": 3}, timeout=60)
+        assert quick.status_code == 200, quick.text  # the slot was freed
+        assert 'specx_finished_total{reason="timeout"} 2' in httpx.get(f"{url}/metrics").text
+
+
+def test_sigterm_drains_running_streams_refuses_new_ones_and_exits_0(artifacts):
+    import signal
+    import subprocess
+    import sys
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    command = [sys.executable, "-m", "specx.cli", "serve", str(artifacts["llama"]), "--port",
+               str(port), "--threads", "2", "--slots", "1", "--drain-timeout", "120"]  # fmt: skip
+    server = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
+    body = {"max_tokens": 110, "temperature": 0, "ignore_eos": True}
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert server.poll() is None, server.stderr.read()
+            try:
+                if httpx.get(f"{url}/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "specx serve did not come up"
+            time.sleep(0.2)
+        started = threading.Event()
+
+        def run(i):
+            tokens, done = [], 0
+            request = {**body, "prompt": PROMPTS[i % 4], "stream": True}
+            with httpx.stream("POST", f"{url}/v1/completions", json=request, timeout=120) as r:
+                for line in r.iter_lines():
+                    payload = line.removeprefix("data: ")
+                    if payload == "[DONE]":
+                        done += 1
+                    elif payload:
+                        tokens += json.loads(payload)["choices"][0]["token_ids"]
+                        started.set()
+            return r.status_code, len(tokens), done
+
+        with ThreadPoolExecutor(16) as pool:
+            futures = [pool.submit(run, i) for i in range(16)]
+            assert started.wait(60)
+            time.sleep(0.2)  # every request has reached the server (one slot: most queue)
+            server.send_signal(signal.SIGTERM)
+            signalled = time.monotonic()
+            refused = httpx.post(f"{url}/v1/completions", json={**body, "prompt": [1]})
+            assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
+            assert "shutting down" in refused.json()["error"]["message"]
+            assert httpx.get(f"{url}/health").json()["status"] == "draining"
+            results = [f.result() for f in futures]
+        assert results == [(200, 110, 1)] * 16
+        assert server.wait(timeout=60) == 0
+        assert time.monotonic() - signalled < 120
+    finally:
+        if server.poll() is None:
+            server.kill()

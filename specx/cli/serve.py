@@ -74,6 +74,19 @@ __all__ = ["COMMANDS", "serve"]
     help="Serve a non-loopback --host without any API key (refused otherwise).",
 )
 @click.option(
+    "--request-timeout",
+    type=click.FloatRange(0, min_open=True),
+    default=None,
+    help="Seconds a request may take from arrival; past it, 504 and its slot is freed.",
+)
+@click.option(
+    "--drain-timeout",
+    type=click.FloatRange(0),
+    default=30.0,
+    show_default=True,
+    help="On SIGTERM: new requests get 503 while running ones finish, for at most this long.",
+)
+@click.option(
     "--ray",
     "on_ray",
     is_flag=True,
@@ -105,6 +118,8 @@ def serve(
     api_key_file: Path | None,
     metrics_without_key: bool,
     insecure_no_api_key: bool,
+    request_timeout: float | None,
+    drain_timeout: float,
     on_ray: bool,
     replicas: int,
     address: str | None,
@@ -137,22 +152,21 @@ def serve(
     if drafter is not None:  # a bad default is refused now, not on the first request
         engine.check_drafter(engine.plan(Speculation(drafter), SamplingParams()))
     options = ServeOptions(
-        slots, queue_size, drafter, max_body_bytes, chat_template=template, access=access
-    )
+        slots, queue_size, drafter, max_body_bytes, chat_template=template, access=access,
+        request_timeout_s=request_timeout,
+    )  # fmt: skip
     if on_ray:
         _serve_on_ray(artifact_dir, threads, options, replicas, address, cpus_per_replica,
                       host, port)  # fmt: skip
         return
-    import uvicorn
-
-    from specx.server.app import create_app
+    from specx.server.app import serve as serve_http
 
     listening = _listen(host, port)  # before saying "serving": a busy port is one clear error
     default = f"default drafter {drafter}" if drafter else "no default drafter"
     keys = f"{len(access.keys)} API keys" if access.required else "no API key"
     progress(f"serving {engine.name} on http://{host}:{port} ({slots} slots, {default}, {keys})")
-    server = uvicorn.Server(uvicorn.Config(create_app(engine, options), log_level="warning"))
-    server.run(sockets=[listening])
+    serve_http(engine, options, listening, drain_timeout)
+    progress("stopped")
 
 
 def _listen(host: str, port: int):

@@ -12,8 +12,12 @@ at the next round. (This module needs the serve extra.)
 
 from __future__ import annotations
 
+import signal
+import socket
+import threading
 from contextlib import asynccontextmanager
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
@@ -22,7 +26,15 @@ from specx.server.auth import Access
 from specx.server.protocol import ApiError
 from specx.server.service import Reply, ServeOptions, Service
 
-__all__ = ["ServeOptions", "create_app", "read_body", "require_keys", "to_response"]
+__all__ = [
+    "DrainingServer",
+    "ServeOptions",
+    "create_app",
+    "read_body",
+    "require_keys",
+    "serve",
+    "to_response",
+]
 
 
 def create_app(engine: Engine, options: ServeOptions | None = None) -> FastAPI:
@@ -42,9 +54,7 @@ def create_app(engine: Engine, options: ServeOptions | None = None) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        if not service.scheduler.alive:
-            return JSONResponse({"status": "unavailable", "model": engine.name}, status_code=503)
-        return {"status": "ok", "model": engine.name}
+        return to_response(service.health())
 
     @app.get("/v1/models")
     async def models():
@@ -102,3 +112,34 @@ async def read_body(http: Request, limit: int) -> bytes:
 
 def to_response(reply: Reply) -> JSONResponse:  # noqa: D103
     return JSONResponse(reply.body, status_code=reply.status, headers=reply.headers or None)
+
+
+def serve(engine: Engine, options: ServeOptions, listening: socket.socket, drain_s: float) -> None:
+    """Serves on `listening` until SIGINT (stops now) or SIGTERM (drains, then exits).
+
+    On SIGTERM, what an orchestrator sends before it kills a container, new requests get
+    503 with Retry-After (and /health 503) while the admitted ones run to their end, for
+    at most `drain_s` seconds; then the server stops and cancels whatever is left, and
+    `serve` returns (exit status 0).
+    """
+    app = create_app(engine, options)
+    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5)
+    DrainingServer(config, app.state.service, drain_s).run(sockets=[listening])
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's Server whose first SIGTERM drains `service` before it exits (see `serve`)."""
+
+    def __init__(self, config: uvicorn.Config, service: Service, drain_s: float):
+        super().__init__(config)
+        self.service, self.drain_s = service, drain_s
+
+    def handle_exit(self, sig, frame) -> None:  # noqa: D102
+        if sig != signal.SIGTERM or self.service.draining:
+            return super().handle_exit(sig, frame)
+        self.service.drain()  # not recorded as captured: uvicorn re-raises those at exit
+        threading.Thread(target=self._exit_when_idle, daemon=True).start()
+
+    def _exit_when_idle(self) -> None:
+        self.service.scheduler.wait_idle(self.drain_s)
+        self.should_exit = True

@@ -7,6 +7,11 @@ Retry-After). Each job's events (tokens with their text, then its end) are hande
 `deliver` callback from this thread; a cancelled job (the client went away) ends at the
 next round and frees its slot. Each running request has a drafter of its own, taken from
 the engine's pool for its drafting plan and given back when it ends.
+
+A job may carry a deadline: past it, a waiting job ends at once and a running one at the
+next round, both with finish reason "timeout" (its slot freed). `drain` stops admitting
+new jobs (`submit` raises `Unavailable`) while the queued and running ones finish;
+`wait_idle` waits for that.
 """
 
 from __future__ import annotations
@@ -53,7 +58,7 @@ class Finished:
     tokens: list[int]
     text: str
     tail: str  # text held back until the end (not yet in any TokensEvent)
-    finish_reason: str  # "stop" | "length" | "cancelled" | "error"
+    finish_reason: str  # "stop" | "length" | "cancelled" | "timeout" | "error"
     prompt_tokens: int
     rounds: int
     drafted: int
@@ -77,6 +82,11 @@ class Job:
     scratch: int = 0  # the plan's drafter's slots past the history (`scratch_of`)
     cancelled: threading.Event = field(default_factory=threading.Event)
     submitted: float = field(default_factory=time.perf_counter)
+    timeout_s: float | None = None  # from `submitted`; None: no deadline
+    expired: bool = False  # set by the scheduler once past the deadline
+
+    def overdue(self, now: float) -> bool:  # noqa: D102
+        return self.timeout_s is not None and now - self.submitted > self.timeout_s
 
 
 class Scheduler:
@@ -88,7 +98,7 @@ class Scheduler:
         self._waiting: deque[Job] = deque()
         self._running: dict[int, tuple[Job, BatchSequence, TextStream]] = {}
         self._cond = threading.Condition()
-        self._closing = False
+        self._closing = self._draining = False
         self._thread = threading.Thread(target=self._run, name="specx-scheduler", daemon=True)
         metrics.slots = slots
 
@@ -107,6 +117,22 @@ class Scheduler:
             self._cond.notify()
         self._thread.join()
 
+    def drain(self) -> None:
+        """Admits no new job from now on; queued and running ones go on to their end."""
+        with self._cond:
+            self._draining = True
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        """Waits until no job is queued or running; False if `timeout_s` passed first."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with self._cond:
+                if not (self._waiting or self._running):
+                    return True
+            if time.monotonic() >= deadline or not self.alive:
+                return False
+            time.sleep(0.05)
+
     def check(self, job: Job) -> None:
         """Refuses a job that cannot fit a slot (GenerationError), before it is queued."""
         self.batch.check(job.prompt, job.max_new_tokens, job.scratch)
@@ -121,6 +147,8 @@ class Scheduler:
         with self._cond:
             if self._closing or not self.alive:
                 raise Unavailable("the server's decoding thread is not running")
+            if self._draining:
+                raise Unavailable("the server is shutting down; retry on another instance")
             self._drop_cancelled()  # a client that left gives its place back at once
             if len(self._waiting) >= self.queue_size:
                 raise QueueFull(f"{len(self._waiting)} requests are waiting; retry later")
@@ -135,6 +163,7 @@ class Scheduler:
                     self._cond.wait()
                 if self._closing:
                     break
+                self._expire(time.perf_counter())
                 self._drop_cancelled()
                 admit = []
                 while self._waiting and self.batch.free - len(admit) > 0:
@@ -154,6 +183,16 @@ class Scheduler:
                 self._end(slot, "cancelled")
             while self._waiting:
                 self._finish(self._waiting.popleft(), None)
+
+    def _expire(self, now: float) -> None:
+        """Ends waiting jobs past their deadline; running ones end at this round's end."""
+        for job in [j for j in self._waiting if j.overdue(now)]:
+            self._waiting.remove(job)
+            self._finish(job, _ended(job, "timeout"))
+        for job, _, _ in self._running.values():
+            if job.overdue(now):
+                job.expired = True
+                job.cancelled.set()
 
     def _drop_cancelled(self) -> None:
         for job in [j for j in self._waiting if j.cancelled.is_set()]:
@@ -209,7 +248,9 @@ class Scheduler:
         finished = self.batch.step()
         for slot in [s for s, (_, seq, _) in self._running.items() if seq in finished]:
             job, _, text = self._running[slot]
-            reason = "cancelled" if job.cancelled.is_set() and not text.stopped else None
+            reason = None
+            if job.cancelled.is_set() and not text.stopped:
+                reason = "timeout" if job.expired else "cancelled"
             self._end(slot, reason)
         self.metrics.round(
             self.batch.running,
@@ -252,7 +293,11 @@ class Scheduler:
 
 
 def _cancelled(job: Job) -> Finished:
-    return Finished([], "", "", "cancelled", len(job.prompt), 0, 0, 0, 0.0, [])
+    return _ended(job, "cancelled")
+
+
+def _ended(job: Job, reason: str) -> Finished:
+    return Finished([], "", "", reason, len(job.prompt), 0, 0, 0, 0.0, [])
 
 
 def _failed(job: Job, error: str) -> Finished:

@@ -44,6 +44,7 @@ class ServeOptions:
     retry_after_s: int = 1
     chat_template: ChatTemplate | None = None  # instead of the artifact's (or its lack)
     access: Access = Access()  # API keys (none: open)
+    request_timeout_s: float | None = None  # a request's deadline from its arrival
 
 
 @dataclass(frozen=True)
@@ -74,12 +75,25 @@ class Service:
             engine.use_chat_template(options.chat_template)
         self.metrics = Metrics()
         self.scheduler = Scheduler(engine, options.slots, options.queue_size, self.metrics)
+        self.draining = False
 
     def start(self) -> None:  # noqa: D102
         self.scheduler.start()
 
     def close(self) -> None:  # noqa: D102
         self.scheduler.close()
+
+    def drain(self) -> None:
+        """New requests get 503 (and /health says so); admitted ones run to their end."""
+        self.draining = True
+        self.scheduler.drain()
+
+    def health(self) -> Reply:
+        """/health: 200 while serving, 503 while draining or when decoding stopped."""
+        if not self.scheduler.alive or self.draining:
+            status = "draining" if self.draining else "unavailable"
+            return Reply(503, {"status": status, "model": self.engine.name})
+        return Reply(200, {"status": "ok", "model": self.engine.name})
 
     def models(self) -> dict:
         """The /v1/models body."""
@@ -134,8 +148,8 @@ class Service:
                         return Reply(499, {})
         finally:
             opened.job.cancelled.set()  # a no-op once it finished
-        if event.finish_reason == "error":
-            return self.error(ApiError(500, f"decoding failed: {event.error}"), opened.request.chat)
+        if event.finish_reason in ("error", "timeout"):
+            return self.error(self._failure(event), opened.request.chat)
         return Reply(200, response_body(opened.request, event, self.engine.name, opened.rid))
 
     async def sse(self, opened: Opened) -> AsyncIterator[str]:
@@ -151,8 +165,8 @@ class Service:
                         first = False
                         yield f"data: {json.dumps(chunk)}\n\n"
                     continue
-                if event.finish_reason == "error":
-                    yield f"data: {json.dumps(ApiError(500, str(event.error)).body())}\n\n"
+                if event.finish_reason in ("error", "timeout"):
+                    yield f"data: {json.dumps(self._failure(event).body())}\n\n"
                 else:
                     chunk = stream_chunk(request, name, rid, event.tail, [], event, first=first)
                     yield f"data: {json.dumps(chunk)}\n\n"
@@ -160,6 +174,13 @@ class Service:
                 return
         finally:  # also when the client disconnects: the request ends at the next round
             opened.job.cancelled.set()
+
+    def _failure(self, event: Finished) -> ApiError:
+        if event.finish_reason == "timeout":
+            limit = self.options.request_timeout_s
+            return ApiError(504, f"the request ran past the server's {limit:g} s limit",
+                            kind="timeout")  # fmt: skip
+        return ApiError(500, f"decoding failed: {event.error}")
 
     def _job(self, request: GenerateRequest) -> tuple[Job, asyncio.Queue]:
         engine = self.engine
@@ -185,8 +206,9 @@ class Service:
             loop.call_soon_threadsafe(events.put_nowait, event)
 
         job = Job(
-            prompt, request.max_tokens, request.sampling, request.stop, eos, plan, deliver, scratch
-        )
+            prompt, request.max_tokens, request.sampling, request.stop, eos, plan, deliver, scratch,
+            timeout_s=self.options.request_timeout_s,
+        )  # fmt: skip
         return job, events
 
     def _check_allowed(self, drafter: str) -> None:
