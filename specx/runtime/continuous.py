@@ -15,6 +15,9 @@ the drafters keep per-batch state from `start`; so each sequence gets a drafter 
 (batch 1; the caller pools them), and drafting is one call per sequence per round rather
 than one per batch. Verification, the expensive part, stays batched.
 
+With a `PrefixCache`, `admit` copies the longest cached prefix of the prompt into the slot
+and prefills only the rest (`specx.runtime.prefix_cache`).
+
 The forward covers slots [0, highest running slot]; free slots below it ride along at
 length 0 (their rows are overwritten at the next admit), so new requests take the lowest
 free slot.
@@ -33,6 +36,7 @@ from specx.runtime.drafters.base import Drafter
 from specx.runtime.kv_cache import KVCache
 from specx.runtime.metrics import AcceptanceStats
 from specx.runtime.plain_decoding import TokenSink, check_prompts, prefill
+from specx.runtime.prefix_cache import PrefixCache
 from specx.runtime.sampling import SamplingParams, sample, sampling_probs
 from specx.runtime.speculative_decoding import EMPTY_DRAFT, depth_of, scratch_of, verify_inputs
 from specx.runtime.trees import DraftTree
@@ -81,8 +85,10 @@ class BatchSequence:
 class ContinuousBatch:
     """The running batch (see the module docstring)."""
 
-    def __init__(self, target: DecoderBackend, slots: int) -> None:
-        self.target = target
+    def __init__(
+        self, target: DecoderBackend, slots: int, prefix_cache: PrefixCache | None = None
+    ) -> None:
+        self.target, self.prefix_cache = target, prefix_cache
         self.cache: KVCache = target.allocate_cache(slots)
         self.rows: list[BatchSequence | None] = [None] * slots
         self._views: dict[int, KVCache] = {}
@@ -116,9 +122,9 @@ class ContinuousBatch:
         needed = self.check(sequence.prompt, sequence.max_new_tokens, scratch_of(sequence.drafter))
         slot = self.rows.index(None)
         view = self.cache.row(slot)
-        logits, output = prefill(self.target, view, [sequence.prompt])
+        logits, taps = self._prefill(view, sequence.prompt)
         if sequence.drafter is not None:
-            taps = None if sequence.drafter.taps == "none" else [output.taps[0]]
+            taps = None if sequence.drafter.taps == "none" else [taps]
             sequence.drafter.start([sequence.prompt], needed, taps)
         if sequence.drafter is None:
             sequence.controller = None  # nothing to size
@@ -133,6 +139,21 @@ class ContinuousBatch:
             self.cache.lengths[slot] = 0
             raise
         return slot
+
+    def _prefill(self, view: KVCache, prompt: list[int]) -> tuple[np.ndarray, np.ndarray | None]:
+        """The prompt into `view` (reusing a cached prefix): last logits [1, V], taps [n, w]."""
+        hit = self.prefix_cache.lookup(prompt) if self.prefix_cache is not None else None
+        reused = 0 if hit is None else hit.tokens
+        if hit is not None:
+            PrefixCache.write(view, hit)
+        start = np.array([reused], dtype=np.int64)
+        logits, output = prefill(self.target, view, [prompt[reused:]], start)
+        taps = None if output.taps is None else output.taps[0, : len(prompt) - reused]
+        if taps is not None and reused:
+            taps = np.concatenate([hit.taps, taps]) if hit.taps is not None else None
+        if self.prefix_cache is not None:
+            self.prefix_cache.store(prompt, view, taps)
+        return logits, taps
 
     def step(self) -> list[BatchSequence]:
         """One round for every running sequence; returns those that finished (slots freed)."""

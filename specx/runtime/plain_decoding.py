@@ -75,17 +75,25 @@ def check_prompts(
     return needed
 
 
-def prefill(target: DecoderBackend, cache, prompts: Sequence[Sequence[int]]):
+def prefill(
+    target: DecoderBackend,
+    cache,
+    prompts: Sequence[Sequence[int]],
+    starts: np.ndarray | None = None,
+):
     """Runs all prompts through the target in one forward; returns last-position logits.
 
     Shorter prompts are right-padded; their padding rows land past `lengths[b]`, are
-    hidden by every later mask, and are overwritten by the next tokens.
+    hidden by every later mask, and are overwritten by the next tokens. `starts[b]`
+    (default 0) is where prompt b goes: the cache already holds its `starts[b]` tokens
+    before it (a reused prefix).
 
     Returns:
         (logits [B, V] at each prompt's last token, full StepOutput).
     """
-    lengths = np.array([len(p) for p in prompts], dtype=np.int64)
-    output, last_index = target.feed(cache, prompts, np.zeros(len(prompts), dtype=np.int64))
+    starts = np.zeros(len(prompts), dtype=np.int64) if starts is None else starts
+    lengths = starts + np.array([len(p) for p in prompts], dtype=np.int64)
+    output, last_index = target.feed(cache, prompts, starts)
     cache.lengths[:] = lengths
     last = output.logits[np.arange(len(prompts)), last_index]
     return last, output
