@@ -10,6 +10,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
+import numpy as np
 import pytest
 
 import specx
@@ -563,3 +564,35 @@ def test_sigterm_drains_running_streams_refuses_new_ones_and_exits_0(artifacts):
     finally:
         if server.poll() is None:
             server.kill()
+
+
+def test_prefix_cache_changes_no_output_under_concurrency_and_stays_bounded(artifacts):
+    """16 concurrent requests sharing 64-token prefixes, greedy, with and without the cache
+    (and with one so small that it evicts): the same tokens; the cache is hit."""
+    rng = np.random.default_rng(3)
+    shared = [rng.integers(1, 500, 64).tolist() for _ in range(2)]
+    prompts = [shared[i % 2] + rng.integers(1, 500, 4).tolist() for i in range(16)]
+    body = {"max_tokens": 24, "temperature": 0, "ignore_eos": True, "drafter": "ngram"}
+    outputs, texts = {}, {}
+    block = 16 * 1024  # 16 tokens x 4 layers x 2 KV heads x 16 dims x (key, value) x 4 bytes
+    for name, size in (("off", 0), ("on", 64 << 20), ("evicting", 3 * block)):
+        with serving(artifacts["llama"], slots=4, prefix_cache_bytes=size) as (url, _):
+            with ThreadPoolExecutor(16) as pool:
+                answers = list(pool.map(lambda p: complete(url, prompt=p, **body), prompts))
+            outputs[name] = [a["choices"][0]["token_ids"] for a in answers]
+            texts[name] = httpx.get(f"{url}/metrics").text
+    assert outputs["on"] == outputs["off"] == outputs["evicting"]
+    metric = {
+        name: {
+            line.split()[0]: float(line.split()[1])
+            for line in text.splitlines()
+            if line.startswith("specx_prefix_cache")
+        }
+        for name, text in texts.items()
+    }
+    assert metric["off"] == {}
+    assert metric["on"]["specx_prefix_cache_hits_total"] >= 12
+    assert metric["on"]["specx_prefix_cache_reused_tokens_total"] >= 12 * 64
+    evicting = metric["evicting"]
+    assert evicting["specx_prefix_cache_evictions_total"] > 0
+    assert evicting["specx_prefix_cache_bytes"] <= evicting["specx_prefix_cache_max_bytes"]

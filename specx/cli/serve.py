@@ -74,6 +74,14 @@ __all__ = ["COMMANDS", "serve"]
     help="Serve a non-loopback --host without any API key (refused otherwise).",
 )
 @click.option(
+    "--prefix-cache-mb",
+    type=click.IntRange(0),
+    default=512,
+    show_default=True,
+    help="Memory for the KV of earlier prompts, reused by prompts that start the same.",
+)
+@click.option("--no-prefix-cache", is_flag=True, help="Prefill every prompt whole.")
+@click.option(
     "--request-timeout",
     type=click.FloatRange(0, min_open=True),
     default=None,
@@ -118,6 +126,8 @@ def serve(
     api_key_file: Path | None,
     metrics_without_key: bool,
     insecure_no_api_key: bool,
+    prefix_cache_mb: int,
+    no_prefix_cache: bool,
     request_timeout: float | None,
     drain_timeout: float,
     on_ray: bool,
@@ -154,6 +164,7 @@ def serve(
     options = ServeOptions(
         slots, queue_size, drafter, max_body_bytes, chat_template=template, access=access,
         request_timeout_s=request_timeout,
+        prefix_cache_bytes=0 if no_prefix_cache else prefix_cache_mb << 20,
     )  # fmt: skip
     if on_ray:
         _serve_on_ray(artifact_dir, threads, options, replicas, address, cpus_per_replica,

@@ -11,6 +11,7 @@ from collections import Counter
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from specx.runtime.prefix_cache import PrefixCache
     from specx.server.scheduler import Finished
 
 __all__ = ["Metrics"]
@@ -30,6 +31,7 @@ class Metrics:
         self.draft_s = self.verify_s = self.round_s = self.queue_wait_s = 0.0
         self.batch_rounds = self.batch_rows = 0  # for the mean occupancy
         self.queue_depth = self.running = self.slots = 0
+        self.prefix_cache: PrefixCache | None = None  # its own counters, read at render
 
     def request(self, endpoint: str, status: int) -> None:  # noqa: D102
         with self._lock:
@@ -88,6 +90,7 @@ class Metrics:
                 ("batch_slots", "gauge", "KV slots of the batch", self.slots),
                 ("batch_occupancy", "gauge", "Mean running sequences per round",
                  self.batch_rows / self.batch_rounds if self.batch_rounds else 0.0),
+                *self._prefix_cache_rows(),
             ):  # fmt: skip
                 lines += _family(f"specx_{name}", kind, help_)
                 lines.append(f"specx_{name} {value}")
@@ -98,6 +101,20 @@ class Metrics:
                 rate = self.position_hits[d] / self.position_seen[d]
                 lines.append(f'specx_acceptance_by_position{{position="{d}"}} {rate}')
         return "\n".join(lines) + "\n"
+
+    def _prefix_cache_rows(self) -> list[tuple[str, str, str, float]]:
+        cache = self.prefix_cache
+        if cache is None:
+            return []
+        return [
+            ("prefix_cache_hits_total", "counter", "Prompts that reused a cached prefix",
+             cache.hits),
+            ("prefix_cache_reused_tokens_total", "counter", "Prompt tokens not prefilled",
+             cache.reused_tokens),
+            ("prefix_cache_evictions_total", "counter", "Blocks evicted", cache.evictions),
+            ("prefix_cache_bytes", "gauge", "Bytes of cached blocks", cache.bytes),
+            ("prefix_cache_max_bytes", "gauge", "The bound", cache.max_bytes),
+        ]  # fmt: skip
 
 
 def _family(name: str, kind: str, help_: str) -> list[str]:

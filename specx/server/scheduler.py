@@ -27,6 +27,7 @@ from specx.errors import SpecxError
 from specx.runtime.continuous import BatchSequence, ContinuousBatch
 from specx.runtime.detokenize import TextStream
 from specx.runtime.engine import DraftPlan, Engine
+from specx.runtime.prefix_cache import PrefixCache
 from specx.runtime.sampling import SamplingParams
 from specx.server.metrics import Metrics
 
@@ -92,9 +93,17 @@ class Job:
 class Scheduler:
     """Owns the engine's target while serving (see the module docstring)."""
 
-    def __init__(self, engine: Engine, slots: int, queue_size: int, metrics: Metrics):
+    def __init__(
+        self,
+        engine: Engine,
+        slots: int,
+        queue_size: int,
+        metrics: Metrics,
+        prefix_cache: PrefixCache | None = None,
+    ):
         self.engine, self.queue_size, self.metrics = engine, queue_size, metrics
-        self.batch = ContinuousBatch(engine.target, slots)
+        self.batch = ContinuousBatch(engine.target, slots, prefix_cache)
+        metrics.prefix_cache = prefix_cache
         self._waiting: deque[Job] = deque()
         self._running: dict[int, tuple[Job, BatchSequence, TextStream]] = {}
         self._cond = threading.Condition()

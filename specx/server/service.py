@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from specx.errors import SpecxError
 from specx.runtime.chat import ChatTemplate
 from specx.runtime.engine import Engine, Speculation
+from specx.runtime.prefix_cache import PrefixCache
 from specx.server.auth import Access
 from specx.server.metrics import Metrics
 from specx.server.protocol import (
@@ -45,6 +46,7 @@ class ServeOptions:
     chat_template: ChatTemplate | None = None  # instead of the artifact's (or its lack)
     access: Access = Access()  # API keys (none: open)
     request_timeout_s: float | None = None  # a request's deadline from its arrival
+    prefix_cache_bytes: int = 512 << 20  # KV of earlier prompts kept for reuse (0: none)
 
 
 @dataclass(frozen=True)
@@ -74,7 +76,8 @@ class Service:
         if options.chat_template is not None:
             engine.use_chat_template(options.chat_template)
         self.metrics = Metrics()
-        self.scheduler = Scheduler(engine, options.slots, options.queue_size, self.metrics)
+        prefix = PrefixCache(options.prefix_cache_bytes) if options.prefix_cache_bytes else None
+        self.scheduler = Scheduler(engine, options.slots, options.queue_size, self.metrics, prefix)
         self.draining = False
 
     def start(self) -> None:  # noqa: D102
