@@ -5,7 +5,9 @@ Widening (`specx.training.widening`, Net2Net): every hidden unit of pyref-7m rep
 pairing kept), MLP 864 -> 7680 units; the extra heads and units do real work and add
 exactly zero. Block expansion (`specx.training.block_expansion`, LLaMA Pro) then grows the
 5 real layers R0..R4 to 20: R0, R1, R2, R3, R4 at layers 0, 1, 9, 17, 19, the rest copies
-with o_proj / down_proj zeroed. Untied lm_head. fp32 weights, 4.3 GB.
+silenced by zeroed norm weights with every matrix redrawn (`distinct_copies`: no two layers
+share a weight, as in a real model; OpenVINO stores equal constants once, and with copied
+weights its int4 export was 159 MB, not ~600). Untied lm_head. fp32 weights, 4.3 GB.
 
 The committed pyref-7m drafters (`benchmarks/heads/pyref-7m`) are widened the same way into
 `OUT/heads/<kind>`, each head's layer at the target's width (24 / 6 heads, 7680 MLP units: a
@@ -92,7 +94,7 @@ def write_target(out: Path, shape: Shape) -> Path:
     widen_checkpoint(SOURCE, narrow_wide, shape.widening())
     log(f"expanding to {shape.layers} layers into {target}")
     layout = ExpansionLayout.placing(shape.layers, shape.real_positions)
-    expand_checkpoint(narrow_wide, target, layout)
+    expand_checkpoint(narrow_wide, target, layout, distinct_copies=True)
     shutil.rmtree(narrow_wide)
     return target
 

@@ -89,3 +89,21 @@ def test_a_small_teacher_with_mapped_taps_gives_the_deep_targets_eagle3_features
     mapped = Teacher(small.config, small.state_dict, tap_layers=(1, 2, 3))(windows)
     assert torch.equal(mapped.eagle3, expected.eagle3)
     assert torch.equal(mapped.last, expected.last) and torch.equal(mapped.probs, expected.probs)
+
+
+def test_distinct_copies_compute_the_same_logits_with_no_shared_weights(
+    checkpoints, tmp_path, rng
+):
+    """Copies silenced by their norms, matrices redrawn: the function bit for bit, and no
+    two layers hold the same matrix (a runtime that stores equal constants once would read
+    fewer weights than a real model of that size)."""
+    from safetensors.torch import load_file
+
+    layout = ExpansionLayout.placing(10, (0, 1, 5, 9))
+    out = expand_checkpoint(checkpoints["llama"], tmp_path / "deep", layout, distinct_copies=True)
+    prompts = [rng.integers(1, 500, n).tolist() for n in (5, 17)]
+    for a, b in zip(logits(checkpoints["llama"], prompts), logits(out, prompts), strict=True):
+        assert torch.equal(a, b)
+    matrices = [v for v in load_file(out / "model.safetensors").values() if v.ndim == 2]
+    digests = {hash(m.numpy().tobytes()) for m in matrices}
+    assert len(digests) == len(matrices)

@@ -7,6 +7,13 @@ each added layer still does real attention and MLP work and keeps its own KV cac
 get a target with a realistic cost structure (a one-layer draft head a few percent of the
 target) and the predictions of a trained small model.
 
+With `distinct_copies`, a copy instead has its two norm weights zeroed (its attention and
+MLP then read zeros, and attention over zero values adds zero too) and every matrix drawn
+afresh: it still adds exactly 0.0, and no two layers share weights. Measured reason: an
+OpenVINO export of the zeroed-output expansion of pyref-7m (pyref-1b, 1.085B parameters)
+was 159 MB at int4 against onnxruntime-genai's 673 MB, because OpenVINO stores identical
+constants once, so it would read a third of a real model's weights per token.
+
 The stream entering layer i is the stream after the real layers placed before i, which
 decides what a hidden-state tap at layer i reads (EAGLE-3 reads layers 2, N//2, N-3).
 """
@@ -15,6 +22,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +30,7 @@ from pathlib import Path
 __all__ = ["ExpansionLayout", "expand_checkpoint"]
 
 _ZEROED = ("self_attn.o_proj.", "mlp.down_proj.")
+_SILENCING_NORMS = ("input_layernorm.weight", "post_attention_layernorm.weight")
 
 
 @dataclass(frozen=True)
@@ -49,13 +58,20 @@ class ExpansionLayout:
         return cls(tuple(source), tuple(real))
 
 
-def expand_checkpoint(source_dir: Path, output_dir: Path, layout: ExpansionLayout) -> Path:
+def expand_checkpoint(
+    source_dir: Path,
+    output_dir: Path,
+    layout: ExpansionLayout,
+    distinct_copies: bool = False,
+    seed: int = 0,
+) -> Path:
     """Writes the expanded HF checkpoint (config, weights, tokenizer) to `output_dir`.
+
+    `distinct_copies`: copies silenced by their norms, matrices redrawn (see above; `seed`).
 
     Raises:
         SpecxError: the source checkpoint does not load (see `load_checkpoint`).
     """
-    import torch
     from safetensors.torch import save_file
 
     from specx.export.checkpoint import load_checkpoint
@@ -72,8 +88,8 @@ def expand_checkpoint(source_dir: Path, output_dir: Path, layout: ExpansionLayou
         for key in [key for key in layer_keys if key.startswith(prefix)]:
             name = key[len(prefix) :]
             value = tensors[key].clone()
-            if not real and name.startswith(_ZEROED):
-                value = torch.zeros_like(value)
+            if not real:
+                value = _copy(value, name, distinct_copies, generator=(seed, layer))
             expanded[f"model.layers.{layer}.{name}"] = value
     output_dir.mkdir(parents=True, exist_ok=False)
     save_file(expanded, output_dir / "model.safetensors", metadata={"format": "pt"})
@@ -83,3 +99,22 @@ def expand_checkpoint(source_dir: Path, output_dir: Path, layout: ExpansionLayou
         if (source_dir / name).is_file():
             shutil.copyfile(source_dir / name, output_dir / name)
     return output_dir
+
+
+def _copy(value, name: str, distinct: bool, generator: tuple[int, int]):
+    """A copied layer's tensor (see the module docstring).
+
+    Output projections zeroed; or, `distinct`, norms zeroed and matrices redrawn with the
+    source's spread (seeded by the seed, the layer and the name).
+    """
+    import torch
+
+    if not distinct:
+        return torch.zeros_like(value) if name.startswith(_ZEROED) else value
+    if name in _SILENCING_NORMS:
+        return torch.zeros_like(value)
+    if value.ndim < 2:
+        return value
+    g = torch.Generator().manual_seed(hash((*generator, zlib.crc32(name.encode()))) % 2**63)
+    noise = torch.randn(value.shape, generator=g, dtype=torch.float32) * value.float().std()
+    return noise.to(value.dtype)
