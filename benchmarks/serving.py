@@ -49,14 +49,15 @@ def artifact(work: Path) -> Path:
 class Server:
     """`specx serve` in a subprocess on a free port."""
 
-    def __init__(self, artifact_dir: Path, threads: int, slots: int):
+    def __init__(self, artifact_dir: Path, threads: int, slots: int, *options: str):
         import httpx
 
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
             self.port = probe.getsockname()[1]
         command = [sys.executable, "-m", "specx.cli", "serve", str(artifact_dir), "--port",
-                   str(self.port), "--threads", str(threads), "--slots", str(slots)]  # fmt: skip
+                   str(self.port), "--threads", str(threads), "--slots", str(slots),
+                   *options]  # fmt: skip
         self.process = subprocess.Popen(command, stderr=subprocess.DEVNULL)
         self.url = f"http://127.0.0.1:{self.port}"
         deadline = time.monotonic() + 120
