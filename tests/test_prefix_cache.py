@@ -20,7 +20,7 @@ from specx.runtime.prefix_cache import PrefixCache
 from specx.runtime.sampling import SamplingParams
 
 
-def _decode(target, prompts, tokens, drafter_spec, prefix_cache, slots=2):
+def _decode(target, prompts, tokens, drafter_spec, prefix_cache, slots):
     """Every prompt through one ContinuousBatch (joining as slots free up)."""
     batch = ContinuousBatch(target, slots, prefix_cache)
     options = DrafterOptions()
@@ -59,11 +59,12 @@ def test_reused_prefixes_change_no_output(name, head_artifacts):
     shared = rng.integers(1, HEAD_VOCAB, 40).tolist()
     prompts = [shared + rng.integers(1, HEAD_VOCAB, n).tolist() for n in (3, 7, 1, 12)]
     prompts.append(shared[:37])  # shorter than the cached prefix
-    cache = PrefixCache(max_bytes=1 << 24, block_tokens=8)
-    cached, cached_stats = _decode(target, prompts, 16, spec, cache)
-    assert (cached, cached_stats) == _decode(target, prompts, 16, spec, None)
-    assert cached == [generate_plain(target, [p], 16).tokens[0] for p in prompts]
-    assert cache.hits == 4 and cache.reused_tokens == 4 * 40 - 8  # the last: 4 blocks of 8
+    uncached = _decode(target, prompts, 16, spec, None, slots=3)
+    assert uncached[0] == [generate_plain(target, [p], 16).tokens[0] for p in prompts]
+    for slots in (1, 3):  # alone, and joining a running batch
+        cache = PrefixCache(max_bytes=1 << 24, block_tokens=8)
+        assert _decode(target, prompts, 16, spec, cache, slots) == uncached
+        assert cache.hits == 4 and cache.reused_tokens == 4 * 40 - 8  # the last: 4 blocks
 
 
 def _row(tokens: int, fill: float) -> KVCache:
