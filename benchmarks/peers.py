@@ -40,6 +40,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from runners import (  # noqa: E402
+    GenaiNgram,
     GenaiPlain,
     SpecxPlain,
     SpecxSpeculative,
@@ -112,13 +113,6 @@ def load_prompts(file: str, count: int, max_tokens: int = 200) -> list[list[int]
 
     tokenizer = TextTokenizer(SHARED / "models" / "pyref-7m" / "tokenizer.json")
     return read_prompts(SHARED / "data" / "eval" / file, tokenizer, count, max_tokens)
-
-
-class GenaiNgram(GenaiPlain):
-    """onnxruntime-genai's n-gram (prompt lookup) speculative mode."""
-
-    def configure(self, params) -> None:  # noqa: D102
-        params.set_speculative_options(ngram_size=3, max_draft_tokens=6, ngram_chained_lookup=True)
 
 
 class TransformersPlain:

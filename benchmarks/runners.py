@@ -40,40 +40,46 @@ class Runner(Protocol):
 
 
 class SpecxPlain:
-    """specx plain decoding of an artifact's build (None: the exported fp32 graphs)."""
+    """specx plain decoding of an artifact's build (None: the exported fp32 graphs).
 
-    def __init__(self, artifact: Path, build: str | None, threads: int):
+    `sampling` (a specx SamplingParams; None: greedy) samples with its fixed seed.
+    """
+
+    def __init__(self, artifact: Path, build: str | None, threads: int, sampling=None):
         from specx.artifact import load_manifest
         from specx.runtime.backends import open_decoder
 
         self.target = open_decoder(load_manifest(artifact).with_build(build), threads=threads)
+        self.sampling = sampling
 
     def __call__(self, prompt: Sequence[int], new_tokens: int) -> Timing:  # noqa: D102
         from specx.runtime.plain_decoding import generate_plain
 
-        result = generate_plain(self.target, [list(prompt)], new_tokens)
+        result = generate_plain(self.target, [list(prompt)], new_tokens, self.sampling)
         return Timing(result.stats["prefill_s"], result.stats["decode_s"], result.tokens[0])
 
 
 class SpecxSpeculative:
     """specx speculative decoding; `drafter(prompt)` makes a fresh drafter per run."""
 
-    def __init__(self, target, drafter: Callable):
-        self.target, self.drafter = target, drafter
+    def __init__(self, target, drafter: Callable, sampling=None):
+        self.target, self.drafter, self.sampling = target, drafter, sampling
         self.stats: dict[tuple[int, ...], dict] = {}
 
     def __call__(self, prompt: Sequence[int], new_tokens: int) -> Timing:  # noqa: D102
         from specx.runtime.speculative_decoding import generate_speculative
 
-        result = generate_speculative(self.target, self.drafter(prompt), [list(prompt)], new_tokens)
+        result = generate_speculative(
+            self.target, self.drafter(prompt), [list(prompt)], new_tokens, self.sampling
+        )
         self.stats[tuple(prompt)] = result.stats
         return Timing(result.stats["prefill_s"], result.stats["decode_s"], result.tokens[0])
 
 
 class GenaiPlain:
-    """onnxruntime-genai's greedy decoding of a model its builder wrote."""
+    """onnxruntime-genai's decoding of a model its builder wrote (greedy; or `temperature`)."""
 
-    def __init__(self, model_dir: Path, threads: int):
+    def __init__(self, model_dir: Path, threads: int, temperature: float = 0.0):
         import onnxruntime_genai as og
 
         config_path = model_dir / "genai_config.json"
@@ -82,6 +88,7 @@ class GenaiPlain:
         options["intra_op_num_threads"] = threads
         config_path.write_text(json.dumps(config, indent=4))
         self.og, self.model = og, og.Model(str(model_dir))
+        self.temperature, self.vocab = temperature, int(config["model"]["vocab_size"])
 
     def configure(self, params) -> None:
         """Options beyond greedy search (subclasses: speculative modes)."""
@@ -89,7 +96,14 @@ class GenaiPlain:
     def __call__(self, prompt: Sequence[int], new_tokens: int) -> Timing:  # noqa: D102
         params = self.og.GeneratorParams(self.model)
         length = len(prompt) + new_tokens
-        params.set_search_options(max_length=length, min_length=length, do_sample=False)
+        # top_k = the vocabulary: no truncation, as specx's and OpenVINO's default
+        sampled = {"temperature": self.temperature, "top_k": self.vocab, "random_seed": 0}
+        params.set_search_options(
+            max_length=length,
+            min_length=length,
+            do_sample=self.temperature > 0,
+            **(sampled if self.temperature > 0 else {}),
+        )
         self.configure(params)
         generator = self.og.Generator(self.model, params)
         started = time.perf_counter()
@@ -101,6 +115,74 @@ class GenaiPlain:
         done = time.perf_counter()
         tokens = list(generator.get_sequence(0))[len(prompt) :][:new_tokens]
         return Timing(prefilled - started, done - prefilled, tokens)
+
+
+class GenaiNgram(GenaiPlain):
+    """onnxruntime-genai's n-gram (prompt lookup) speculative mode."""
+
+    def configure(self, params) -> None:  # noqa: D102
+        params.set_speculative_options(ngram_size=3, max_draft_tokens=6, ngram_chained_lookup=True)
+
+
+class OpenvinoGenai:
+    """OpenVINO GenAI's LLMPipeline: plain, prompt lookup or a draft model (EAGLE-3).
+
+    Prefix caching is off (its default scheduler caches prefixes, so a repeated prompt
+    would time a cached prefill). The first token's time is the pipeline's own TTFT
+    (perf_metrics); the decode time is the call's wall time less it, as specx's.
+    `mode`: "plain", "prompt-lookup" or "draft" (then `draft_dir`, an IR optimum-intel
+    wrote); `assistant_tokens` is the draft length per round.
+    """
+
+    def __init__(
+        self,
+        model_dir: Path,
+        threads: int,
+        mode: str = "plain",
+        draft_dir: Path | None = None,
+        assistant_tokens: int = 4,
+        temperature: float = 0.0,
+    ):
+        import openvino_genai as ov_genai
+
+        scheduler = ov_genai.SchedulerConfig()
+        scheduler.enable_prefix_caching = False
+        scheduler.max_num_batched_tokens = 4096
+        scheduler.cache_size = 1
+        properties = {"INFERENCE_NUM_THREADS": threads}
+        extra: dict = {}
+        if mode == "prompt-lookup":
+            extra["prompt_lookup"] = True
+        elif mode == "draft":
+            extra["draft_model"] = ov_genai.draft_model(str(draft_dir), "CPU", **properties)
+        self.pipe = ov_genai.LLMPipeline(
+            str(model_dir), "CPU", scheduler_config=scheduler, **extra, **properties
+        )
+        self.ov_genai, self.mode = ov_genai, mode
+        self.assistant_tokens, self.temperature = assistant_tokens, temperature
+        self.accepted: list[tuple[int, int]] = []  # (draft tokens accepted, tokens) per call
+
+    def __call__(self, prompt: Sequence[int], new_tokens: int) -> Timing:  # noqa: D102
+        import numpy as np
+        import openvino as ov
+
+        config = self.ov_genai.GenerationConfig()
+        config.max_new_tokens = config.min_new_tokens = new_tokens
+        config.ignore_eos = True
+        if self.temperature > 0:
+            config.do_sample, config.temperature, config.rng_seed = True, self.temperature, 0
+        if self.mode != "plain":
+            config.num_assistant_tokens = self.assistant_tokens
+        if self.mode == "prompt-lookup":
+            config.max_ngram_size = 3
+        ids = np.array([list(prompt)], dtype=np.int64)
+        inputs = self.ov_genai.TokenizedInputs(ov.Tensor(ids), ov.Tensor(np.ones_like(ids)))
+        started = time.perf_counter()
+        result = self.pipe.generate(inputs, config)
+        wall = time.perf_counter() - started
+        ttft = result.perf_metrics.get_ttft().mean / 1e3
+        tokens = [int(t) for t in result.tokens[0]][:new_tokens]
+        return Timing(ttft, wall - ttft, tokens)
 
 
 @dataclass

@@ -1,0 +1,396 @@
+"""The edge benchmark: pyref-1b at int4 on this CPU, specx against onnxruntime-genai and
+OpenVINO GenAI on the same weights, in one process.
+
+pyref-1b (benchmarks/pyref_wide.py: pyref-7m widened to 1.085B parameters, same logits) and
+the committed pyref-7m drafters widened with it. Every runner decodes the same prompts (HumanEval
+stubs and held-out stdlib files, as the suite) for exactly `--new-tokens` tokens at batch 1,
+interleaved prompt by prompt, fastest of `--repeats` per prompt (benchmarks/runners.py);
+decode ms/token (every token after the first) and TTFT (the prompt's forward and the first
+token) are reported apart. Drafters start fresh for every run (a suffix drafter that saw
+the prompt's earlier run would draft its own output); OpenVINO's prefix caching is off.
+
+- specx: `specx export` + `specx build --precision int4` (the default int4 build) of
+  pyref-1b with each head (eagle3, eagle, mtp, medusa; chains of 2, 3 and 4: int4 keeps
+  chains identical to plain decoding, not trees) and the draft model (its own int4
+  artifact); plain, n-gram and suffix on the plain artifact.
+- onnxruntime-genai: its builder's int4 (`-p int4`), plain and n-gram (ngram_size 3, 6
+  draft tokens, chained lookup: benchmarks/peers.py's setting).
+- OpenVINO GenAI: `optimum-cli export openvino --weight-format int4 --group-size 128 --ratio
+  1.0`, plain, prompt lookup (4 draft tokens, n-grams of 3) and EAGLE-3 with the same widened
+  EAGLE-3 head (exported by optimum-intel, its taps in the draft IR's `hidden_layers_list`),
+  4 draft tokens. optimum-intel runs in its own virtual environment (`--ov-venv`; its
+  pins clash with specx's: see ../shared/docs/design-notes.md section 11).
+
+Greedy: every runner; every greedy specx output is compared with specx plain's. T=0.7
+(`--sections sampled`): specx plain and the heads' chain 3 against each peer's plain.
+Acceptance length (bonus counted) and acceptance by position for every specx drafter,
+draft tokens accepted for OpenVINO's speculative modes, and specx's verify curve t(N)/t(1).
+
+    python benchmarks/edge.py [--wide ~/.cache/specx/pyref-wide] [--prompts 6]
+        [--new-tokens 64] [--repeats 3] [--sections greedy,sampled] [--only REGEX]
+
+Preparation (exports and builds, ~10 minutes) is kept under `--work` and reused. Writes
+benchmarks/results/edge.json and prints a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import pyref_wide  # noqa: E402
+from deep_heads import build_options  # noqa: E402
+from runners import (  # noqa: E402
+    GenaiNgram,
+    GenaiPlain,
+    OpenvinoGenai,
+    SpecxPlain,
+    SpecxSpeculative,
+    interleave,
+)
+from suite import prompts_for  # noqa: E402
+
+CACHE = Path.home() / ".cache" / "specx"
+HEADS = ("eagle3", "eagle", "mtp", "medusa")
+CHAINS = (2, 3, 4)
+DRAFT_TOKENS = 4  # the peers' draft length per round
+
+
+def log(message: str) -> None:
+    print(time.strftime("%H:%M:%S"), message, file=sys.stderr, flush=True)
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """Everything the runners open: specx artifacts by drafter, the peers' model folders."""
+
+    specx: dict[str, Path]  # "plain", each head kind, "draft" (the draft model's artifact)
+    genai: Path
+    openvino: Path
+    openvino_eagle3: Path | None
+    eagle3_taps: tuple[int, ...]  # OpenVINO's numbering (outputs of layers)
+
+
+def _done(directory: Path) -> bool:
+    return (directory / ".complete").is_file()
+
+
+def _mark(directory: Path) -> Path:
+    (directory / ".complete").write_text("")
+    return directory
+
+
+def prepare_specx(target: Path, heads: dict[str, Path], work: Path) -> dict[str, Path]:
+    """pyref-1b exported plain and with each head, the draft model alone; int4 builds."""
+    from specx.build import build_artifact
+    from specx.export.target_export import export_target
+
+    jobs = {"plain": (target, None), "draft": (heads["draft-model"], None)}
+    jobs |= {kind: (target, f"{kind}:{heads[kind]}") for kind in HEADS}
+    out = {}
+    for name, (source, drafter) in jobs.items():
+        artifact = work / "specx" / name
+        if not _done(artifact):
+            shutil.rmtree(artifact, ignore_errors=True)
+            log(f"specx export + int4 build: {name}")
+            export_target(source, artifact, max_context=1024, drafter=drafter)
+            build_artifact(artifact, build_options("ort-int4"))
+            _mark(artifact)
+        out[name] = artifact
+    return out
+
+
+def _run(command: list[str], name: str, env: dict | None = None) -> None:
+    log(f"{name}: {' '.join(command)}")
+    environment = {**os.environ, **(env or {})}
+    done = subprocess.run(
+        command, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, env=environment
+    )
+    if done.returncode != 0:
+        raise SystemExit(f"{name} failed:\n{done.stderr.decode(errors='replace')[-3000:]}")
+
+
+def prepare_genai(target: Path, work: Path) -> Path:
+    out = work / "genai-int4"
+    if not _done(out):
+        shutil.rmtree(out, ignore_errors=True)
+        _run(
+            [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(target),
+             "-o", str(out), "-p", "int4", "-e", "cpu", "-c", str(work / "genai-cache")],
+            "onnxruntime-genai builder",
+        )  # fmt: skip
+        _mark(out)
+    return out
+
+
+def prepare_openvino(target: Path, work: Path, venv: Path) -> Path:
+    out = work / "openvino-int4"
+    if not _done(out):
+        shutil.rmtree(out, ignore_errors=True)
+        _run(
+            [str(venv / "bin" / "optimum-cli"), "export", "openvino", "-m", str(target),
+             "--task", "text-generation-with-past", "--weight-format", "int4",
+             "--group-size", "128", "--ratio", "1.0", str(out)],
+            "optimum-cli export openvino",
+        )  # fmt: skip
+        _mark(out)
+    return out
+
+
+def prepare_openvino_eagle3(head: Path, taps: tuple[int, ...], work: Path, venv: Path) -> Path:
+    """The EAGLE-3 head as an int4 OpenVINO IR, its taps in rt_info `hidden_layers_list`.
+
+    optimum-intel exports the official layout itself (`LlamaForCausalLMEagle3`); with
+    `--trust-remote-code` it checks that a `diffusers` package imports, which no release
+    does next to transformers 5.x, so an empty one goes on PYTHONPATH (never used).
+    OpenVINO GenAI shares the target's embedding with the draft at load time.
+    """
+    import openvino as ov
+
+    out = work / "openvino-eagle3-int4"
+    if _done(out):
+        return out
+    shutil.rmtree(out, ignore_errors=True)
+    shim = work / "optimum-shim"
+    (shim / "diffusers").mkdir(parents=True, exist_ok=True)
+    (shim / "diffusers" / "__init__.py").write_text("")
+    _run(
+        [str(venv / "bin" / "optimum-cli"), "export", "openvino", "-m", str(head),
+         "--task", "text-generation-with-past", "--trust-remote-code",
+         "--disable-convert-tokenizer", "--weight-format", "int4", "--group-size", "128",
+         "--ratio", "1.0", str(out)],
+        "optimum-cli export openvino (EAGLE-3 head)",
+        env={"PYTHONPATH": str(shim)},
+    )  # fmt: skip
+    xml = out / "openvino_model.xml"
+    model = ov.Core().read_model(xml)
+    model.set_rt_info(list(taps), ["hidden_layers_list"])
+    staged = out / ".tapped"
+    ov.save_model(model, staged / xml.name, compress_to_fp16=False)
+    for name in (xml.name, xml.with_suffix(".bin").name):
+        (staged / name).replace(out / name)
+    staged.rmdir()
+    return _mark(out)
+
+
+def prepare(wide: Path, work: Path, venv: Path) -> Prepared:
+    shape = pyref_wide.Shape()
+    target = pyref_wide.write_target(wide, shape)
+    heads = pyref_wide.write_heads(wide, shape)
+    config = json.loads((heads["eagle3"] / "config.json").read_text())
+    taps = tuple(config["eagle_config"]["eagle_aux_hidden_state_layer_ids"])
+    specx = prepare_specx(target, heads, work)
+    genai = prepare_genai(target, work)
+    openvino = prepare_openvino(target, work, venv)
+    try:
+        eagle3 = prepare_openvino_eagle3(heads["eagle3"], taps, work, venv)
+    except SystemExit as e:  # reported, not fatal: the other runners still compare
+        log(f"OpenVINO's EAGLE-3 could not be prepared: {e}")
+        eagle3 = None
+    return Prepared(specx, genai, openvino, eagle3, taps)
+
+
+def _fresh(kind: str, target, tree: str, options: dict | None = None) -> Callable:
+    """A drafter factory: a new drafter for every run."""
+    from specx.runtime.drafters import DrafterOptions, make_drafter
+    from specx.runtime.drafters.tree_search import parse_tree_spec
+
+    shape = parse_tree_spec(tree) if tree else None
+    return lambda prompt: make_drafter(kind, target, DrafterOptions(tree=shape, **(options or {})))
+
+
+def specx_runners(prepared: Prepared, threads: int, sampling, chains=CHAINS) -> dict:
+    from specx.artifact import load_manifest
+    from specx.runtime.backends import open_decoder
+
+    def target(name: str):
+        return open_decoder(load_manifest(prepared.specx[name]).with_build("ort-int4"), threads)
+
+    plain = target("plain")
+    runners = {"specx plain": SpecxPlain(prepared.specx["plain"], "ort-int4", threads, sampling)}
+    if sampling is None:
+        runners["specx ngram"] = SpecxSpeculative(plain, _fresh("ngram", plain, ""), sampling)
+        runners["specx suffix"] = SpecxSpeculative(plain, _fresh("suffix", plain, ""), sampling)
+    draft_spec = f"draft-model:{prepared.specx['draft']}"
+    for kind in (*HEADS, "draft-model"):
+        verifier = plain if kind == "draft-model" else target(kind)
+        spec = draft_spec if kind == "draft-model" else kind
+        for n in chains:
+            runners[f"specx {kind} chain {n}"] = SpecxSpeculative(
+                verifier, _fresh(spec, verifier, f"chain:{n}"), sampling
+            )
+    return runners
+
+
+def peer_runners(prepared: Prepared, threads: int, temperature: float) -> dict:
+    runners = {
+        "genai plain": GenaiPlain(prepared.genai, threads, temperature),
+        "openvino plain": OpenvinoGenai(prepared.openvino, threads, temperature=temperature),
+    }
+    if temperature > 0:
+        return runners
+    runners["genai ngram"] = GenaiNgram(prepared.genai, threads)
+    runners["openvino prompt lookup"] = OpenvinoGenai(
+        prepared.openvino, threads, "prompt-lookup", assistant_tokens=DRAFT_TOKENS
+    )
+    if prepared.openvino_eagle3 is not None:
+        runners["openvino eagle3"] = OpenvinoGenai(
+            prepared.openvino, threads, "draft", prepared.openvino_eagle3, DRAFT_TOKENS
+        )
+    return runners
+
+
+def acceptance(runner: SpecxSpeculative) -> dict:
+    """Acceptance length and by position over the prompts, and drafting time per round."""
+    rounds = sum(s["rounds"] for s in runner.stats.values())
+    emitted = sum(s["acceptance_length"] * s["rounds"] for s in runner.stats.values())
+    depth = max(len(s["acceptance_by_position"]) for s in runner.stats.values())
+    by_position = []
+    for d in range(depth):
+        rows = [s for s in runner.stats.values() if len(s["acceptance_by_position"]) > d]
+        weight = sum(s["rounds"] for s in rows)
+        by_position.append(sum(s["acceptance_by_position"][d] * s["rounds"] for s in rows) / weight)
+    draft = sum(s["draft_s"] for s in runner.stats.values())
+    return {
+        "acceptance_length": emitted / rounds,
+        "acceptance_by_position": by_position,
+        "draft_ms_per_round": 1e3 * draft / rounds,
+    }
+
+
+def section(name: str, runners: dict, prompts, args, curve) -> dict:
+    """One interleaved run of `runners`; per runner its times, acceptance and bound."""
+    log(f"{name}: {len(runners)} runners x {len(prompts)} prompts x {args.repeats} repeats")
+    summaries = interleave(runners, prompts, args.new_tokens, args.repeats)
+    rows = {n: s.report(args.new_tokens) for n, s in summaries.items()}
+    plain = rows["specx plain"]["decode_ms_per_token"]
+    for runner_name, runner in runners.items():
+        row = rows[runner_name]
+        row["ttft_ms"] = row.pop("prefill_ms")
+        if isinstance(runner, SpecxSpeculative):
+            row.update(acceptance(runner))
+            nodes = int(runner_name.rsplit(" ", 1)[-1]) if "chain" in runner_name else 6
+            verify_ms = 1e3 * curve(nodes + 1)
+            row["bound_vs_specx_plain"] = (
+                row["acceptance_length"] * plain / (verify_ms + row["draft_ms_per_round"])
+            )
+            row["speedup_vs_specx_plain"] = plain / row["decode_ms_per_token"]
+            row["of_bound"] = row["speedup_vs_specx_plain"] / row["bound_vs_specx_plain"]
+        if name == "greedy" and runner_name.startswith("specx"):
+            same = summaries[runner_name].tokens == summaries["specx plain"].tokens
+            row["identical_to_specx_plain"] = same
+    peers = {n: r for n, r in rows.items() if not n.startswith("specx")}
+    fastest_peer = min(peers, key=lambda n: peers[n]["decode_ms_per_token"])
+    best = min(
+        (n for n in rows if n.startswith("specx")), key=lambda n: rows[n]["decode_ms_per_token"]
+    )
+    return {
+        "rows": rows,
+        "fastest_peer": fastest_peer,
+        "specx_best": best,
+        "specx_best_vs_genai_plain": rows["genai plain"]["decode_ms_per_token"]
+        / rows[best]["decode_ms_per_token"],
+        "specx_best_vs_fastest_peer": rows[fastest_peer]["decode_ms_per_token"]
+        / rows[best]["decode_ms_per_token"],
+        "specx_ttft_vs_fastest_peer_ttft": rows["specx plain"]["ttft_ms"]
+        / min(r["ttft_ms"] for r in peers.values()),
+    }
+
+
+def markdown(report: dict) -> str:
+    lines = []
+    for name, result in report["sections"].items():
+        lines += [
+            f"\n{name}: best specx = {result['specx_best']}, "
+            f"{result['specx_best_vs_genai_plain']:.2f}x genai plain, "
+            f"{result['specx_best_vs_fastest_peer']:.2f}x the fastest peer "
+            f"({result['fastest_peer']}); specx TTFT / fastest peer's "
+            f"{result['specx_ttft_vs_fastest_peer_ttft']:.2f}\n",
+            "| runner | decode ms/token | TTFT ms | tau | acceptance by position | of bound |",
+            "|---|---|---|---|---|---|",
+        ]
+        for runner, row in sorted(
+            result["rows"].items(), key=lambda r: r[1]["decode_ms_per_token"]
+        ):
+            tau = f"{row['acceptance_length']:.2f}" if "acceptance_length" in row else ""
+            positions = ", ".join(f"{a:.2f}" for a in row.get("acceptance_by_position", []))
+            bound = f"{row['of_bound']:.0%}" if "of_bound" in row else ""
+            lines.append(
+                f"| {runner} | {row['decode_ms_per_token']:.2f} | {row['ttft_ms']:.0f} | {tau} "
+                f"| {positions} | {bound} |"
+            )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--wide", type=Path, default=CACHE / "pyref-wide")
+    parser.add_argument("--work", type=Path, default=CACHE / "edge")
+    parser.add_argument("--ov-venv", type=Path, default=CACHE / "ov-export-venv")
+    parser.add_argument("--prompts", type=int, default=6)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--sections", default="greedy,sampled")
+    parser.add_argument("--only", default="", help="regex: time only the runners it matches")
+    parser.add_argument("--prepare-only", action="store_true")
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/edge.json"))
+    args = parser.parse_args()
+    if not (pyref_wide.SOURCE / "model.safetensors").is_file():
+        log("skipped: shared/models/pyref-7m is absent")
+        return
+    from specx.calibration.costs import measure_verify_curve
+    from specx.runtime.sampling import SamplingParams
+    from specx.runtime.tokenizer import TextTokenizer
+
+    prepared = prepare(args.wide, args.work, args.ov_venv)
+    if args.prepare_only:
+        return
+    tokenizer = TextTokenizer(pyref_wide.SOURCE / "tokenizer.json")
+    prompts = prompts_for(tokenizer, args.prompts)[: args.prompts]
+    report = {
+        "benchmark": "edge",
+        "target": "pyref-1b (pyref-7m widened x6 to 20 layers, 1.085B parameters), int4",
+        "prompts": len(prompts),
+        "new_tokens": args.new_tokens,
+        "repeats": args.repeats,
+        "machine": {"platform": platform.platform(), "threads": args.threads},
+        "openvino_eagle3_taps": list(prepared.eagle3_taps),
+        "sections": {},
+    }
+    keep = re.compile(args.only or ".")
+    plain = SpecxPlain(prepared.specx["plain"], "ort-int4", args.threads)
+    context = sum(len(p) for p in prompts) // len(prompts)
+    curve = measure_verify_curve(plain.target, (1, 2, 3, 4, 5, 6, 7, 8), context, repeats=15)
+    report["specx_verify_curve"] = curve.summary()
+    settings = {"greedy": (None, 0.0), "sampled": (SamplingParams(0.7, seed=0), 0.7)}
+    for name in args.sections.split(","):
+        sampling, temperature = settings[name]
+        chains = CHAINS if sampling is None else (3,)
+        runners = specx_runners(prepared, args.threads, sampling, chains)
+        runners |= peer_runners(prepared, args.threads, temperature)
+        runners = {
+            n: r
+            for n, r in runners.items()
+            if n in ("specx plain", "genai plain") or keep.search(n)
+        }
+        report["sections"][name] = section(name, runners, prompts, args, curve)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report, indent=2) + "\n")
+    print(markdown(report))
+
+
+if __name__ == "__main__":
+    main()
