@@ -85,16 +85,32 @@ def create_app(engine: Engine, options: ServeOptions | None = None) -> FastAPI:
 
 
 def require_keys(app: FastAPI, access: Access) -> None:
-    """Every request to `app` passes `access.check` first (401 otherwise)."""
+    """Every request to `app` passes `access.check` first (401 otherwise); no-op without keys.
 
-    @app.middleware("http")
-    async def authenticate(http: Request, call_next):
-        try:
-            access.check(http.url.path, http.headers.get("authorization"))
-        except ApiError as e:
-            headers = {"WWW-Authenticate": "Bearer"}
-            return JSONResponse(e.body(), status_code=e.status, headers=headers)
-        return await call_next(http)
+    A plain ASGI middleware: Starlette's BaseHTTPMiddleware (`@app.middleware`) wraps the
+    request's receive channel so that `Request.is_disconnected` no longer sees a client
+    leave, and a non-streamed request whose client left would run to its end.
+    """
+    if access.required:
+        app.add_middleware(_RequireKeys, access=access)
+
+
+class _RequireKeys:
+    def __init__(self, app, access: Access):
+        self.app, self.access = app, access
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http":
+            header = dict(scope["headers"]).get(b"authorization")
+            try:
+                self.access.check(scope["path"], header.decode("latin-1") if header else None)
+            except ApiError as e:
+                refusal = JSONResponse(
+                    e.body(), status_code=e.status, headers={"WWW-Authenticate": "Bearer"}
+                )
+                await refusal(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 async def read_body(http: Request, limit: int) -> bytes:
