@@ -31,6 +31,24 @@ class GenerationError(SpecxError):
     """A generation request cannot be served (e.g. the prompt exceeds the KV capacity)."""
 
 
+class CapacityError(GenerationError):
+    """A request needs more KV slots than the artifact holds.
+
+    The numbers are kept for each caller's own words: the message speaks the CLI's flags,
+    the server rephrases it in its request fields.
+    """
+
+    def __init__(self, longest: int, new_tokens: int, needed: int, capacity: int):
+        super().__init__(
+            f"the longest prompt has {longest} tokens; with {new_tokens} new tokens it "
+            f"needs {needed} KV slots but the artifact's capacity is {capacity}: shorten the "
+            "prompt, lower --max-new-tokens, or re-export with a larger --max-context"
+        )
+        self.longest, self.new_tokens, self.needed, self.capacity = (
+            longest, new_tokens, needed, capacity,
+        )  # fmt: skip
+
+
 class BuildError(SpecxError):
     """`specx build` cannot build the requested backend (missing TensorRT, lint failures)."""
 

@@ -162,7 +162,7 @@ def test_chat_completions_with_the_openai_client(chat_artifact):
     [
         (b"{not json", 400, "not valid JSON"),
         ({"model": "gpt-4", "prompt": "x"}, 404, "does not exist"),
-        ({"prompt": [1] * 200}, 400, "capacity"),
+        ({"prompt": [1] * 200}, 400, "shorten the prompt or lower max_tokens"),
         ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens must be > 0"),
         ({"prompt": "x", "temperature": -0.5}, 400, "temperature must be >= 0"),
         ({"prompt": "x", "top_p": 1.5}, 400, "top_p must be in (0, 1]"),
@@ -170,7 +170,7 @@ def test_chat_completions_with_the_openai_client(chat_artifact):
         ({"prompt": ""}, 400, "prompt must be"),
         ({"prompt": "x", "drafter": "telepathy"}, 400, "choose one of ['ngram', 'suffix'] or null"),
         ({"prompt": "x", "drafter": "draft-model:/etc"}, 400, "is not served here"),
-        ({"prompt": [1, 2, 3], "max_tokens": 126}, 400, "capacity"),  # + the drafter's scratch
+        ({"prompt": [1, 2, 3], "max_tokens": 126}, 400, "for its drafter's tree"),
         ({"prompt": "x", "n": 2}, 400, "n must be 1"),
         ({"prompt": "x", "logprobs": 5}, 400, "logprobs is not supported"),
         ({"prompt": "x", "presence_penalty": 0.5}, 400, "presence_penalty is not supported"),
@@ -185,6 +185,7 @@ def test_bad_requests_get_a_4xx_json_error_and_the_server_keeps_serving(
     response = httpx.post(f"{url}/v1/completions", content=content, timeout=60)
     assert response.status_code == status
     assert message in response.json()["error"]["message"]
+    assert " --" not in response.json()["error"]["message"]  # request words, not CLI flags
     assert httpx.get(f"{url}/health").json()["status"] == "ok"
     # ignore_eos: at the default temperature (1) the model may sample its end token early.
     done = complete(url, prompt=[1, 2], max_tokens=2, ignore_eos=True)

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from specx.errors import GenerationError
+from specx.errors import CapacityError, GenerationError
 from specx.runtime.decoder_backend import DecoderBackend
 from specx.runtime.sampling import SamplingParams, sample, sampling_probs
 
@@ -67,11 +67,7 @@ def check_prompts(
     longest = max(len(p) for p in prompts)
     needed = longest + max_new_tokens - 1 + extra_slots
     if needed > capacity:
-        raise GenerationError(
-            f"the longest prompt has {longest} tokens; with {max_new_tokens} new tokens it "
-            f"needs {needed} KV slots but the artifact's capacity is {capacity}: shorten the "
-            "prompt, lower --max-new-tokens, or re-export with a larger --max-context"
-        )
+        raise CapacityError(longest, max_new_tokens, needed, capacity)
     return needed
 
 

@@ -15,7 +15,7 @@ import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
-from specx.errors import SpecxError
+from specx.errors import CapacityError, SpecxError
 from specx.runtime.chat import ChatTemplate
 from specx.runtime.engine import Engine, Speculation
 from specx.runtime.prefix_cache import PrefixCache
@@ -127,6 +127,8 @@ class Service:
             raise ApiError(503, str(e), kind="server_overloaded") from e
         except Unavailable as e:
             raise ApiError(503, str(e), kind="server_unavailable") from e
+        except CapacityError as e:
+            raise ApiError(400, _too_long(e), "max_tokens") from e
         except SpecxError as e:
             raise ApiError(400, str(e)) from e
         self.metrics.request(_endpoint(chat), 200)
@@ -227,6 +229,17 @@ class Service:
                 400, f"drafter {drafter!r} is not served here; choose one of {allowed} or null",
                 "drafter",
             )  # fmt: skip
+
+
+def _too_long(e: CapacityError) -> str:
+    """The capacity error in the request's words (max_tokens), not the CLI's flags."""
+    drafting = e.needed - e.longest - e.new_tokens + 1
+    scratch = f" and {drafting} for its drafter's tree" if drafting else ""
+    return (
+        f"the prompt has {e.longest} tokens; with max_tokens {e.new_tokens}{scratch} it needs "
+        f"{e.needed} positions but this model serves {e.capacity}: shorten the prompt or "
+        "lower max_tokens"
+    )
 
 
 def _endpoint(chat: bool) -> str:
