@@ -91,9 +91,7 @@ def test_a_small_teacher_with_mapped_taps_gives_the_deep_targets_eagle3_features
     assert torch.equal(mapped.last, expected.last) and torch.equal(mapped.probs, expected.probs)
 
 
-def test_distinct_copies_compute_the_same_logits_with_no_shared_weights(
-    checkpoints, tmp_path, rng
-):
+def test_distinct_copies_compute_the_same_logits_with_no_shared_weights(checkpoints, tmp_path, rng):
     """Copies silenced by their norms, matrices redrawn: the function bit for bit, and no
     two layers hold the same matrix (a runtime that stores equal constants once would read
     fewer weights than a real model of that size)."""
