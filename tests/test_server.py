@@ -573,13 +573,19 @@ def test_prefix_cache_changes_no_output_under_concurrency_and_stays_bounded(arti
     rng = np.random.default_rng(3)
     shared = [rng.integers(1, 500, 64).tolist() for _ in range(2)]
     prompts = [shared[i % 2] + rng.integers(1, 500, 4).tolist() for i in range(16)]
-    body = {"max_tokens": 24, "temperature": 0, "ignore_eos": True, "drafter": "ngram"}
+    body = {"max_tokens": 24, "temperature": 0, "ignore_eos": True}
+    drafters = ["ngram", "suffix", None]  # the heads: tests/test_prefix_cache.py
     outputs, texts = {}, {}
     block = 16 * 1024  # 16 tokens x 4 layers x 2 KV heads x 16 dims x (key, value) x 4 bytes
     for name, size in (("off", 0), ("on", 64 << 20), ("evicting", 3 * block)):
         with serving(artifacts["llama"], slots=4, prefix_cache_bytes=size) as (url, _):
             with ThreadPoolExecutor(16) as pool:
-                answers = list(pool.map(lambda p: complete(url, prompt=p, **body), prompts))
+                answers = list(
+                    pool.map(
+                        lambda i: complete(url, prompt=prompts[i], drafter=drafters[i % 3], **body),
+                        range(16),
+                    )
+                )
             outputs[name] = [a["choices"][0]["token_ids"] for a in answers]
             texts[name] = httpx.get(f"{url}/metrics").text
     assert outputs["on"] == outputs["off"] == outputs["evicting"]
