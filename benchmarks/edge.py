@@ -26,6 +26,10 @@ Greedy: every runner; every greedy specx output is compared with specx plain's. 
 Acceptance length (bonus counted) and acceptance by position for every specx drafter,
 draft tokens accepted for OpenVINO's speculative modes, and specx's verify curve t(N)/t(1).
 
+Peers: `pip install -e ".[bench]"` (onnxruntime-genai, openvino-genai); the exporter's venv:
+`python -m venv ~/.cache/specx/ov-export-venv && ~/.cache/specx/ov-export-venv/bin/pip install
+torch==2.13.0 "optimum-intel[openvino]" einops && .../bin/pip uninstall -y torchvision`.
+
     python benchmarks/edge.py [--wide ~/.cache/specx/pyref-wide] [--prompts 6]
         [--new-tokens 64] [--repeats 3] [--sections greedy,sampled] [--only REGEX]
 
@@ -202,13 +206,13 @@ def prepare(wide: Path, work: Path, venv: Path) -> Prepared:
     return Prepared(specx, genai, openvino, eagle3, taps)
 
 
-def _fresh(kind: str, target, tree: str, options: dict | None = None) -> Callable:
+def _fresh(kind: str, target, tree: str) -> Callable:
     """A drafter factory: a new drafter for every run."""
     from specx.runtime.drafters import DrafterOptions, make_drafter
     from specx.runtime.drafters.tree_search import parse_tree_spec
 
     shape = parse_tree_spec(tree) if tree else None
-    return lambda prompt: make_drafter(kind, target, DrafterOptions(tree=shape, **(options or {})))
+    return lambda prompt: make_drafter(kind, target, DrafterOptions(tree=shape))
 
 
 def specx_runners(prepared: Prepared, threads: int, sampling, chains=CHAINS) -> dict:

@@ -160,7 +160,6 @@ class OpenvinoGenai:
         )
         self.ov_genai, self.mode = ov_genai, mode
         self.assistant_tokens, self.temperature = assistant_tokens, temperature
-        self.accepted: list[tuple[int, int]] = []  # (draft tokens accepted, tokens) per call
 
     def __call__(self, prompt: Sequence[int], new_tokens: int) -> Timing:  # noqa: D102
         import numpy as np

@@ -30,6 +30,26 @@ def _slowed(call, seconds: float):
     return slow
 
 
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _wait_until_healthy(server, url: str) -> None:
+    """Waits for a `specx serve` subprocess's /health to answer 200 (60 s at most)."""
+    deadline = time.monotonic() + 60
+    while True:
+        assert server.poll() is None, server.stderr.read()
+        try:
+            if httpx.get(f"{url}/health").status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, "specx serve did not come up"
+        time.sleep(0.2)
+
+
 @contextmanager
 def serving(artifact, step_s: float = 0.0, **options):
     """A real server on a free 127.0.0.1 port; yields its base URL, stops on exit.
@@ -41,9 +61,7 @@ def serving(artifact, step_s: float = 0.0, **options):
     if step_s:
         for name in ("forward", "decode_step"):
             setattr(engine.target, name, _slowed(getattr(engine.target, name), step_s))
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = _free_port()
     config = uvicorn.Config(
         create_app(engine, ServeOptions(**options)), host="127.0.0.1", port=port,
         log_level="error",
@@ -266,9 +284,7 @@ def test_ray_serve_replicas_share_the_load_and_survive_a_killed_replica(artifact
 
     from specx.server.ray_serve import RayOptions, deploy
 
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = _free_port()
     from specx.server.auth import Access
 
     # One slot: requests stay in flight. The gateway asks for the key as the local server.
@@ -356,9 +372,7 @@ def test_the_serve_command_serves_and_refuses_bad_options(artifacts, tmp_path):
     ]:
         result = CliRunner().invoke(main, ["serve", *args], env={"SPECX_API_KEY": ""})
         assert result.exit_code == 2 and message in result.output, result.output
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = _free_port()
     (tmp_path / "keys").write_text("# the team's keys\nfile-key-1\n\nfile-key-2\n")
     command = [sys.executable, "-m", "specx.cli", "serve", str(artifacts["llama"]), "--port",
                str(port), "--threads", "2", "--drafter", "suffix", "--api-key-file",
@@ -366,16 +380,7 @@ def test_the_serve_command_serves_and_refuses_bad_options(artifacts, tmp_path):
     environment = {**os.environ, "SPECX_API_KEY": "env-key"}
     server = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env=environment)
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert server.poll() is None, server.stderr.read()
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "specx serve did not come up"
-            time.sleep(0.2)
+        _wait_until_healthy(server, f"http://127.0.0.1:{port}")
         body = {"prompt": [5, 9, 5, 9], "max_tokens": 8, "ignore_eos": True}
         url = f"http://127.0.0.1:{port}/v1/completions"
         for key, status in [("file-key-2", 200), ("env-key", 200), ("file-key-3", 401)]:
@@ -514,25 +519,14 @@ def test_sigterm_drains_running_streams_refuses_new_ones_and_exits_0(artifacts):
     import subprocess
     import sys
 
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = _free_port()
     url = f"http://127.0.0.1:{port}"
     command = [sys.executable, "-m", "specx.cli", "serve", str(artifacts["llama"]), "--port",
                str(port), "--threads", "2", "--slots", "1", "--drain-timeout", "120"]  # fmt: skip
     server = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
     body = {"max_tokens": 110, "temperature": 0, "ignore_eos": True}
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert server.poll() is None, server.stderr.read()
-            try:
-                if httpx.get(f"{url}/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "specx serve did not come up"
-            time.sleep(0.2)
+        _wait_until_healthy(server, url)
         started = threading.Event()
 
         def run(i):
