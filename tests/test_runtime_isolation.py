@@ -37,3 +37,16 @@ def test_generate_runs_without_torch_or_exporter(artifacts):
     done = subprocess.run(args, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert len(json.loads(done.stdout)["tokens"][0]) >= 1
+
+
+def test_a_checkout_folder_named_specx_does_not_shadow_the_package(tmp_path):
+    # The layout ../shared suggests puts a checkout named `specx` beside the working
+    # directory; Python then sees an empty namespace package there unless the installed
+    # package is a regular one found first (the src/ layout).
+    (tmp_path / "specx").mkdir()
+    code = "import specx; print(specx.load.__module__)"
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "specx.runtime.engine"
