@@ -103,8 +103,8 @@ def main() -> None:
         return
 
     from specx.artifact import load_manifest
+    from specx.build.int8_static import quantize_artifact
     from specx.calibration.calibrate import CalibrationOptions, calibrate_artifact
-    from specx.calibration.quantization import quantize_artifact
     from specx.export.target_export import export_target
     from specx.runtime.calibrated import calibrated_choice
     from specx.runtime.drafters import DrafterOptions

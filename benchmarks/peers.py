@@ -95,7 +95,8 @@ def prepare(name: str, checkpoint: Path, work: Path) -> Case:
 
 def _stale(manifest, precision: str) -> bool:
     """Whether a cached build is missing or quantized otherwise than today's default."""
-    from specx.build import BuildOptions, weight_only_config
+    from specx.build import BuildOptions
+    from specx.build.ort import weight_only_config
 
     build = manifest.data.get("builds", {}).get(f"ort-{precision}")
     if build is None or precision != "int4":

@@ -45,13 +45,13 @@ def summarize(profile: Path, label: str, top: int = 6) -> None:
 
 
 def profile_specx(args, work: Path) -> None:
+    from specx import sessions
     from specx.artifact import load_manifest
-    from specx.runtime import ort_target
     from specx.runtime.backends import open_decoder
     from specx.runtime.masks import causal_mask
 
     for label, width in (("decode", 1), (f"verify {args.verify}", args.verify)):
-        base = ort_target.session_options
+        base = sessions.session_options
 
         def profiled(threads=None, base=base, label=label):
             options = base(threads)
@@ -59,12 +59,12 @@ def profile_specx(args, work: Path) -> None:
             options.profile_file_prefix = str(work / label.replace(" ", "_"))
             return options
 
-        ort_target.session_options = profiled
+        sessions.session_options = profiled
         try:
             manifest = load_manifest(args.artifact).with_build(args.build)
             target = open_decoder(manifest, threads=args.threads)
         finally:
-            ort_target.session_options = base
+            sessions.session_options = base
         cache = target.allocate_cache(1, args.context + args.steps * width + 1)
         prompt = np.random.default_rng(0).integers(1, target.vocab_size, args.context)
         target.feed(cache, [prompt.tolist()], np.zeros(1, np.int64))
@@ -81,7 +81,7 @@ def profile_specx(args, work: Path) -> None:
 def profile_genai(args, work: Path) -> None:
     import onnxruntime as ort
 
-    from specx.runtime.ort_target import session_options
+    from specx.sessions import session_options
 
     config = json.loads((args.genai / "genai_config.json").read_text())["model"]
     decoder = config["decoder"]

@@ -26,7 +26,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from specx.training.corpus import stdlib_files, train_byte_level_bpe
+from specx.export.random_checkpoint import train_byte_level_bpe
+from specx.training.corpus import stdlib_files
 
 DEFAULT_OUT = Path.home() / ".cache" / "specx" / "pyref-rebuild"
 

@@ -61,7 +61,7 @@ def main() -> None:
         return
     from specx.artifact import load_manifest
     from specx.build import BuildOptions, build_artifact
-    from specx.calibration.quantization import teacher_forced_accuracy
+    from specx.build.int8_static import teacher_forced_accuracy
     from specx.export.target_export import export_target
     from specx.graphs.weight_only import WeightOnlyConfig
     from specx.runtime.tokenizer import TextTokenizer

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-import specx.build
+import specx.build.staging
 from specx.artifact import load_manifest
 from specx.build import BuildOptions, build_artifact
 from specx.cli import main
@@ -76,7 +76,7 @@ def test_an_interrupted_build_leaves_the_manifest_untouched(artifact, monkeypatc
     def interrupted(root, body, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(specx.build, "write_manifest", interrupted)
+    monkeypatch.setattr(specx.build.staging, "write_manifest", interrupted)
     with pytest.raises(KeyboardInterrupt):
         build_artifact(artifact, BuildOptions("ort", "fp16"))
     assert (artifact / "manifest.json").read_bytes() == original
@@ -130,7 +130,8 @@ def test_cli_build_and_generate_use_the_build(artifact):
         ],
     )
     assert result.exit_code == 0, result.output
-    assert json.loads(result.stdout)["stats"]["backend"] == "ort-fp16"
+    stats = json.loads(result.stdout)["stats"]
+    assert (stats["build"], stats["backend"]) == ("ort-fp16", "ort")
 
 
 def test_optimization_profiles_follow_the_manifest(artifacts):
@@ -160,3 +161,59 @@ def test_engine_mismatches_name_the_version_and_gpu():
     problems = engine_mismatches(build, "11.1.0", "8.9")
     assert "built with TensorRT 10.15.1, this is TensorRT 11.1.0" in problems[0]
     assert "compute capability 9.0 (H200), this GPU is 8.9" in problems[1]
+
+
+class _CopyBackend:
+    """A toy backend: the exported graphs rewritten as they are, on ONNX Runtime."""
+
+    name = "toy-copy"
+    runtime = "ort"
+    passes = ()
+
+    def build_name(self, options: BuildOptions) -> str:
+        return f"toy-{options.precision}"
+
+    def check(self, manifest, options, prompts) -> None:
+        if options.precision != "fp32":
+            raise BuildError("toy-copy builds fp32 only")
+
+    def build(self, job) -> dict:
+        from specx.build.staging import load_graph, save_graph
+
+        graphs = {}
+        for name in job.manifest.data["graphs"]:
+            job.progress(f"[toy] copying {name}")
+            graphs[name] = save_graph(load_graph(job.manifest, name), job.output, name)
+        return {"precision": job.options.precision, "graphs": graphs}
+
+
+def test_a_new_backend_is_one_class_and_its_registration(artifact, monkeypatch):
+    from specx.build import BACKENDS, register
+    from specx.runtime.engine import load
+
+    before = _plain(artifact)
+    monkeypatch.setitem(BACKENDS, "toy-copy", None)  # restored (removed) after the test
+    register(_CopyBackend())
+    with pytest.raises(BuildError, match="fp32 only"):
+        build_artifact(artifact, BuildOptions("toy-copy", "fp16"))
+    result = CliRunner().invoke(main, ["build", str(artifact), "--backend", "toy-copy"])
+    assert result.exit_code == 0, result.output
+    manifest = load_manifest(artifact)
+    assert manifest.data["default_build"] == "toy-fp32"
+    assert manifest.build["backend"] == "ort"  # the runtime that opens it
+    assert manifest.build["graphs"]["target"]["file"].startswith("builds/toy-fp32.")
+    assert _plain(artifact) == before
+    completion = load(artifact, threads=2).generate(PROMPTS[0], max_new_tokens=4)
+    assert (completion.stats.build, completion.stats.backend) == ("toy-fp32", "ort")
+
+
+def test_a_backend_must_name_a_runtime_that_exists_and_unknown_ones_are_refused(artifact):
+    from specx.build import register
+
+    class Nowhere(_CopyBackend):
+        runtime = "tpu"
+
+    with pytest.raises(ValueError, match="no runtime opener 'tpu'"):
+        register(Nowhere())
+    with pytest.raises(BuildError, match="--backend must be one of .*'ort'.*got 'nope'"):
+        build_artifact(artifact, BuildOptions("nope"))

@@ -13,6 +13,7 @@ from click.testing import CliRunner
 import specx.calibration.calibrate as calibrate_module
 import specx.calibration.timing as timing_module
 from specx.artifact import load_manifest
+from specx.build.int8_static import quantize_artifact
 from specx.calibration.acceptance import AcceptanceCounts, probe_choices
 from specx.calibration.calibrate import (
     PAYS,
@@ -21,7 +22,6 @@ from specx.calibration.calibrate import (
     calibrate_artifact,
 )
 from specx.calibration.costs import VerifyCurve, fit_draft_cost
-from specx.calibration.quantization import quantize_artifact
 from specx.calibration.timing import measure_speedup
 from specx.calibration.tree_selection import best_trees, chain_expected, expected_accepted
 from specx.cli import main
@@ -270,7 +270,7 @@ def test_on_an_int8_build_only_chains_are_candidates(artifact, draft_artifacts):
         return json.loads(result.stdout)["stats"], result.stderr
 
     stats, warning = generate("--max-batch-spec", "1")
-    assert stats["backend"] == "ort-int8" and stats["compare"]["identical_tokens"]
+    assert stats["build"] == "ort-int8" and stats["compare"]["identical_tokens"]
     assert "warning" not in warning
     _, warning = generate("--tree", "dynamic:7,2,2")
     assert "chain drafts only" in warning

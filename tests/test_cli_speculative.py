@@ -138,6 +138,8 @@ def test_export_with_head_and_generate(head_target, head_dirs, tmp_path):
     manifest = json.loads((artifact / "manifest.json").read_text())
     assert manifest["drafter"]["kind"] == "eagle3" and manifest["model"]["taps"]["kind"] == "eagle3"
     assert {"draft_head", "draft_projection", "draft_chain", "target"} == set(manifest["graphs"])
+    assert manifest["default_build"] == "ort-fp32"  # export ends with the CPU build
+    assert set(manifest["builds"]["ort-fp32"]["lowering"]) == {"target", "draft_head"}
     result = invoke(
         "generate",
         artifact,
@@ -153,7 +155,17 @@ def test_export_with_head_and_generate(head_target, head_dirs, tmp_path):
         20,
     )
     assert result.exit_code == 0, result.output
-    assert json.loads(result.stdout)["stats"]["compare"]["identical_tokens"] is True
+    stats = json.loads(result.stdout)["stats"]
+    assert stats["compare"]["identical_tokens"] is True and stats["build"] == "ort-fp32"
+    exported = invoke(
+        "generate", artifact, "--prompt-ids", "1,2,3", "--max-new-tokens", 20, "--json",
+        "--build", "exported",
+    )  # fmt: skip
+    assert exported.exit_code == 0, exported.output
+    assert json.loads(exported.stdout)["stats"]["build"] == "exported"
+    assert json.loads(exported.stdout)["tokens"] == json.loads(result.stdout)["tokens"]
+    unknown = invoke("generate", artifact, "--prompt-ids", "1", "--build", "ort-int4")
+    assert unknown.exit_code == 2 and "has no build 'ort-int4'" in unknown.output
     wrong = invoke("generate", artifact, "--prompt-ids", "1", "--drafter", "medusa")
     assert wrong.exit_code == 2 and "exported with drafter 'eagle3', not 'medusa'" in wrong.output
     taps = invoke(
@@ -177,3 +189,16 @@ def test_compare_at_a_temperature_gives_no_token_verdict(artifacts):
     assert "identical tokens" not in result.stderr
     result = invoke(*args, "ngram", "--compare", "--json", "--temperature", 0.8)
     assert json.loads(result.stdout)["stats"]["compare"]["identical_tokens"] is None
+
+
+def test_export_without_build_runs_the_exported_graphs(checkpoints, tmp_path):
+    artifact = tmp_path / "art"
+    result = invoke(
+        "export", checkpoints["llama"], "-o", artifact, "--max-context", 64, "--no-build"
+    )
+    assert result.exit_code == 0, result.output
+    manifest = json.loads((artifact / "manifest.json").read_text())
+    assert "default_build" not in manifest and not manifest.get("builds")
+    result = invoke("generate", artifact, "--prompt-ids", "1,2", "--max-new-tokens", 3, "--json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["stats"]["build"] == "exported"

@@ -8,7 +8,7 @@ import numpy as np
 import onnx_ir as ir
 import pytest
 
-import specx.build
+import specx.build.ort
 from conftest import FAMILIES, HEAD_VOCAB
 from specx.artifact import load_manifest
 from specx.build import BuildOptions, build_artifact
@@ -177,7 +177,7 @@ def test_pairing_kernels_break_row_invariance_without_the_padding_row(
     artifacts, tmp_path, monkeypatch
 ):
     """Why the padding row at blocks of 128: without it rows differ between chunks."""
-    monkeypatch.setattr(specx.build, "matmulnbits_row_invariance", lambda config: "as is")
+    monkeypatch.setattr(specx.build.ort, "matmulnbits_row_invariance", lambda config: "as is")
     artifact = shutil.copytree(artifacts["llama"], tmp_path / "artifact")
     config = WeightOnlyConfig(block_size=128)
     build_artifact(artifact, BuildOptions("ort", "int4", weight_only=config))
@@ -203,7 +203,7 @@ def test_unpadded_gqa_computes_a_lone_row_differently(artifacts, tmp_path):
 def test_without_groupqueryattention_the_build_keeps_the_standard_body(
     artifacts, tmp_path, monkeypatch
 ):
-    monkeypatch.setattr(specx.build, "gqa_available", lambda: False)
+    monkeypatch.setattr(specx.build.ort, "gqa_available", lambda: False)
     artifact = shutil.copytree(artifacts["llama"], tmp_path / "artifact")
     messages = []
     build_artifact(artifact, BuildOptions("ort", "fp32"), progress=messages.append)

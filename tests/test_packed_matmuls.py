@@ -9,7 +9,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from specx.artifact import load_manifest
 from specx.graphs.packed_matmuls import PackSiblingMatMulsPass
-from specx.runtime.ort_target import load_session
+from specx.sessions import load_session
 
 
 def _graph() -> onnx.ModelProto:

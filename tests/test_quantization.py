@@ -14,11 +14,12 @@ import onnx
 import pytest
 from click.testing import CliRunner
 
-import specx.build
-import specx.calibration.quantization as quantization
+import specx.build.int8_static as quantization
+import specx.build.staging
 from conftest import SHARED
 from specx.artifact import load_manifest
-from specx.calibration.quantization import BUILD_NAME, quantize_artifact
+from specx.build.int8_static import BUILD_NAME, quantize_artifact
+from specx.cli import main
 from specx.cli.calibrate import quantize
 from specx.errors import BuildError, SpecxError
 from specx.graphs import tree_attention as tree_op
@@ -178,6 +179,18 @@ def test_the_cli_reads_jsonl_prompts_and_prints_the_report(artifact, tmp_path):
     assert "top-1 agreement" in text.stdout and "calibrated on 3 prompts" in text.stdout
     assert len(list((artifact / "builds").iterdir())) == 1  # the rebuild retired the first
 
+    build = ["build", str(artifact), "--backend", "int8-static"]
+    refused = CliRunner().invoke(main, build)
+    assert refused.exit_code == 2 and "--backend int8-static needs --prompts" in refused.stderr
+    refused = CliRunner().invoke(
+        main, [*build, "--prompts", str(prompts_file), "--precision", "int4"]
+    )
+    assert refused.exit_code == 2 and "--precision and the weight-only options" in refused.stderr
+    done = CliRunner().invoke(main, [*build, "--prompts", str(prompts_file)])
+    assert done.exit_code == 0, done.output
+    record = load_manifest(artifact).build
+    assert record["quantization"]["calibration_prompts"] == 3 and record["backend"] == "ort"
+
 
 @pytest.mark.parametrize(
     ("prompts", "mode", "message"),
@@ -212,7 +225,8 @@ def test_with_modelopt_installed_fp8_is_refused_as_not_implemented(artifact, mon
 
 
 @pytest.mark.parametrize(
-    ("module", "stage"), [(quantization, "_quantize_static"), (specx.build, "write_manifest")]
+    ("module", "stage"),
+    [(quantization, "_quantize_static"), (specx.build.staging, "write_manifest")],
 )
 def test_a_failed_quantization_leaves_the_manifest_untouched(artifact, monkeypatch, module, stage):
     before = (artifact / "manifest.json").read_bytes()

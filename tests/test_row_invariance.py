@@ -13,7 +13,7 @@ from specx.artifact import load_manifest
 from specx.graphs import tree_attention as tree_op
 from specx.graphs.row_invariance import RowInvariantPass
 from specx.runtime.masks import causal_mask
-from specx.runtime.ort_target import load_session
+from specx.sessions import load_session
 
 WIDTH = 8
 

@@ -16,7 +16,7 @@ from onnx_ir.passes import PassError
 from specx.artifact import load_manifest
 from specx.graphs.precision import ConvertPrecisionPass
 from specx.graphs.trt_lowering import CheckPluginNodesPass, lower_for_tensorrt
-from specx.runtime.ort_target import load_session
+from specx.sessions import load_session
 
 CAPACITY = 128  # conftest.MAX_CONTEXT
 

@@ -16,11 +16,12 @@ import onnx_ir as ir
 import pytest
 from click.testing import CliRunner
 
-import specx.build
+import specx.build.ort
 from conftest import HEAD_VOCAB
 from specx.artifact import load_manifest
-from specx.build import BuildOptions, build_artifact, matmulnbits_row_invariance
-from specx.calibration.gptq import gptq_quantize
+from specx.build import BuildOptions, build_artifact
+from specx.build.gptq import gptq_quantize
+from specx.build.ort import matmulnbits_row_invariance
 from specx.cli import main
 from specx.errors import BuildError
 from specx.graphs.weight_only import (
@@ -354,7 +355,7 @@ def test_row_invariance_is_measured_and_recorded(artifacts, tmp_path):
 def test_the_block_size_follows_the_targets_size(artifacts, tmp_path, monkeypatch):
     """Blocks of 128 (and the padding row) once the target's MatMul weights stream from
     memory; the tiny test target counts as large when the threshold is below its size."""
-    monkeypatch.setattr(specx.build, "STREAMED_WEIGHTS", 1000)
+    monkeypatch.setattr(specx.build.ort, "STREAMED_WEIGHTS", 1000)
     artifact = shutil.copytree(artifacts["llama"], tmp_path / "artifact")
     build_artifact(artifact, BuildOptions("ort", "int4"))
     quantization = load_manifest(artifact).build["quantization"]

@@ -58,8 +58,7 @@ class AcceptanceCounts:
         level = depths(draft.parents)
         accepted = set(verdict.accepted)
         on_path = {-1}  # nodes whose whole path was accepted (the root always is)
-        for node in verdict.accepted:
-            on_path.add(node)
+        on_path.update(verdict.accepted)
         for d in range(min(self.depth, int(level.max()) + 1)):
             at_depth = np.flatnonzero(level == d)
             tried = [n for n in at_depth if int(draft.parents[n]) in on_path]

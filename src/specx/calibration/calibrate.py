@@ -56,7 +56,7 @@ from specx.calibration.costs import DraftCost, fit_draft_cost, measure_verify_cu
 from specx.calibration.timing import measure_speedup
 from specx.calibration.tree_selection import RankedTree, best_trees, chain_expected
 from specx.errors import CalibrationError, SpecxError
-from specx.runtime.backends import open_decoder
+from specx.runtime.backends import build_name, open_decoder
 from specx.runtime.calibrated import calibration_key, chains_only, choice_shape
 from specx.runtime.decoder_backend import DecoderBackend
 from specx.runtime.drafters import DrafterOptions, make_drafter
@@ -203,7 +203,7 @@ def calibrate_artifact(
     candidates = _candidates(scored, chains, p, spec, every_chain=restricted)
     progress(f"[5/5] measuring {len(candidates)} candidates, then the batch curve")
     for candidate in candidates:
-        drafter = _drafter(spec, target, choice_shape(candidate), options)
+        drafter = _drafter(spec, target, _candidate_shape(candidate), options)
         timing = measure_speedup(
             target, drafter, prompts, options.max_new_tokens, options.repeats, 1, sampling
         )
@@ -310,7 +310,7 @@ def _header(manifest, spec: str, prompts, options, sampling: SamplingParams) -> 
         "drafter": spec,
         "sampling": {"temperature": sampling.temperature, "top_p": sampling.top_p},
         "measured_on": {
-            "backend": manifest.data.get("default_build", "ort"),
+            "build": build_name(manifest),
             "prompts": len(prompts),
             "prompts_sha256": hashlib.sha256(json.dumps(prompts).encode()).hexdigest(),
             "max_new_tokens": options.max_new_tokens,
@@ -365,7 +365,16 @@ def _probe_depth(
     return depth
 
 
-def _drafter(spec: str, target: DecoderBackend, shape: StaticTree, options: CalibrationOptions):
+def _candidate_shape(candidate: dict) -> StaticTree | DynamicTree:
+    """A candidate's tree: `_candidates` makes static, chain and dynamic ones, no budget."""
+    shape = choice_shape(candidate)
+    assert shape is not None, f"a calibration candidate without a tree: {candidate}"
+    return shape
+
+
+def _drafter(
+    spec: str, target: DecoderBackend, shape: StaticTree | DynamicTree, options: CalibrationOptions
+):
     if spec == "ngram":
         return make_drafter(
             spec, target, DrafterOptions(num_draft_tokens=shape.max_nodes, threads=options.threads)
@@ -491,7 +500,7 @@ def _batch_curve(target, spec, choice, prompts, options) -> list[dict[str, Any]]
             curve.append({"batch": 1, "measured_speedup": choice["measured_speedup"]})
             continue
         group = [prompts[i % len(prompts)] for i in range(max(batch, len(prompts)))]
-        drafter = _drafter(spec, target, choice_shape(choice), options)
+        drafter = _drafter(spec, target, _candidate_shape(choice), options)
         timing = measure_speedup(
             target,
             drafter,

@@ -51,7 +51,7 @@ class PairedTiming:
 
 def measure_speedup(
     target: DecoderBackend,
-    drafter: Drafter,
+    drafter: Drafter | None,
     prompts: Sequence[Sequence[int]],
     max_new_tokens: int,
     repeats: int = 3,
@@ -65,7 +65,7 @@ def measure_speedup(
     compares the sampled tokens, which a lossless loop need not reproduce). `new_drafter`:
     a fresh drafter for every speculative run instead of `drafter` (one that learns across
     requests, as suffix drafting does, would otherwise have seen the prompt's output in an
-    earlier repeat).
+    earlier repeat); `drafter` may then be None.
     """
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
@@ -77,6 +77,8 @@ def measure_speedup(
         for g, group in enumerate(groups):
             plain = generate_plain(target, group, max_new_tokens, sampling)
             fresh = drafter if new_drafter is None else new_drafter()
+            if fresh is None:
+                raise ValueError("measure_speedup needs a drafter or new_drafter")
             spec = generate_speculative(target, fresh, group, max_new_tokens, sampling)
             plain_s[g] = min(plain_s[g], plain.stats["decode_s"])
             speculative_s[g] = min(

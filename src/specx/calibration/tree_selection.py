@@ -65,7 +65,9 @@ def best_trees(p: np.ndarray, max_nodes: int) -> list[RankedTree]:
     probability are never added: the list stops early when no node can gain anything.
     """
     p = np.asarray(p, dtype=float)
-    frontier = [(-_path_probability(p, (k,)), 1, (k,)) for k in range(p.shape[1])]
+    frontier: list[tuple[float, int, tuple[int, ...]]] = [
+        (-_path_probability(p, (k,)), 1, (k,)) for k in range(p.shape[1])
+    ]
     heapq.heapify(frontier)
     chosen: list[tuple[int, ...]] = []
     total = 0.0

@@ -71,7 +71,13 @@ def lint(artifact_dir: Path, lint_target: str, precision: str, as_json: bool) ->
 
 @click.command()
 @click.argument("artifact_dir", type=_ARTIFACT)
-@click.option("--backend", type=click.Choice(["ort", "trt"]), default="ort", show_default=True)
+@click.option(
+    "--backend",
+    default="ort",
+    show_default=True,
+    help="A registered build backend (specx.build): ort (CPU), trt (TensorRT engines), "
+    "int8-static (static INT8 QDQ calibrated on --prompts, as specx quantize).",
+)
 @click.option(
     "--precision",
     type=click.Choice(["fp32", "fp16", "bf16", "int4", "int8"]),
@@ -101,7 +107,8 @@ def lint(artifact_dir: Path, lint_target: str, precision: str, as_json: bool) ->
     "--prompts",
     "prompts_file",
     type=click.Path(exists=True, dir_okay=False, path_type=Path),
-    help="int4/int8 with --method gptq: JSONL calibration prompts ('prompt' or 'prompt_ids').",
+    help="JSONL calibration prompts ('prompt' or 'prompt_ids') for --method gptq and "
+    "--backend int8-static.",
 )
 @click.option("--asymmetric", is_flag=True, help="int4/int8: a zero point per block too.")
 @click.option(
@@ -180,8 +187,9 @@ def build(
 ) -> None:
     """Build ARTIFACT_DIR for a backend and make that build the one the runtime uses.
 
-    ort (CPU default): fp32 records the exported graphs, fp16 writes converted graphs,
-    int4/int8 store every MatMul weight block-quantized (MatMulNBits).
+    ort (CPU default; what export builds): fp32 lowers TreeAttention to ONNX Runtime's
+    GroupQueryAttention, fp16 writes converted graphs, int4/int8 store every MatMul weight
+    block-quantized (MatMulNBits).
     trt: lowers, lints and builds one TensorRT engine per graph (needs TensorRT and a GPU).
     """
     trt_only = passed(ctx, "max_batch", "optimization_level", "timing_cache")
@@ -192,8 +200,12 @@ def build(
     weight_options = passed(ctx, *_WEIGHT_OPTIONS)
     if precision not in ("int4", "int8") and weight_options:
         raise BuildError(only_applies(weight_options, "--precision int4 and int8"))
-    if (method == "gptq") != (prompts_file is not None):
-        raise BuildError("--method gptq needs --prompts FILE, and --prompts only serves gptq")
+    calibrated = "--method gptq" if method == "gptq" else None
+    calibrated = "--backend int8-static" if backend == "int8-static" else calibrated
+    if calibrated and prompts_file is None:
+        raise BuildError(f"{calibrated} needs --prompts FILE (calibration prompts)")
+    if prompts_file is not None and not calibrated:
+        raise BuildError("--prompts serves only --method gptq and --backend int8-static")
     require_extra("build")
     from specx.build import BuildOptions, build_artifact
     from specx.graphs.weight_only import WeightOnlyConfig

@@ -156,3 +156,9 @@ class SpecxGroup(click.Group):
     def _fail(ctx: click.Context, message: str, code: int) -> None:
         click.echo(f"error: {_one_line(message)}", err=True)
         ctx.exit(code)
+
+
+BUILD_HELP = (
+    "The artifact's build to run, e.g. ort-fp32, ort-int4, or 'exported' for the exported "
+    "graphs [default: the artifact's default build, the newest built]."
+)

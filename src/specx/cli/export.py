@@ -72,6 +72,12 @@ __all__ = ["COMMANDS", "demo", "export"]
     type=click.Path(exists=True, dir_okay=False, path_type=Path),
     help=CHAT_TEMPLATE_HELP + " [default: the checkpoint's own, if any].",
 )
+@click.option(
+    "--no-build",
+    is_flag=True,
+    help="Leave the exported graphs as they are; by default export ends with `specx build`'s "
+    "CPU default (ort-fp32: attention lowered for ONNX Runtime), the build generate runs.",
+)
 def export(
     target_dir: Path,
     output_dir: Path,
@@ -82,15 +88,21 @@ def export(
     max_tree_tokens: int | None,
     overwrite: bool,
     chat_template: Path | None,
+    no_build: bool,
 ) -> None:
-    """Export the HF checkpoint in TARGET_DIR to a specx artifact (ONNX + manifest)."""
+    """Export the HF checkpoint in TARGET_DIR to a specx artifact (ONNX + manifest).
+
+    Then builds it for ONNX Runtime on the CPU (ort-fp32, the fastest CPU build of the
+    exported precision), unless --no-build; the exported graphs stay in the artifact and
+    run with `specx generate --build exported`.
+    """
     from specx.runtime.chat import ChatTemplate
 
     template = ChatTemplate.from_file(chat_template) if chat_template else None
     require_extra("export")
     from specx.export.target_export import export_target
 
-    export_target(
+    artifact = export_target(
         target_dir,
         output_dir,
         max_context=max_context,
@@ -102,6 +114,15 @@ def export(
         chat_template=template,
         progress=progress,
     )
+    if not no_build:
+        _build_default(artifact)
+
+
+def _build_default(artifact: Path) -> str:
+    """The CPU build a fresh artifact runs: `specx build`'s defaults (ort-fp32, lowered)."""
+    from specx.build import BuildOptions, build_artifact
+
+    return build_artifact(artifact, BuildOptions(), progress=progress)
 
 
 @click.command()
@@ -173,6 +194,7 @@ def _demo(
         progress(f"writing a random-weight Llama checkpoint to {target_dir}")
         write_random_checkpoint(target_dir, "llama", "small", seed=0)
     artifact = export_target(target_dir, workdir / "artifact", max_context=1024, progress=progress)
+    _build_default(artifact)
     manifest = load_manifest(artifact)
     tokenizer = TextTokenizer(manifest.tokenizer_file) if manifest.tokenizer_file else None
     prompt_ids = tokenizer.encode(prompt) if tokenizer else [1, 2, 3, 4]

@@ -10,6 +10,7 @@ from typing import Any
 import click
 
 from specx.cli.common import (
+    BUILD_HELP,
     NATURAL,
     POSITIVE,
     FiniteFloat,
@@ -154,6 +155,7 @@ def _check_options(ctx: click.Context, drafter: str | None, temperature: float) 
     "round from its own acceptance and the measured costs, down to none where it does not pay.",
 )
 @click.option("--threads", type=POSITIVE, default=None, help="ONNX Runtime threads (default: all).")
+@click.option("--build", "build_name", default=None, help=BUILD_HELP)
 @click.option("--json", "as_json", is_flag=True, help="Print tokens, text and stats as JSON.")
 @click.pass_context
 def generate(
@@ -178,12 +180,13 @@ def generate(
     compare: bool,
     fixed_draft: bool,
     threads: int | None,
+    build_name: str | None,
     as_json: bool,
 ) -> None:
     """Generate from the target in ARTIFACT_DIR, plainly or speculatively.
 
-    Runs the artifact's default build (`specx build`); without one, the exported graphs on
-    ONNX Runtime (CPU).
+    Runs the artifact's default build (`specx export` builds ort-fp32, `specx build` others),
+    or the one --build names.
     """
     from specx.runtime.drafters.tree_search import parse_tree_spec
     from specx.runtime.engine import Speculation, load
@@ -191,7 +194,7 @@ def generate(
 
     _check_options(ctx, drafter, temperature)
     shape = parse_tree_spec(tree) if tree else None
-    engine = load(artifact_dir, threads=threads)
+    engine = load(artifact_dir, threads=threads, build=build_name)
     encode = engine.tokenizer.encode if engine.tokenizer else None
     prompts = read_prompts(prompt, prompt_ids, prompts_file, encode)
     speculation = None
@@ -200,7 +203,7 @@ def generate(
         speculation = Speculation(
             drafter, num_draft_tokens, shape, ngram, max_batch_spec, not fixed_draft
         )
-    options = {
+    options: dict[str, Any] = {  # generate_batch's keyword arguments
         "max_new_tokens": max_new_tokens,
         "temperature": temperature,
         "top_k": top_k,
@@ -247,7 +250,7 @@ def print_stats(stats: dict[str, Any]) -> None:
         f"[{stats['mode']}] {stats['new_tokens']} tokens in {stats['total_s']:.3f}s "
         f"(prefill {stats['prefill_s']:.3f}s): {stats['tokens_per_s']:.1f} tokens/s; decode "
         f"{stats['ms_per_token']:.2f} ms/token, {stats['ms_per_step']:.2f} ms/step "
-        f"(batch {stats['batch']})"
+        f"(batch {stats['batch']}" + (f", build {stats['build']})" if "build" in stats else ")")
     )
     if "acceptance_length" in stats:
         line += (

@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 
 from specx.cli.common import (
+    BUILD_HELP,
     CHAT_TEMPLATE_HELP,
     POSITIVE,
     only_applies,
@@ -53,6 +54,7 @@ __all__ = ["COMMANDS", "serve"]
     "--max-body-bytes", type=POSITIVE, default=1 << 20, show_default=True, help="413 beyond."
 )
 @click.option("--threads", type=POSITIVE, default=None, help="ONNX Runtime threads.")
+@click.option("--build", "build_name", default=None, help=BUILD_HELP)
 @click.option(
     "--api-key",
     "api_keys",
@@ -122,6 +124,7 @@ def serve(
     chat_template: Path | None,
     max_body_bytes: int,
     threads: int | None,
+    build_name: str | None,
     api_keys: tuple[str, ...],
     api_key_file: Path | None,
     metrics_without_key: bool,
@@ -158,13 +161,13 @@ def serve(
 
     template = ChatTemplate.from_file(chat_template) if chat_template else None
 
-    engine = load(artifact_dir, threads=threads)  # checked here, before any replica starts
+    engine = load(artifact_dir, threads, build_name)  # checked here, before any replica starts
     if drafter is not None:  # a bad default is refused now, not on the first request
         engine.check_drafter(engine.plan(Speculation(drafter), SamplingParams()))
     options = ServeOptions(
         slots, queue_size, drafter, max_body_bytes, chat_template=template, access=access,
         request_timeout_s=request_timeout,
-        prefix_cache_bytes=0 if no_prefix_cache else prefix_cache_mb << 20,
+        prefix_cache_bytes=0 if no_prefix_cache else prefix_cache_mb << 20, build=build_name,
     )  # fmt: skip
     if on_ray:
         _serve_on_ray(artifact_dir, threads, options, replicas, address, cpus_per_replica,

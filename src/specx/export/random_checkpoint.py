@@ -9,10 +9,18 @@ library's own sources (present on every machine).
 from __future__ import annotations
 
 import sysconfig
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-__all__ = ["PRESETS", "CheckpointPreset", "write_random_checkpoint", "train_demo_tokenizer"]
+__all__ = [
+    "PRESETS",
+    "CheckpointPreset",
+    "train_byte_level_bpe",
+    "train_demo_tokenizer",
+    "write_random_checkpoint",
+]
 
 
 @dataclass(frozen=True)
@@ -35,7 +43,8 @@ PRESETS = {
     "bench-27m": CheckpointPreset(512, 1376, 8, 8, 4, 8192),
 }
 
-_FAMILY_CONFIGS = {
+# family: (transformers config class, model class, extra config fields)
+_FAMILY_CONFIGS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": None}),
@@ -71,10 +80,25 @@ _FAMILY_CONFIGS = {
 }
 
 
+def train_byte_level_bpe(files: Sequence[Path], vocab_size: int, path: Path) -> None:
+    """Trains a byte-level BPE (`<|endoftext|>` = id 0, no added BOS) and saves tokenizer.json."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train([str(f) for f in files], trainer)
+    tokenizer.save(str(path))
+
+
 def train_demo_tokenizer(vocab_size: int, path: Path, max_files: int = 40) -> None:
     """A byte-level BPE trained on the first stdlib modules (token 0 = `<|endoftext|>`)."""
-    from specx.training.corpus import train_byte_level_bpe
-
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     train_byte_level_bpe(sorted(stdlib.glob("*.py"))[:max_files], vocab_size, path)
 

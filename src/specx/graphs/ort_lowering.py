@@ -45,6 +45,7 @@ from onnx_ir.passes import InPlacePass, PassResult
 from onnx_ir.passes.common import RemoveUnusedNodesPass
 
 from specx.graphs import tree_attention as tree_op
+from specx.graphs.ir_values import input_at, inputs_of, name_of
 
 __all__ = ["GroupQueryAttentionPass", "gqa_available"]
 
@@ -73,11 +74,7 @@ class _Builder:
 
     def const(self, name: str, array: np.ndarray) -> ir.Value:
         if name not in self.constants:
-            value = ir.Value(name=f"gqa_{name}", const_value=ir.tensor(array, name=f"gqa_{name}"))
-            value.shape, value.type = (
-                value.const_value.shape,
-                ir.TensorType(value.const_value.dtype),
-            )
+            value = ir.val(f"gqa_{name}", const_value=ir.tensor(array, name=f"gqa_{name}"))
             self.graph.register_initializer(value)
             self.constants[name] = value
         return self.constants[name]
@@ -128,7 +125,7 @@ class GroupQueryAttentionPass(InPlacePass):
             positions = _pad_row(build, nodes[0], rotary.position_ids, axis=1)
             rotary = dataclasses.replace(rotary, position_ids=positions)
         for node in nodes:
-            mask = node.inputs[6]
+            mask = input_at(node, 6)
             if mask not in shared:
                 shared[mask] = _shared_inputs(build, node, self.pad_single_rows)
             _replace(build, node, shared[mask], rotary, self.pad_single_rows)
@@ -181,10 +178,13 @@ def _pad_row(build: _Builder, before: ir.Node, value: ir.Value, axis: int) -> ir
 def _replace(
     build: _Builder, node: ir.Node, shared: dict, rotary: Rotary | None, pad: bool
 ) -> None:
-    q, k, v, k_cache, v_cache = node.inputs[:5]
+    q, k, v = (input_at(node, i) for i in range(3))
+    k_cache, v_cache = node.inputs[3:5]
     attrs = node.attributes
     packed = _packed_qkv(build, node, rotary) if rotary is not None else None
-    if packed is not None:
+    qkv: list[ir.Value | None]
+    rope: list[ir.Value | None]
+    if packed is not None and rotary is not None:  # packed only ever comes with rotary
         qkv = [packed, None, None]
         rope = [rotary.cos_cache, rotary.sin_cache, rotary.position_ids]
     else:
@@ -245,9 +245,10 @@ def _flat_input(build: _Builder, node: ir.Node, value: ir.Value) -> ir.Value:
     tokens_first = _heads_first(value)
     if tokens_first is not None:
         reshape = tokens_first.producer()
-        if reshape is not None and reshape.op_type == "Reshape" and reshape.inputs[0].shape:
-            if len(reshape.inputs[0].shape) == 3:
-                return reshape.inputs[0]
+        if reshape is not None and reshape.op_type == "Reshape":
+            source = input_at(reshape, 0)
+            if source.shape is not None and len(source.shape) == 3:
+                return source
         return _flat(build, node, tokens_first)
     moved = build.node(node, "Transpose", [value], {"perm": _TO_HEADS_FIRST}).outputs[0]
     return _flat(build, node, moved)
@@ -281,21 +282,21 @@ def _match_rope(value: ir.Value) -> RopeMatch | None:
     add = value.producer()
     if add is None or add.op_type != "Add":
         return None
-    direct, rotated = (p.producer() for p in add.inputs)
+    direct, rotated = (p.producer() for p in inputs_of(add))
     if direct is None or rotated is None or direct.op_type != "Mul" or rotated.op_type != "Mul":
         return None
-    xt, cos_u = direct.inputs
+    xt, cos_u = inputs_of(direct)
     x = _heads_first(xt)
-    concat = rotated.inputs[0].producer()
+    concat = input_at(rotated, 0).producer()
     if x is None or concat is None or concat.op_type != "Concat":
         return None
-    neg, first_half = concat.inputs[0].producer(), concat.inputs[1]
+    neg, first_half = input_at(concat, 0).producer(), input_at(concat, 1)
     split = first_half.producer()
     if neg is None or neg.op_type != "Neg" or split is None or split.op_type != "Split":
         return None
     if split.inputs[0] is not xt or neg.inputs[0] is not split.outputs[1]:
         return None
-    cos, sin = _unsqueezed_source(cos_u), _unsqueezed_source(rotated.inputs[1])
+    cos, sin = _unsqueezed_source(cos_u), _unsqueezed_source(input_at(rotated, 1))
     if cos is None or sin is None:
         return None
     return RopeMatch(x, cos, sin, split, concat)
@@ -324,7 +325,7 @@ def _unsqueezed_source(value: ir.Value) -> ir.Value | None:
     producer = value.producer()
     if producer is None or producer.op_type != "Unsqueeze":
         return None
-    axes = producer.inputs[1].const_value if len(producer.inputs) > 1 else None
+    axes = input_at(producer, 1).const_value if len(producer.inputs) > 1 else None
     if axes is None or axes.numpy().tolist() != [1]:
         return None
     return producer.inputs[0]
@@ -376,7 +377,7 @@ def _rotary(
     cos/sin depend on anything but `position_ids`, or their two halves differ (GQA rotates
     the halves of each head by one angle per pair, as HF's `rotate_half` form does).
     """
-    rope = _match_rope(first.inputs[0])
+    rope = _match_rope(input_at(first, 0))
     positions = next((v for v in model.graph.inputs if v.name == "position_ids"), None)
     if max_positions is None or rope is None or positions is None:
         return None
@@ -406,11 +407,11 @@ def _evaluate(
     """
     import onnx
 
-    from specx.runtime.ort_target import load_session
+    from specx.sessions import load_session
 
     order = {node: i for i, node in enumerate(model.graph)}
     nodes: set[ir.Node] = set()
-    constants: dict[str, ir.Value] = {}
+    constants: dict[ir.Value, ir.TensorProtocol] = {}
     stack = list(outputs)
     while stack:
         value = stack.pop()
@@ -420,16 +421,19 @@ def _evaluate(
         if producer is None:
             if value.const_value is None:
                 return None
-            constants[value.name] = value
+            constants[value] = value.const_value
             continue
         nodes.add(producer)
         stack.extend(v for v in producer.inputs if v is not None)
     graph = onnx.helper.make_graph(
         [ir.serde.serialize_node(n) for n in sorted(nodes, key=order.__getitem__)],
         "rope_tables",
-        [onnx.helper.make_tensor_value_info(source.name, onnx.TensorProto.INT64, None)],
-        [onnx.helper.make_tensor_value_info(v.name, onnx.TensorProto.FLOAT, None) for v in outputs],
-        [ir.serde.serialize_tensor(v.const_value) for v in constants.values()],
+        [onnx.helper.make_tensor_value_info(name_of(source), onnx.TensorProto.INT64, None)],
+        [
+            onnx.helper.make_tensor_value_info(name_of(v), onnx.TensorProto.FLOAT, None)
+            for v in outputs
+        ],
+        [ir.serde.serialize_tensor(t) for t in constants.values()],
     )
     opsets = [onnx.helper.make_opsetid(d, v) for d, v in model.opset_imports.items()]
     proto = onnx.helper.make_model(graph, opset_imports=opsets, ir_version=model.ir_version)
@@ -445,16 +449,17 @@ def _packed_qkv(build: _Builder, node: ir.Node, rotary: Rotary) -> ir.Value | No
     axis into [H D, Hkv D, Hkv D]: the exporter's packed QKV projection; D a multiple of 16.
     A constant bias added to a split output (Qwen2) is added to `packed` instead.
     """
-    q, k = _match_rope(node.inputs[0]), _match_rope(node.inputs[1])
-    v = _heads_first(node.inputs[2])
+    q, k = _match_rope(input_at(node, 0)), _match_rope(input_at(node, 1))
+    v = _heads_first(input_at(node, 2))
     if q is None or k is None or v is None:
         return None
     if any((r.cos, r.sin) != (rotary.cos, rotary.sin) for r in (q, k)):
         return None
-    reshapes = [x.producer() for x in (q.x, k.x, v)]
-    if any(p is None or p.op_type != "Reshape" for p in reshapes):
+    producers = [x.producer() for x in (q.x, k.x, v)]
+    reshapes = [p for p in producers if p is not None and p.op_type == "Reshape"]
+    if len(reshapes) != len(producers):
         return None
-    parts = [_unbiased(p.inputs[0]) for p in reshapes]
+    parts = [_unbiased(input_at(p, 0)) for p in reshapes]
     split = parts[0][0].producer()
     if split is None or split.op_type != "Split" or [p[0] for p in parts] != list(split.outputs):
         return None
@@ -478,7 +483,7 @@ def _unbiased(value: ir.Value) -> tuple[ir.Value, np.ndarray | None]:
     add = value.producer()
     if add is None or add.op_type != "Add":
         return value, None
-    x, bias = add.inputs
+    x, bias = inputs_of(add)
     constant = bias.const_value
     if constant is None or constant.dtype != ir.DataType.FLOAT or len(constant.shape) != 1:
         return value, None
@@ -488,8 +493,9 @@ def _unbiased(value: ir.Value) -> tuple[ir.Value, np.ndarray | None]:
 def _qkv_sizes(split: ir.Node, node: ir.Node) -> list[int] | None:
     """[H D, Hkv D, Hkv D] if `split` cuts the last axis so, with D a multiple of 16."""
     heads, kv_heads = node.attributes["num_heads"].value, node.attributes["num_kv_heads"].value
-    sizes = split.inputs[1].const_value if len(split.inputs) > 1 else None
-    shape = split.inputs[0].shape
+    split_input = split.inputs[1] if len(split.inputs) > 1 else None  # optional: may be absent
+    sizes = split_input.const_value if split_input is not None else None
+    shape = input_at(split, 0).shape
     axis = split.attributes.get_int("axis", 0)
     if sizes is None or shape is None or axis not in (-1, shape.rank() - 1):
         return None
@@ -521,11 +527,11 @@ class SkipRmsNormPass(InPlacePass):
 def _fuse_skip_norm(graph: ir.Graph, norm: ir.Node) -> bool:
     if (norm.domain, norm.op_type) != ("", "RMSNormalization") or len(norm.inputs) != 2:
         return False
-    add = norm.inputs[0].producer()
+    add = input_at(norm, 0).producer()
     if add is None or (add.domain, add.op_type) != ("", "Add"):
         return False
-    a, b = add.inputs
-    shape = norm.inputs[0].shape
+    a, b = inputs_of(add)
+    shape = input_at(norm, 0).shape
     if shape is None or a.shape != shape or b.shape != shape or shape.rank() not in (2, 3):
         return False  # a broadcasting Add (a bias) is no skip connection
     axis = norm.attributes.get_int("axis", -1)

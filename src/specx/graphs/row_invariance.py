@@ -32,7 +32,7 @@ real row's mask shows and the next step overwrites. At 1B scale a pair of rows c
 (one 2048x8192 MatMul) to 15% (a whole step's MatMuls) more than one row, while blocks of
 128 stream ~22% fewer bytes than blocks of 32 (the blocks that are row-invariant alone), so
 pairs win there; on targets whose weights sit in cache they lose, and the build uses blocks
-of 32 (`specx.build.STREAMED_WEIGHTS`).
+of 32 (`specx.build.ort.STREAMED_WEIGHTS`).
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ import onnx_ir as ir
 from onnx_ir.passes import InPlacePass, PassResult
 
 from specx.graphs import tree_attention as tree_op
+from specx.graphs.ir_values import input_at, producer_of
 
 __all__ = ["PadRowPass", "RowInvariantPass"]
 
@@ -69,13 +70,13 @@ class RowInvariantPass(InPlacePass):
             quantize = _quantized_input(matmul)
             if quantize is None:
                 continue
-            source = quantize.inputs[0]
+            source = input_at(quantize, 0)
             _float_graph_output(graph, source, quantize)
             if id(source) not in padded:
                 padded[id(source)] = _append_last_row(graph, source, constants)
             rows, count = padded[id(source)]
             quantize.replace_input_with(0, rows)
-            for value in (quantize.outputs[0], matmul.inputs[0]):
+            for value in (quantize.outputs[0], input_at(matmul, 0)):
                 value.shape = None
             _drop_last_row(graph, matmul, count, constants)
             modified = True
@@ -93,7 +94,9 @@ class PadRowPass(InPlacePass):
     def call(self, model: ir.Model) -> PassResult:  # noqa: D102
         graph = model.graph
         inputs = {value.name: value for value in graph.inputs}
-        tokens = inputs["input_ids"].shape[1]
+        ids_shape = inputs["input_ids"].shape
+        assert ids_shape is not None, "the exporter gives input_ids its [B, N] shape"
+        tokens = ids_shape[1]
         constants = _Constants(graph)
         first = graph.node(0)
         for name, axis in (("input_ids", 1), ("position_ids", 1), ("attention_mask", 2)):
@@ -130,7 +133,7 @@ def _without_last_row(graph: ir.Graph, output: ir.Value, constants: _Constants) 
         [output, constants.get("zero", 0), constants.get("last", -1), constants.get("axis_1", 1)],
         name=f"{output.name}_real",
     )
-    graph.insert_after(output.producer(), real)
+    graph.insert_after(producer_of(output), real)
     name, shape, dtype = output.name, output.shape, output.type
     output.name, output.shape = f"{name}_padded", None
     real.outputs[0].name, real.outputs[0].shape, real.outputs[0].type = name, shape, dtype
@@ -142,7 +145,7 @@ def _quantized_input(matmul: ir.Node) -> ir.Node | None:
     dequantize = matmul.inputs[0].producer() if matmul.inputs[0] is not None else None
     if dequantize is None or dequantize.op_type != "DequantizeLinear":
         return None
-    quantize = dequantize.inputs[0].producer()
+    quantize = input_at(dequantize, 0).producer()
     if quantize is None or quantize.op_type != "QuantizeLinear":
         return None
     return quantize

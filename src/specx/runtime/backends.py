@@ -1,13 +1,15 @@
 """Opens an artifact's graphs on the backend its manifest selects.
 
-`specx build` records builds in the manifest and names the default one; without a build
-the exported float32 graphs run on ONNX Runtime (CPU). A TensorRT build runs engines;
-its module, and with it `tensorrt` and `torch`, is imported only then.
+`specx build` records builds in the manifest and names the default one, and each build
+names the runtime that opens it (`backend`); without a build the exported float32 graphs
+run on ONNX Runtime (CPU). A TensorRT build runs engines; its module, and with it
+`tensorrt` and `torch`, is imported only then.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Protocol
 
 import numpy as np
 
@@ -15,14 +17,90 @@ from specx.artifact import Manifest
 from specx.errors import ArtifactError
 from specx.runtime.decoder_backend import DecoderBackend
 
-__all__ = ["backend_name", "open_decoder", "open_stateless"]
+__all__ = [
+    "EXPORTED",
+    "OPENERS",
+    "Opener",
+    "backend_name",
+    "build_name",
+    "open_decoder",
+    "open_stateless",
+    "select_build",
+]
+
+
+class Opener(Protocol):
+    """How one runtime opens an artifact's graphs (a build names its opener as `backend`)."""
+
+    def decoder(self, manifest: Manifest, threads: int | None, graph: str) -> DecoderBackend:
+        """A decoder graph ("target" or "draft_head")."""
+        ...
+
+    def stateless(
+        self, manifest: Manifest, graph: str, threads: int | None
+    ) -> Callable[[np.ndarray], np.ndarray]:
+        """A one-input graph (Medusa heads, the EAGLE-3 projection)."""
+        ...
+
+
+class _OnnxRuntime:
+    def decoder(self, manifest: Manifest, threads: int | None, graph: str) -> DecoderBackend:
+        from specx.runtime.ort_target import OrtTarget
+
+        return OrtTarget(manifest, threads, graph)
+
+    def stateless(self, manifest: Manifest, graph: str, threads: int | None):
+        from specx.runtime.ort_target import OrtGraph
+
+        return OrtGraph(manifest, graph, threads)
+
+
+class _TensorRT:
+    def decoder(self, manifest: Manifest, threads: int | None, graph: str) -> DecoderBackend:
+        from specx.runtime.trt_target import TrtTarget
+
+        return TrtTarget(manifest, graph)
+
+    def stateless(self, manifest: Manifest, graph: str, threads: int | None):
+        from specx.runtime.trt_target import TrtGraph
+
+        return TrtGraph(manifest, graph)
+
+
+# Runtime name (a build's `backend`) -> its opener; modules load on first use, so TensorRT
+# (and torch) are imported only for a TensorRT build.
+OPENERS: dict[str, Opener] = {"ort": _OnnxRuntime(), "trt": _TensorRT()}
+
+
+EXPORTED = "exported"  # the name the exported graphs run under when no build is the default
+
+
+def build_name(manifest: Manifest) -> str:
+    """The artifact's default build, or `EXPORTED` when the exported graphs run."""
+    return manifest.data.get("default_build") or EXPORTED
+
+
+def select_build(manifest: Manifest, name: str | None) -> Manifest:
+    """The artifact with build `name` as its default (`EXPORTED`: no build; None: as is).
+
+    Raises:
+        ArtifactError: the artifact has no build `name`.
+    """
+    if name is None:
+        return manifest
+    if name != EXPORTED and name not in manifest.data.get("builds", {}):
+        raise ArtifactError(
+            f"{manifest.root} has no build {name!r}: it has "
+            f"{sorted(manifest.data.get('builds', {})) + [EXPORTED]}"
+        )
+    return manifest.with_build(None if name == EXPORTED else name)
 
 
 def backend_name(manifest: Manifest) -> str:
-    """`"ort"` or `"trt"`: the backend of the artifact's default build."""
+    """The runtime of the artifact's default build (`"ort"` for the exported graphs)."""
     build = manifest.build
     name = "ort" if build is None else build["backend"]
-    if name not in ("ort", "trt"):
+    if name not in OPENERS:
         raise ArtifactError(f"{manifest.root}: unknown backend {name!r} in the default build")
     return name
 
@@ -31,23 +109,11 @@ def open_decoder(
     manifest: Manifest, threads: int | None = None, graph: str = "target"
 ) -> DecoderBackend:
     """The decoder graph `graph` ("target" or "draft_head") on the manifest's backend."""
-    if backend_name(manifest) == "trt":
-        from specx.runtime.trt_target import TrtTarget
-
-        return TrtTarget(manifest, graph)
-    from specx.runtime.ort_target import OrtTarget
-
-    return OrtTarget(manifest, threads, graph)
+    return OPENERS[backend_name(manifest)].decoder(manifest, threads, graph)
 
 
 def open_stateless(
     manifest: Manifest, graph: str, threads: int | None = None
 ) -> Callable[[np.ndarray], np.ndarray]:
     """A one-input graph (Medusa heads, the EAGLE-3 projection) on the manifest's backend."""
-    if backend_name(manifest) == "trt":
-        from specx.runtime.trt_target import TrtGraph
-
-        return TrtGraph(manifest, graph)
-    from specx.runtime.ort_target import OrtGraph
-
-    return OrtGraph(manifest, graph, threads)
+    return OPENERS[backend_name(manifest)].stateless(manifest, graph, threads)

@@ -31,7 +31,7 @@ from typing import Any, Literal
 
 from specx.artifact import Manifest, load_manifest
 from specx.errors import GenerationError
-from specx.runtime.backends import open_decoder
+from specx.runtime.backends import backend_name, build_name, open_decoder, select_build
 from specx.runtime.calibrated import CalibratedChoice, calibrated_choice, greedy_identity
 from specx.runtime.chat import ChatTemplate
 from specx.runtime.controller import Controller, RoundCosts, controller_for
@@ -107,7 +107,8 @@ class Stats:
 
     mode: str  # "plain" | "speculative"
     drafter: str | None
-    backend: str
+    build: str  # the artifact's build that ran ("ort-fp32", ...; "exported": no build)
+    backend: str  # the runtime that ran it: "ort" (ONNX Runtime) or "trt" (TensorRT)
     batch: int
     prompt_tokens: int
     new_tokens: int
@@ -128,6 +129,7 @@ class Stats:
         return cls(
             mode=stats["mode"],
             drafter=stats.get("drafter"),
+            build=stats["build"],
             backend=stats["backend"],
             batch=stats["batch"],
             prompt_tokens=stats["prompt_tokens"],
@@ -207,6 +209,12 @@ class Engine:
         """Text of generated ids (special tokens skipped); "" without a tokenizer."""
         return self.tokenizer.decode(ids) if self.tokenizer else ""
 
+    def text_stream(self, stop: Sequence[str] = ()) -> TextStream:
+        """One sequence's streamed text (`specx.runtime.detokenize`), ending at `stop`."""
+        if self.tokenizer is None:
+            return TextStream(self.decode_text, stop)
+        return TextStream(self.tokenizer.tokenizer, stop)
+
     def encode(self, prompt: Prompt) -> list[int]:
         """Token ids of a text prompt (special tokens added), or the ids given."""
         if isinstance(prompt, str):
@@ -270,7 +278,7 @@ class Engine:
         request = self._request(
             prompts, max_new_tokens, temperature, top_k, top_p, seed, stop, ignore_eos, speculation
         )
-        texts = [self._text_stream(request) for _ in request.prompts]
+        texts = [self.text_stream(request.stop) for _ in request.prompts]
 
         def sink(row: int, tokens: list[int]) -> bool:
             texts[row].push(tokens)
@@ -285,7 +293,7 @@ class Engine:
         Closing the iterator early ends the decoding at its next round.
         """
         request = self._request([prompt], **options)
-        text = self._text_stream(request)
+        text = self.text_stream(request.stop)
         chunks: queue.Queue = queue.Queue()
         gone = threading.Event()
 
@@ -350,9 +358,6 @@ class Engine:
         eos = () if ignore_eos else tuple(self.manifest.model["eos_token_ids"])
         return _Request(ids, max_new_tokens, sampling, tuple(stop), eos, speculation)
 
-    def _text_stream(self, request: _Request) -> TextStream:
-        return TextStream(self.decode_text, request.stop)
-
     def _decode(
         self, request: _Request, sink: TokenSink | None, progress: Progress | None
     ) -> GenerationResult:
@@ -369,7 +374,8 @@ class Engine:
                 )
             else:
                 result = self._speculative(request, sink, progress)
-        result.stats["backend"] = self.manifest.data.get("default_build", "ort")
+        result.stats["build"] = build_name(self.manifest)
+        result.stats["backend"] = backend_name(self.manifest)
         return result
 
     def plan(self, speculation: Speculation, sampling: SamplingParams) -> DraftPlan:
@@ -411,7 +417,9 @@ class Engine:
         return drafter
 
     def _speculative(self, request: _Request, sink, progress) -> GenerationResult:
-        plan = self.plan(request.speculation, request.sampling)
+        speculation = request.speculation
+        assert speculation is not None  # plain requests never get here
+        plan = self.plan(speculation, request.sampling)
         drafter = self.take_drafter(plan)
         try:
             result = generate_speculative(
@@ -436,7 +444,7 @@ class Engine:
                 "max_batch_spec": calibrated.max_batch_spec,
                 "predicted_speedup": calibrated.predicted_speedup,
             }
-            if request.speculation.max_batch_spec is None and "speculation" in result.stats:
+            if speculation.max_batch_spec is None and "speculation" in result.stats:
                 result.stats["speculation"] = _calibrated_off(
                     calibrated.max_batch_spec, len(request.prompts)
                 )
@@ -499,13 +507,16 @@ class Engine:
         return completions
 
 
-def load(artifact: str | Path, threads: int | None = None) -> Engine:
+def load(artifact: str | Path, threads: int | None = None, build: str | None = None) -> Engine:
     """Opens an artifact (manifest and file hashes verified) for generation.
 
+    `build` names the build to run (`"exported"`: the exported graphs); None runs the
+    artifact's default build, the newest one built (`specx export` builds `ort-fp32`).
+
     Raises:
-        ArtifactError: not a specx artifact, or a file does not match its hash.
+        ArtifactError: not a specx artifact, a file does not match its hash, or no such build.
     """
-    return Engine(load_manifest(artifact), threads)
+    return Engine(select_build(load_manifest(artifact), build), threads)
 
 
 def _calibrated_off(max_batch_spec: int, batch: int) -> str:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -12,6 +11,7 @@ from specx.artifact import Manifest
 from specx.errors import ArtifactError, GenerationError
 from specx.runtime.decoder_backend import DecoderBackend, StepOutput
 from specx.runtime.kv_cache import KVCache
+from specx.sessions import configure_threads, load_session, session_options
 
 __all__ = [
     "OrtGraph",
@@ -22,22 +22,6 @@ __all__ = [
     "open_session",
     "session_options",
 ]
-
-_global_threads: int | None = None
-
-
-def configure_threads(threads: int | None = None) -> int:
-    """Creates ONNX Runtime's global thread pool once per process; returns its size.
-
-    Every specx session shares this pool: draft and target sessions alternating on
-    per-session spinning pools were measured about 2x slower per round.
-    """
-    global _global_threads
-    wanted = threads or os.cpu_count() or 1
-    if _global_threads is None:
-        ort.set_global_thread_pool_sizes(wanted, 1)
-        _global_threads = wanted
-    return _global_threads
 
 
 class OrtGraph:
@@ -50,24 +34,6 @@ class OrtGraph:
     def __call__(self, x: np.ndarray) -> np.ndarray:
         """The graph's first output for input `x`."""
         return self.session.run(None, {self.input_name: np.ascontiguousarray(x, np.float32)})[0]
-
-
-def session_options(threads: int | None = None) -> ort.SessionOptions:
-    """Options every specx session uses: the shared global thread pool, full optimization."""
-    configure_threads(threads)
-    options = ort.SessionOptions()
-    options.use_per_session_threads = False
-    options.log_severity_level = 3  # TensorScatter warns when a buffer is copied, not an error
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    return options
-
-
-def load_session(model: str | os.PathLike[str] | bytes, threads: int | None = None):
-    """An ONNX Runtime CPU session for an ONNX file (or serialized model), `session_options`."""
-    source = model if isinstance(model, bytes) else str(model)
-    return ort.InferenceSession(
-        source, session_options(threads), providers=["CPUExecutionProvider"]
-    )
 
 
 def open_session(manifest: Manifest, graph: str, threads: int | None) -> ort.InferenceSession:

@@ -59,7 +59,7 @@ class SpecxModel:
         from specx.runtime.engine import load
         from specx.server.service import Service
 
-        self.service = Service(load(artifact, threads=threads), options)
+        self.service = Service(load(artifact, threads=threads, build=options.build), options)
         self.service.start()
         # Every reply names its replica (the Ray actor), for operators and for tests.
         self.header = {"x-specx-replica": ray.get_runtime_context().get_actor_name() or ""}
@@ -194,19 +194,18 @@ def deploy(
     if not ray.is_initialized():
         ray.init(address=ray_options.address, include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": ray_options.host, "port": ray_options.port})
+    # The decorator form: Ray's overloads type deployment(cls, **options) as the decorator.
     replicas = serve.deployment(
-        SpecxModel,
         name="specx-model",
         num_replicas=ray_options.replicas,
         ray_actor_options={"num_cpus": ray_options.cpus_per_replica},
         # Ray's own per-replica bound; the replica's queue answers 503 past its slots.
         max_ongoing_requests=options.slots + options.queue_size + 1,
         health_check_period_s=2,
-    )
+    )(SpecxModel)
     gateway = serve.deployment(
-        SpecxGateway, name="specx-gateway", ray_actor_options={"num_cpus": 0},
-        max_ongoing_requests=10_000,
-    )  # fmt: skip
+        name="specx-gateway", ray_actor_options={"num_cpus": 0}, max_ongoing_requests=10_000,
+    )(SpecxGateway)  # fmt: skip
     model = replicas.bind(str(Path(artifact).absolute()), threads, options)
     serve.run(gateway.bind(model, options), name="specx", route_prefix="/")
     return f"http://{ray_options.host}:{ray_options.port}"

@@ -47,6 +47,7 @@ class ServeOptions:
     access: Access = Access()  # API keys (none: open)
     request_timeout_s: float | None = None  # a request's deadline from its arrival
     prefix_cache_bytes: int = 512 << 20  # KV of earlier prompts kept for reuse (0: none)
+    build: str | None = None  # the artifact's build every replica runs (None: its default)
 
 
 @dataclass(frozen=True)
@@ -191,8 +192,10 @@ class Service:
         engine = self.engine
         try:
             if request.chat:
+                assert request.messages is not None  # parse_request: every chat request's
                 prompt = engine.chat_prompt(request.messages)
             else:
+                assert request.prompt is not None  # parse_request: every completion's
                 prompt = engine.encode(request.prompt)
             if request.stop and engine.tokenizer is None:
                 raise ApiError(400, "stop strings need the artifact's tokenizer", "stop")

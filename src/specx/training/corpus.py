@@ -11,7 +11,7 @@ import numpy as np
 
 from specx.errors import SpecxError
 
-__all__ = ["held_out", "read_texts", "stdlib_files", "token_windows", "train_byte_level_bpe"]
+__all__ = ["held_out", "read_texts", "stdlib_files", "token_windows"]
 
 _TEXT_SUFFIXES = (".py", ".txt", ".md")
 
@@ -73,20 +73,3 @@ def token_windows(token_lists: Sequence[Sequence[int]], length: int) -> np.ndarr
     if count == 0:
         raise SpecxError(f"the corpus has {len(stream)} tokens, fewer than one window of {length}")
     return stream[: count * length].reshape(count, length)
-
-
-def train_byte_level_bpe(files: Sequence[Path], vocab_size: int, path: Path) -> None:
-    """Trains a byte-level BPE (`<|endoftext|>` = id 0, no added BOS) and saves tokenizer.json."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=["<|endoftext|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tokenizer.train([str(f) for f in files], trainer)
-    tokenizer.save(str(path))

@@ -112,17 +112,18 @@ def collect_hessians(
     import onnx_ir as ir
     import onnxruntime as ort
 
-    from specx.calibration.quantization import prefill_inputs
-    from specx.runtime.ort_target import session_options
+    from specx.build.int8_static import prefill_inputs
+    from specx.graphs.ir_values import input_at, name_of
+    from specx.sessions import session_options
 
     model = ir.load(graph_path)
     names: list[str] = []
     for node in model.graph:
         weight = node.inputs[1] if len(node.inputs) > 1 else None
         if node.op_type == "MatMul" and weight is not None and weight.const_value is not None:
-            source = node.inputs[0]
+            source = input_at(node, 0)
             if source.name not in names:
-                names.append(source.name)
+                names.append(name_of(source))
                 if source not in model.graph.outputs:
                     model.graph.outputs.append(source)
     options = session_options(threads)
@@ -132,10 +133,10 @@ def collect_hessians(
     session = ort.InferenceSession(
         ir.to_proto(model).SerializeToString(), options, providers=["CPUExecutionProvider"]
     )
-    hessians = {name: 0.0 for name in names}
+    hessians: dict[str, np.ndarray] = {}
     for prompt in prompts:
         outputs = session.run(names, prefill_inputs(inputs, prompt))
         for name, x in zip(names, outputs, strict=True):
             x = x.reshape(-1, x.shape[-1]).astype(np.float64)
-            hessians[name] = hessians[name] + x.T @ x
+            hessians[name] = hessians[name] + x.T @ x if name in hessians else x.T @ x
     return hessians

@@ -1,4 +1,4 @@
-"""`specx quantize`: static INT8 quantization of the target graph, recorded as a build.
+"""`specx quantize` (`--backend int8-static`): static INT8 quantization of the target graph.
 
 `--mode int8` quantizes the exported float32 target graph with ONNX Runtime's static
 quantizer in QDQ form (QuantizeLinear/DequantizeLinear pairs around each MatMul, the form
@@ -8,11 +8,10 @@ target's prefill of each calibration prompt. Only MatMul inputs are quantized; t
 `specx::TreeAttention` nodes (and the model-local function behind them), RMSNormalization,
 RoPE and the MatMul outputs (the logits among them) stay float32, and so does the KV cache.
 
-The result is written like an ORT build of `specx build`: assembled in a hidden staging
-directory, moved to `builds/ort-int8.<id>/`, recorded in the manifest under
-`builds["ort-int8"]` (with a `quantization` record: method, calibration size, and the
-accuracy against the float32 graph) and made the `default_build`, with the manifest
-replaced atomically. A failed quantization leaves the manifest untouched.
+The result is a build like any backend's (`specx.build.staging`): `builds/ort-int8.<id>/`,
+recorded in the manifest under `builds["ort-int8"]` (with a `quantization` record: method,
+calibration size, and the accuracy against the float32 graph) and made the
+`default_build`; a failed quantization leaves the manifest untouched.
 
 Calibration feeds prefills only: the target is causal, so position t's MatMul inputs in a
 prefill are those of a decode step at t, and decode steps over the prompt would add no
@@ -28,9 +27,8 @@ import importlib.util
 import logging
 import os
 import shutil
-import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -38,7 +36,8 @@ import numpy as np
 from onnxruntime.quantization import CalibrationDataReader
 
 from specx.artifact import Manifest, load_manifest
-from specx.build import BuildOutput, exported_entries, publish_build
+from specx.build.registry import BuildJob, BuildOptions, Progress
+from specx.build.staging import exported_entries
 from specx.errors import BuildError
 from specx.runtime.masks import causal_mask
 
@@ -46,7 +45,9 @@ if TYPE_CHECKING:
     import onnx
 
 __all__ = [
+    "BACKEND",
     "BUILD_NAME",
+    "Int8Static",
     "METHOD",
     "MODES",
     "PrefillReader",
@@ -56,7 +57,6 @@ __all__ = [
     "teacher_forced_accuracy",
 ]
 
-Progress = Callable[[str], None]
 MODES = ("int8", "fp8", "trt-int8")
 _MODELOPT_MODES = ("fp8", "trt-int8")
 BUILD_NAME = "ort-int8"
@@ -65,6 +65,88 @@ METHOD = (
     "int8 weights, per-tensor symmetric int8 activations, MatMul inputs only; TreeAttention, "
     "RMSNormalization, RoPE, MatMul outputs and the KV cache stay float32"
 )
+
+
+class Int8Static:
+    """Static INT8 (QDQ) of the target, activation ranges calibrated on prompts.
+
+    `eval_prompts` (default: the calibration prompts) score the result against float32;
+    `threads` sizes ONNX Runtime's pool for calibration and scoring.
+    """
+
+    name = "int8-static"
+    runtime = "ort"
+    passes: tuple[str, ...] = (
+        "quantize_static (QDQ)",
+        "private Q/DQ parameters",
+        "RowInvariantPass",
+    )
+
+    def __init__(
+        self,
+        mode: str = "int8",
+        eval_prompts: Sequence[Sequence[int]] | None = None,
+        threads: int | None = None,
+    ):
+        self.mode, self.eval_prompts, self.threads = mode, eval_prompts, threads
+
+    def build_name(self, options: BuildOptions) -> str:
+        """Always `ort-int8`."""
+        return BUILD_NAME
+
+    def check(self, manifest: Manifest, options: BuildOptions, prompts: Sequence) -> None:
+        """A mode this installation can quantize to, and usable prompts."""
+        if options.precision not in ("fp32", "int8") or options.weight_only is not None:
+            raise BuildError(
+                "--backend int8-static quantizes the float32 export to INT8 itself: "
+                "--precision and the weight-only options do not apply"
+            )
+        check_mode(self.mode)
+        _check_prompts(prompts, manifest, "calibration")
+        if self.eval_prompts is not None:
+            _check_prompts(self.eval_prompts, manifest, "evaluation")
+
+    def build(self, job: BuildJob) -> dict[str, Any]:
+        """Calibrates, quantizes and scores the target; the other graphs stay as exported."""
+        manifest, staging, prompts = job.manifest, job.output.staging, job.prompts
+        eval_prompts = prompts if self.eval_prompts is None else self.eval_prompts
+        source = _stage_source(manifest, staging / ".source")
+        output = staging / "target.onnx"
+        tokens = sum(len(p) for p in prompts)
+        job.progress(f"[int8] calibrating the target on {len(prompts)} prompts ({tokens} tokens)")
+        inputs = manifest.graph("target")["inputs"]
+        quantized = staging / ".source" / "quantized.onnx"
+        _quantize_static(source, quantized, inputs, prompts, self.threads)
+        _save_row_invariant(quantized, output)
+        shutil.rmtree(staging / ".source")
+        job.progress(
+            f"[int8] comparing with float32 on {len(eval_prompts)} prompts, teacher-forced"
+        )
+        accuracy = teacher_forced_accuracy(
+            _source_path(manifest), output, inputs, eval_prompts, self.threads
+        )
+        loss = (
+            f"loss {accuracy['loss_fp32']:.4f} -> {accuracy['loss_int8']:.4f} nats/token, "
+            if accuracy["scored_tokens"]
+            else ""
+        )
+        job.progress(f"[int8] {loss}top-1 agreement {accuracy['top1_agreement']:.3f}")
+        quantization = {
+            "mode": self.mode,
+            "method": METHOD,
+            "source": manifest.graph("target")["file"],
+            "quantized_matmuls": _count_quantized_matmuls(output),
+            "calibration_prompts": len(prompts),
+            "calibration_tokens": tokens,
+            "accuracy": accuracy,
+            # Greedy speculation is bit-identical to plain decoding of this build for chain
+            # drafts (specx.graphs.row_invariance); trees are not covered.
+            "greedy_identity": "chains",
+        }
+        return _record(manifest, staging, job.output.directory, quantization)
+
+
+BACKEND = Int8Static()
 
 
 def quantize_artifact(
@@ -96,55 +178,20 @@ def quantize_artifact(
             longer than the KV capacity, or a quantized graph ONNX Runtime cannot run.
         ArtifactError: the artifact does not verify.
     """
-    check_mode(mode)
+    from specx.build import build_artifact
+
     started = time.perf_counter()
-    manifest = load_manifest(artifact_dir)
-    _check_prompts(prompts, manifest, "calibration")
-    eval_prompts = prompts if eval_prompts is None else eval_prompts
-    _check_prompts(eval_prompts, manifest, "evaluation")
-    root = manifest.root
-    staging = Path(tempfile.mkdtemp(prefix=".quantize-", dir=root))
-    output_dir = BuildOutput.fresh(BUILD_NAME, staging)
-    directory = output_dir.directory
-    try:
-        source = _stage_source(manifest, staging / ".source")
-        output = staging / "target.onnx"
-        tokens = sum(len(p) for p in prompts)
-        progress(f"[int8] calibrating the target on {len(prompts)} prompts ({tokens} tokens)")
-        inputs = manifest.graph("target")["inputs"]
-        quantized = staging / ".source" / "quantized.onnx"
-        _quantize_static(source, quantized, inputs, prompts, threads)
-        _save_row_invariant(quantized, output)
-        shutil.rmtree(staging / ".source")
-        progress(f"[int8] comparing with float32 on {len(eval_prompts)} prompts, teacher-forced")
-        accuracy = teacher_forced_accuracy(
-            _source_path(manifest), output, inputs, eval_prompts, threads
-        )
-        loss = (
-            f"loss {accuracy['loss_fp32']:.4f} -> {accuracy['loss_int8']:.4f} nats/token, "
-            if accuracy["scored_tokens"]
-            else ""
-        )
-        progress(f"[int8] {loss}top-1 agreement {accuracy['top1_agreement']:.3f}")
-        quantization = {
-            "mode": mode,
-            "method": METHOD,
-            "source": manifest.graph("target")["file"],
-            "quantized_matmuls": _count_quantized_matmuls(output),
-            "calibration_prompts": len(prompts),
-            "calibration_tokens": tokens,
-            "accuracy": accuracy,
-            # Greedy speculation is bit-identical to plain decoding of this build for chain
-            # drafts (specx.graphs.row_invariance); trees are not covered.
-            "greedy_identity": "chains",
-        }
-        record = _record(manifest, staging, directory, quantization)
-        publish_build(manifest, BUILD_NAME, output_dir, record)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+    builder = Int8Static(mode, eval_prompts, threads)
+    options = BuildOptions(backend=builder.name, precision="int8")
+    name = build_artifact(artifact_dir, options, progress, prompts, builder)
+    record = load_manifest(artifact_dir, verify_hashes=False).data["builds"][name]
     seconds = time.perf_counter() - started
-    progress(f"built {BUILD_NAME} in {seconds:.1f}s")
-    return {"build": BUILD_NAME, "directory": directory, **quantization, "seconds": seconds}
+    return {
+        "build": name,
+        "directory": record["directory"],
+        **record["quantization"],
+        "seconds": seconds,
+    }
 
 
 def check_mode(mode: str) -> None:
@@ -283,7 +330,7 @@ def _quantize_static(
             "uses (save_tensors_data); install a newer onnxruntime (tested with 1.32)"
         ) from e
 
-    from specx.runtime.ort_target import session_options
+    from specx.sessions import session_options
 
     workdir = source.parent
     try:
@@ -389,21 +436,21 @@ def teacher_forced_accuracy(
         positions += len(prompt)
         agree += int((logits[0].argmax(-1) == logits[1].argmax(-1)).sum())
         max_diff = max(max_diff, float(np.abs(logits[0] - logits[1]).max()))
-    loss = [float(x / scored) if scored else None for x in losses]
+    loss_fp32, loss_int8 = (float(x / scored) if scored else None for x in losses)
     return {
         "prompts": len(prompts),
         "positions": positions,
         "scored_tokens": scored,
-        "loss_fp32": loss[0],
-        "loss_int8": loss[1],
-        "loss_increase": None if scored == 0 else loss[1] - loss[0],
+        "loss_fp32": loss_fp32,
+        "loss_int8": loss_int8,
+        "loss_increase": None if loss_fp32 is None or loss_int8 is None else loss_int8 - loss_fp32,
         "top1_agreement": agree / positions,
         "max_abs_logit_diff": max_diff,
     }
 
 
 def _session(path: Path, threads: int | None):
-    from specx.runtime.ort_target import load_session
+    from specx.sessions import load_session
 
     try:
         return load_session(path, threads)
@@ -504,7 +551,6 @@ def _record(
         **graph_signature(model),
     }
     return {
-        "backend": "ort",
         "precision": "int8",
         "onnxruntime_version": ort.__version__,
         "graphs": graphs,

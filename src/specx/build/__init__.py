@@ -1,0 +1,92 @@
+"""`specx build`: backend-specific graphs (and TensorRT engines) recorded in the artifact.
+
+A build lives in `builds/<name>.<id>/` inside the artifact and is described in the
+manifest under `builds[<name>]`: the runtime that opens it (`backend`), precision, the
+files of every graph and what the backend records besides (for TensorRT the version, GPU
+compute capability, optimization profiles and engine sha256). The newest build becomes
+`default_build`, which the runtime opens.
+
+Backends (`specx.build.registry`), one module each:
+- `ort` (`specx.build.ort`, the CPU default, and what `specx export` builds): fp32 with
+  TreeAttention lowered to ONNX Runtime's GroupQueryAttention, fp16, and weight-only int4 /
+  int8 (MatMulNBits; round-to-nearest or GPTQ, `specx.build.gptq`);
+- `int8-static` (`specx.build.int8_static`, `specx quantize`): INT8 QDQ with activation
+  ranges calibrated on prompts;
+- `trt` (`specx.build.trt`): lowered, linted TensorRT engines (TensorRT imported only there).
+
+Atomic for every backend (`specx.build.staging`).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from specx.artifact import load_manifest
+from specx.build import int8_static, ort, trt
+from specx.build.registry import (
+    BACKENDS,
+    Backend,
+    BuildJob,
+    BuildOptions,
+    BuildOutput,
+    Progress,
+    backend,
+    register,
+)
+from specx.build.staging import exported_entries, fresh_output, publish_build
+
+__all__ = [
+    "BACKENDS",
+    "Backend",
+    "BuildJob",
+    "BuildOptions",
+    "BuildOutput",
+    "build_artifact",
+    "exported_entries",
+    "publish_build",
+    "register",
+]
+
+for _module in (ort, trt, int8_static):
+    register(_module.BACKEND)
+
+
+def build_artifact(
+    artifact_dir: str | os.PathLike[str],
+    options: BuildOptions,
+    progress: Progress = lambda message: None,
+    prompts: Sequence[Sequence[int]] = (),
+    builder: Backend | None = None,
+) -> str:
+    """Builds the artifact with `options.backend` and makes it the default build.
+
+    `prompts` are calibration prompts (token ids), for the backends that need them (GPTQ,
+    static INT8). `builder` overrides the registered backend (a configured instance).
+
+    Returns:
+        The build's name.
+
+    Raises:
+        BuildError: an unknown backend, options it cannot build (checked before any work),
+            lint failures, or TensorRT / a GPU missing for `--backend trt`.
+        ArtifactError: the artifact does not verify.
+    """
+    builder = builder or backend(options.backend)
+    manifest = load_manifest(artifact_dir)
+    builder.check(manifest, options, prompts)
+    name = builder.build_name(options)
+    started = time.perf_counter()
+    staging = Path(tempfile.mkdtemp(prefix=".build-", dir=manifest.root))
+    output = fresh_output(name, staging)
+    try:
+        record = builder.build(BuildJob(manifest, options, output, progress, prompts))
+        publish_build(manifest, name, output, {"backend": builder.runtime, **record})
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    progress(f"built {name} in {time.perf_counter() - started:.1f}s")
+    return name

@@ -1,0 +1,308 @@
+"""`specx build --backend ort` (the CPU default): graphs ONNX Runtime runs fastest.
+
+- fp32: TreeAttention as ONNX Runtime's GroupQueryAttention and RMSNorm fused with its
+  residual add (`specx.graphs.ort_lowering`); what `specx export` builds. Without the
+  lowering (`--lowering none`, or an ONNX Runtime without GroupQueryAttention) it records
+  the exported graphs as they are.
+- fp16: converted graphs (KV caches in fp16, logits in fp32).
+- int4 / int8: every MatMul weight of every graph block-quantized (MatMulNBits,
+  `specx.graphs.weight_only`), round-to-nearest or GPTQ (`specx.build.gptq`), one weight
+  at a time, so a model larger than memory builds; `--quantize draft` quantizes the draft
+  head alone.
+Each graph is checked to load in ONNX Runtime.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+
+from specx.artifact import Manifest
+from specx.build.registry import BuildJob, BuildOptions, BuildOutput, Progress
+from specx.build.staging import exported_entries, load_graph, save_graph
+from specx.errors import BuildError
+from specx.graphs.ort_lowering import GroupQueryAttentionPass, SkipRmsNormPass, gqa_available
+from specx.graphs.precision import PRECISIONS, ConvertPrecisionPass
+from specx.graphs.row_invariance import PadRowPass, RowInvariantPass
+from specx.graphs.weight_only import (
+    Quantizer,
+    WeightOnlyConfig,
+    WeightOnlyQuantizePass,
+    quantized_matmuls,
+    rtn,
+)
+
+__all__ = ["BACKEND", "OnnxRuntime", "matmulnbits_row_invariance", "weight_only_config"]
+
+log = logging.getLogger(__name__)
+
+WEIGHT_ONLY = {"int4": 4, "int8": 8}  # weight-only builds: precision -> weight bits
+
+
+class OnnxRuntime:
+    """ONNX Runtime CPU builds: lowered fp32, fp16, weight-only int4 / int8."""
+
+    name = "ort"
+    runtime = "ort"
+    passes = (
+        "ConvertPrecisionPass",
+        "WeightOnlyQuantizePass",
+        "RowInvariantPass",
+        "SkipRmsNormPass",
+        "GroupQueryAttentionPass",
+        "PadRowPass",
+    )
+
+    def build_name(self, options: BuildOptions) -> str:
+        """`ort-<precision>`, `-draft` for a build of the draft head alone."""
+        return f"ort-{options.precision}" + ("-draft" if options.draft_only else "")
+
+    def check(self, manifest: Manifest, options: BuildOptions, prompts: Sequence) -> None:
+        """Refuses bf16 and unknown precisions, GPTQ without prompts, a draft-only build."""
+        if options.precision == "bf16":
+            raise BuildError(
+                "ONNX Runtime's CPU provider has no bfloat16 kernels (MatMul, Attention); "
+                "use --precision fp16 on ORT, or bf16 with --backend trt"
+            )
+        if options.precision not in (*PRECISIONS, *WEIGHT_ONLY):
+            raise BuildError(f"--precision must be one of {sorted(PRECISIONS) + list(WEIGHT_ONLY)}")
+        method = options.weight_only.method if options.weight_only else "rtn"
+        if method == "gptq" and not prompts:
+            raise BuildError("a GPTQ build needs calibration prompts (--prompts FILE)")
+        if options.draft_only and set(manifest.data["graphs"]) == {"target"}:
+            raise BuildError(
+                f"{manifest.root} has no draft head to quantize (--quantize draft); a draft "
+                "model is an artifact of its own: build it with --quantize all"
+            )
+
+    def build(self, job: BuildJob) -> dict[str, Any]:
+        """Converts, quantizes and lowers each graph; the draft chain is derived last."""
+        return _build_ort(job.manifest, job.options, job.output, job.progress, job.prompts)
+
+
+def _build_ort(
+    manifest: Manifest,
+    options: BuildOptions,
+    output: BuildOutput,
+    progress: Progress,
+    prompts: Sequence[Sequence[int]],
+):
+    import onnxruntime as ort
+
+    from specx.sessions import load_session
+
+    record: dict[str, Any] = {}
+    if options.precision in WEIGHT_ONLY:
+        options = dataclasses.replace(options, weight_only=weight_only_config(manifest, options))
+    lower = options.lowering == "gqa" and options.precision != "fp16" and gqa_available()
+    if options.lowering == "gqa" and not lower:
+        progress("[ort] no GroupQueryAttention lowering (fp16, or this ONNX Runtime lacks it)")
+    if options.precision == "fp32" and not lower:
+        graphs = exported_entries(manifest)  # the exported graphs are the fp32 ORT build
+    else:
+        graphs = {}
+        for name in manifest.data["graphs"]:
+            if name == "draft_chain":
+                continue  # derived from the built head below
+            progress(f"[ort] converting {name} to {options.precision}")
+            quantizer = _quantizer(manifest, name, options, prompts, progress)
+            model = _convert(load_graph(manifest, name), name, options, record, quantizer)
+            padded = _needs_row_invariance(name, record)
+            if lower and _lower(manifest, model, padded == "attention"):
+                record.setdefault("lowering", {})[name] = "gqa"
+            if padded == "graph":  # after the lowering, which reads the graph's own inputs
+                PadRowPass()(model)
+            graphs[name] = save_graph(model, output, name, progress)
+            if padded == "graph" or (lower and padded == "attention"):
+                graphs[name]["kv_spare_slots"] = 1  # the padding row's key and value
+        if "draft_chain" in manifest.data["graphs"]:
+            graphs["draft_chain"] = _derive_chain(manifest, graphs["draft_head"], output)
+        for name in graphs:
+            try:
+                load_session(output.staging / f"{name}.onnx")
+            except Exception as e:  # onnxruntime raises untyped errors
+                raise BuildError(
+                    f"ONNX Runtime cannot load the {options.precision} {name}: {e}"
+                ) from e
+    return {
+        "precision": options.precision,
+        "onnxruntime_version": ort.__version__,
+        "graphs": graphs,
+        **record,
+    }
+
+
+def _quantizer(
+    manifest: Manifest,
+    name: str,
+    options: BuildOptions,
+    prompts: Sequence[Sequence[int]],
+    progress: Progress,
+) -> Quantizer:
+    """RTN, or GPTQ on the target with Hessians from the prompts' prefill (heads: RTN)."""
+    if options.weight_only is None or options.weight_only.method != "gptq" or name != "target":
+        return rtn
+    from specx.build.gptq import collect_hessians, gptq_quantizer
+
+    progress(f"[ort] collecting GPTQ input statistics on {len(prompts)} prompts")
+    entry = manifest.graph(name)
+    hessians = collect_hessians(manifest.path(entry["file"]), entry["inputs"], prompts)
+    return gptq_quantizer(hessians)
+
+
+def matmulnbits_row_invariance(config: WeightOnlyConfig, trials: int = 3) -> str | None:
+    """How this machine's MatMulNBits kernels can compute a row alone as among others.
+
+    "as is": each row's bits are the same alone and in chunks of 2..8 (measured at level 4:
+    blocks of 16 and 32); "padded": the same once every chunk gets a copy of its last row,
+    as `PadRowPass` gives the whole graph (blocks of 64 and 128: rows go in pairs); None:
+    neither. Checked at build time because the kernel paths depend on the CPU and the ONNX
+    Runtime version.
+    """
+    from specx.sessions import load_session
+
+    block_size = config.block_size
+    assert block_size is not None, "a build's config has its block size (weight_only_config)"
+    rng = np.random.default_rng(0)
+    sessions = []
+    for bits in {config.bits, config.output_bits or 0} - {0}:  # output_bits: set, 0 = float
+        k = 3 * block_size + 16  # whole blocks and a padded one
+        model = _single_matmul(rng.standard_normal((k, 40)).astype(np.float32) * 0.05)
+        WeightOnlyQuantizePass(
+            WeightOnlyConfig(bits, block_size, config.symmetric, config.accuracy_level, bits)
+        )(model)
+        sessions.append(load_session(ir.to_proto(model).SerializeToString()))
+    batches = [rng.standard_normal((8, k)).astype(np.float32) for _ in range(trials)]
+    for mode, pad in (("as is", False), ("padded", True)):
+        if all(_chunks_agree(session, rows, pad) for session in sessions for rows in batches):
+            return mode
+    return None
+
+
+def _chunks_agree(session, rows: np.ndarray, pad: bool) -> bool:
+    """Whether every row comes out the same in chunks of 1..8 (each padded with its last)."""
+
+    def run(chunk: np.ndarray) -> np.ndarray:
+        padded = np.concatenate([chunk, chunk[-1:]]) if pad else chunk
+        return session.run(None, {"x": padded})[0][: len(chunk)]
+
+    together = run(rows)
+    for size in range(1, len(rows)):
+        parts = [run(rows[i : i + size]) for i in range(0, len(rows), size)]
+        if not np.array_equal(np.concatenate(parts), together):
+            return False
+    return True
+
+
+def _single_matmul(weight: np.ndarray) -> ir.Model:
+    x = ir.Value(
+        name="x", type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape(["m", weight.shape[0]])
+    )
+    w = ir.Value(name="w", const_value=ir.tensor(weight))
+    node = ir.node("MatMul", [x, w], name="mm")
+    node.outputs[0].name = "y"
+    graph = ir.Graph([x], node.outputs, nodes=[node], initializers=[w], opset_imports={"": 21})
+    return ir.Model(graph, ir_version=10)
+
+
+def _derive_chain(manifest: Manifest, head: dict[str, Any], output: BuildOutput) -> dict:
+    """The one-call chain graph of the built head (`specx.graphs.draft_chain`)."""
+    from specx.export.head_export import save_draft_chain
+
+    d2t = (manifest.data.get("drafter") or {}).get("d2t")
+    to_target = None
+    if d2t:
+        offsets = np.load(manifest.path(d2t))
+        to_target = np.arange(len(offsets)) + offsets
+    entry = save_draft_chain(output.staging, head, to_target)
+    return {
+        **entry,
+        "file": f"{output.directory}/{entry['file']}",
+        "data_files": [f"{output.directory}/{f}" for f in entry["data_files"]],
+    }
+
+
+def _lower(manifest: Manifest, model: ir.Model, pad_single_rows: bool) -> bool:
+    """Runs the ONNX Runtime lowering (`specx.graphs.ort_lowering`); whether it applied.
+
+    RoPE tables cover every position a step can reach (a draft head's run up to a tree's
+    depth past the target's).
+    """
+    shape = manifest.model
+    positions = shape["kv_capacity"] + shape.get("max_tree_tokens", 0)
+    norms = SkipRmsNormPass()(model).modified
+    attention = GroupQueryAttentionPass(positions, pad_single_rows)(model).modified
+    return norms or attention
+
+
+def _needs_row_invariance(name: str, record: dict) -> str | None:
+    """Where a graph that keeps greedy identity by row invariance (int8 activations) pads.
+
+    "graph": the whole graph already runs a padding row (`PadRowPass`); "attention": its
+    GroupQueryAttention must get one, never to see a lone query row; None: no need.
+    """
+    quantization = record.get("quantization") or {}
+    if name != "target" or quantization.get("greedy_identity") != "chains":
+        return None
+    return "graph" if quantization.get("padding_row") else "attention"
+
+
+# Targets with at least this many MatMul weights stream them from memory on any CPU (at 4
+# bits, more than most last-level caches hold): blocks of 128 there, 32 below. Measured
+# against onnxruntime-genai int4 (benchmarks/real_size.py, benchmarks/peers.py): a 1.5B
+# model went 0.89x -> 1.07x from blocks of 32 to 128 with its padding row; pyref-7m (7M),
+# bench-27m and pyref-deep (40M) went 0.71x -> 0.63x, 0.79x -> 0.77x, 0.86x -> 0.77x: the
+# padding row doubles rows that cost compute, not bytes, while their weights sit in cache.
+STREAMED_WEIGHTS = 200_000_000
+
+
+def weight_only_config(manifest: Manifest, options: BuildOptions) -> WeightOnlyConfig:
+    """The build's weight-only configuration, its block size resolved (None: by size)."""
+    config = options.weight_only or WeightOnlyConfig(bits=WEIGHT_ONLY[options.precision])
+    if config.block_size is not None:
+        return config
+    graph = onnx.load(manifest.path(manifest.graph("target")["file"]), load_external_data=False)
+    weights = sum(math.prod(t.dims) for t in graph.graph.initializer if len(t.dims) == 2)
+    return dataclasses.replace(config, block_size=128 if weights >= STREAMED_WEIGHTS else 32)
+
+
+def _convert(
+    model: ir.Model, name: str, options: BuildOptions, record: dict, quantizer: Quantizer
+) -> ir.Model:
+    """The graph at the build's precision; weight-only builds add `quantization` to `record`."""
+    if options.precision == "fp32":
+        return model
+    if options.precision in PRECISIONS:
+        return ConvertPrecisionPass(PRECISIONS[options.precision])(model).model
+    config = options.weight_only
+    assert config is not None, "a weight-only precision has its config (weight_only_config)"
+    quantization = record.setdefault("quantization", config.record())
+    if not config.quantizes(name):
+        return model
+    WeightOnlyQuantizePass(config, quantizer)(model)
+    quantization.setdefault("quantized_matmuls", {})[name] = quantized_matmuls(model)
+    if name == "target" and config.accuracy_level == 4:
+        # int8 activations amplify last-bit differences, as static INT8 does: the same remedy
+        # for attention, and MatMulNBits must itself treat a row alone as among others.
+        RowInvariantPass()(model)
+        invariance = matmulnbits_row_invariance(config)
+        quantization["padding_row"] = invariance == "padded"
+        quantization["greedy_identity"] = "chains" if invariance else "none"
+        if invariance is None:
+            log.warning(
+                "MatMulNBits at block size %d does not compute a row alone as among others "
+                "on this CPU, even with a padding row: greedy speculation on this build may "
+                "differ from its plain decoding (blocks of 32 do not)",
+                config.block_size,
+            )
+    return model
+
+
+BACKEND = OnnxRuntime()

@@ -1,0 +1,110 @@
+"""What a build backend is, and where `specx build --backend NAME` finds one.
+
+A backend turns an artifact's exported graphs into the graphs (or engines) one runtime
+runs. It names the graph passes it may apply, checks its options before any work, writes
+its files into a staging directory and returns the build's manifest record; `specx.build.
+build_artifact` does the rest (staging, publishing, the default build) for every backend
+alike. Its `runtime` names the opener in `specx.runtime.backends.OPENERS` that runs what it
+built, and the manifest records that name as the build's `backend`, so an artifact opens
+with numpy and onnxruntime alone whichever backend built it.
+
+Adding a backend is one module with a class meeting `Backend` and a `register(...)` call
+(`tests/test_build.py` adds a toy one).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from specx.artifact import Manifest
+from specx.errors import BuildError
+from specx.graphs.weight_only import WeightOnlyConfig
+
+__all__ = ["BACKENDS", "Backend", "BuildJob", "BuildOptions", "BuildOutput", "backend", "register"]
+
+Progress = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class BuildOptions:
+    """What to build: backend, precision, and the TensorRT engine's ranges and effort."""
+
+    backend: str = "ort"
+    precision: str = "fp32"
+    max_batch: int = 8
+    optimization_level: int = 3
+    timing_cache: Path | None = None  # TensorRT timing cache, read and updated across builds
+    weight_only: WeightOnlyConfig | None = None  # int4 / int8: how weights are quantized
+    lowering: str = "gqa"  # ORT: TreeAttention as GroupQueryAttention where allowed; or "none"
+
+    @property
+    def draft_only(self) -> bool:
+        """A weight-only build of the draft head's graphs alone (`--quantize draft`)."""
+        return self.weight_only is not None and self.weight_only.scope == "draft"
+
+
+@dataclass(frozen=True)
+class BuildOutput:
+    """Where a build's files are written (`staging`) and the path they will have (`directory`)."""
+
+    staging: Path
+    directory: str  # builds/<name>.<id>, relative to the artifact
+
+
+@dataclass(frozen=True)
+class BuildJob:
+    """One build in progress: the artifact, the options, where files go, how to report."""
+
+    manifest: Manifest
+    options: BuildOptions
+    output: BuildOutput
+    progress: Progress
+    prompts: Sequence[Sequence[int]] = ()  # calibration prompts (token ids), where needed
+
+
+class Backend(Protocol):
+    """One way to build an artifact for a runtime."""
+
+    name: str  # `specx build --backend NAME`
+    runtime: str  # the opener that runs its builds (`specx.runtime.backends.OPENERS`)
+    passes: tuple[str, ...]  # the graph passes it may apply, in order
+
+    def build_name(self, options: BuildOptions) -> str:
+        """The build's name in the manifest, e.g. `ort-int4`, `trt-fp16`."""
+        ...
+
+    def check(self, manifest: Manifest, options: BuildOptions, prompts: Sequence) -> None:
+        """Raises `BuildError` for options or an artifact it cannot build, before any work."""
+        ...
+
+    def build(self, job: BuildJob) -> dict[str, Any]:
+        """Writes the build's files into `job.output.staging`; returns its manifest record.
+
+        The record holds `precision` and `graphs` (each graph's file under
+        `job.output.directory`, its data files and signature) and whatever else the
+        backend records; `backend` is filled in from `runtime`.
+        """
+        ...
+
+
+BACKENDS: dict[str, Backend] = {}
+
+
+def register(backend_: Backend) -> Backend:
+    """Makes `backend_` available to `specx build --backend` under its name."""
+    from specx.runtime.backends import OPENERS
+
+    if backend_.runtime not in OPENERS:
+        raise ValueError(f"backend {backend_.name!r}: no runtime opener {backend_.runtime!r}")
+    BACKENDS[backend_.name] = backend_
+    return backend_
+
+
+def backend(name: str) -> Backend:
+    """The registered backend `name`."""
+    if name not in BACKENDS:
+        raise BuildError(f"--backend must be one of {sorted(BACKENDS)}, got {name!r}")
+    return BACKENDS[name]

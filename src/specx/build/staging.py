@@ -1,0 +1,87 @@
+"""Where every backend's build is written, and how it joins the artifact atomically.
+
+A build is assembled in a hidden staging directory inside the artifact, moved to a fresh
+`builds/<name>.<id>/`, and only then referenced from a manifest written with
+`os.replace`; an interrupted build leaves the previous manifest valid.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any
+
+import onnx
+import onnx_ir as ir
+
+from specx.artifact import Manifest, apply_umask, manifest_body, write_manifest
+from specx.build.registry import BuildOutput, Progress
+from specx.graphs.model_io import save_streamed
+from specx.graphs.signature import graph_signature
+
+__all__ = ["exported_entries", "fresh_output", "load_graph", "publish_build", "save_graph"]
+
+
+def fresh_output(name: str, staging: Path) -> BuildOutput:
+    """A new `builds/<name>.<id>` for a build staged in `staging` under the artifact."""
+    return BuildOutput(staging, f"builds/{name}.{uuid.uuid4().hex[:8]}")
+
+
+def exported_entries(manifest: Manifest) -> dict[str, dict[str, Any]]:
+    """The manifest entries of the exported graphs, as a build that keeps them records them."""
+    keys = ("file", "data_files", "inputs", "outputs")
+    return {
+        name: {k: entry[k] for k in keys if k in entry}
+        for name, entry in manifest.data["graphs"].items()
+    }
+
+
+def publish_build(manifest: Manifest, name: str, output: BuildOutput, record: dict) -> None:
+    """Moves the staged files into place, then points the manifest at them as `default_build`.
+
+    The build is referenced only once the new manifest is written; if writing fails, the
+    moved directory is removed again. A previous build of the same name is deleted last.
+    """
+    root = manifest.root
+    body = manifest_body(manifest)
+    previous = body.get("builds", {}).get(name, {}).get("directory")
+    record["directory"] = None
+    if any(output.staging.iterdir()):
+        (root / "builds").mkdir(exist_ok=True)
+        apply_umask(output.staging)
+        os.replace(output.staging, root / output.directory)
+        record["directory"] = output.directory
+    body.setdefault("builds", {})[name] = record
+    body["default_build"] = name
+    retired = (previous,) if previous and previous != record["directory"] else ()
+    try:
+        write_manifest(root, body, exclude=retired)
+    except BaseException:
+        if record["directory"]:
+            shutil.rmtree(root / record["directory"], ignore_errors=True)
+        raise
+    if retired:
+        shutil.rmtree(root / previous, ignore_errors=True)
+
+
+def load_graph(manifest: Manifest, name: str) -> ir.Model:
+    """The exported graph `name`, with its weights."""
+    return ir.load(manifest.path(manifest.graph(name)["file"]))
+
+
+def save_graph(
+    model: ir.Model, output: BuildOutput, name: str, progress: Progress = lambda m: None
+) -> dict[str, Any]:
+    """Saves `name.onnx` (+ `.data`) to the staging directory; returns its manifest entry.
+
+    Weights are written one at a time (lazy ones, e.g. quantized, computed as they go).
+    """
+    path = output.staging / f"{name}.onnx"
+    save_streamed(model, path, f"{name}.onnx.data", progress)
+    return {
+        "file": f"{output.directory}/{name}.onnx",
+        "data_files": [f"{output.directory}/{name}.onnx.data"],
+        **graph_signature(onnx.load(path, load_external_data=False)),
+    }

@@ -1,0 +1,87 @@
+"""`specx build --backend trt`: one TensorRT engine per graph.
+
+Every graph is lowered to the TensorRT form (`specx.graphs.trt_lowering`), linted against
+the parser's operator table (`specx.graphs.trt_lint`), then built with TensorRT, which is
+imported only here, with optimization profiles covering the artifact's shapes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from specx.artifact import Manifest
+from specx.build.registry import BuildJob, BuildOptions
+from specx.build.staging import load_graph, save_graph
+from specx.errors import BuildError
+from specx.graphs.precision import PRECISIONS
+from specx.graphs.trt_lint import lint_for_tensorrt
+from specx.graphs.trt_lowering import lower_for_tensorrt
+
+__all__ = ["BACKEND", "TensorRT"]
+
+
+class TensorRT:
+    """Lowered, linted graphs built into TensorRT engines (needs TensorRT and a GPU)."""
+
+    name = "trt"
+    runtime = "trt"
+    passes = ("lower_for_tensorrt", "lint_for_tensorrt")
+
+    def build_name(self, options: BuildOptions) -> str:
+        """`trt-<precision>`."""
+        return f"trt-{options.precision}"
+
+    def check(self, manifest: Manifest, options: BuildOptions, prompts: Sequence) -> None:
+        """Floating-point precisions only: TensorRT int4/int8 would go through ModelOpt."""
+        if options.precision in ("int4", "int8"):
+            raise BuildError(
+                f"--precision {options.precision} is an ONNX Runtime weight-only build "
+                "(MatMulNBits); TensorRT int4/int8 goes through NVIDIA ModelOpt, which is not "
+                "installed here"
+            )
+        if options.precision not in PRECISIONS:
+            raise BuildError(f"--precision must be one of {sorted(PRECISIONS)} for TensorRT")
+
+    def build(self, job: BuildJob) -> dict[str, Any]:
+        """Lowers and lints every graph, then builds each engine."""
+        from specx.tensorrt.profiles import ProfileLimits, optimization_profiles
+
+        manifest, options, output = job.manifest, job.options, job.output
+        capacity = manifest.model["kv_capacity"]
+        lowered = {}
+        for name, entry in manifest.data["graphs"].items():
+            if entry.get("ort_only"):
+                continue  # e.g. the one-call draft chain (an ONNX Loop): TensorRT drafts per depth
+            job.progress(f"[trt] lowering {name} ({options.precision}) and linting it")
+            model = lower_for_tensorrt(load_graph(manifest, name), capacity, options.precision)
+            issues = lint_for_tensorrt(model, name)
+            if issues:
+                listing = "\n  ".join(str(i) for i in issues)
+                raise BuildError(f"TensorRT would reject {len(issues)} node(s):\n  {listing}")
+            lowered[name] = model
+        from specx.tensorrt.engine import build_engine, device_summary
+
+        device = device_summary()  # raises BuildError naming what is missing
+        limits = ProfileLimits(
+            kv_capacity=capacity,
+            max_tree_tokens=manifest.model["max_tree_tokens"],
+            max_batch=options.max_batch,
+        )
+        graphs = {}
+        for name, model in lowered.items():
+            entry = save_graph(model, output, name)
+            profiles = optimization_profiles(entry["inputs"], limits)
+            job.progress(f"[trt] building the {name} engine ({len(profiles)} profiles)")
+            engine = build_engine(
+                output.staging / f"{name}.onnx",
+                output.staging / f"{name}.engine",
+                profiles,
+                optimization_level=options.optimization_level,
+                timing_cache=options.timing_cache,
+            )
+            graphs[name] = {**entry, "engine": f"{output.directory}/{name}.engine", **engine}
+        return {"precision": options.precision, **device, "graphs": graphs}
+
+
+BACKEND = TensorRT()
