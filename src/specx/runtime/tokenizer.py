@@ -20,6 +20,11 @@ class TextTokenizer:
         except Exception as e:  # tokenizers raises a bare Exception on malformed files
             raise ArtifactError(f"{path}: not a valid tokenizer.json: {e}") from e
 
+    @property
+    def tokenizer(self):
+        """The `tokenizers.Tokenizer` itself (streaming detokenization steps through it)."""
+        return self._tokenizer
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`, special tokens added as the post-processor says (if asked)."""
         return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids

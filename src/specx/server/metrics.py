@@ -1,14 +1,26 @@
-"""The server's counters, rendered as Prometheus text exposition (format 0.0.4).
+"""The server's counters, exposed through `prometheus_client` (text format 0.0.4).
 
-Hand-written (about 60 lines) rather than `prometheus_client`: a handful of counters and
-gauges read under one lock, with no global registry to reset between servers in a test.
+Each `Metrics` is the one collector of its own `CollectorRegistry`, never the global one,
+so several servers in one process (the tests start many) neither share nor collide. The
+state stays plain numbers under one lock, turned into metric families by `collect` at
+scrape time, rather than `Counter`/`Gauge` objects: 8 of the 22 families are computed or
+read when scraped (the acceptance length and batch occupancy means, acceptance by
+position, the prefix cache's own counters); one hold of the lock keeps a scrape consistent
+(the acceptance length from the same rounds and accepted counts); and families add no
+`_created` series. The names, labels, types and help texts are those of the hand-written
+exposition this replaced; only integers now print as floats (2.0 for 2).
 """
 
 from __future__ import annotations
 
 import threading
-from collections import Counter
+from collections import Counter, defaultdict
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
     from specx.runtime.prefix_cache import PrefixCache
@@ -16,8 +28,10 @@ if TYPE_CHECKING:
 
 __all__ = ["Metrics"]
 
+_FAMILIES = {"counter": CounterMetricFamily, "gauge": GaugeMetricFamily}
 
-class Metrics:
+
+class Metrics(Collector):
     """Requests, tokens, acceptance, round timings, queue depth and batch occupancy."""
 
     def __init__(self) -> None:
@@ -26,12 +40,14 @@ class Metrics:
         self.finish: Counter = Counter()  # finish reason -> count
         self.prompt_tokens = self.generation_tokens = 0
         self.rounds = self.drafted = self.accepted = 0
-        self.position_hits: Counter = Counter()  # depth d -> requests' accepted-at-d rate sum
+        self.position_hits: defaultdict[int, float] = defaultdict(float)  # depth d -> summed rates
         self.position_seen: Counter = Counter()
         self.draft_s = self.verify_s = self.round_s = self.queue_wait_s = 0.0
         self.batch_rounds = self.batch_rows = 0  # for the mean occupancy
         self.queue_depth = self.running = self.slots = 0
-        self.prefix_cache: PrefixCache | None = None  # its own counters, read at render
+        self.prefix_cache: PrefixCache | None = None  # its own counters, read at scrape
+        self.registry = CollectorRegistry()  # this server's own, never the global one
+        self.registry.register(self)
 
     def request(self, endpoint: str, status: int) -> None:  # noqa: D102
         with self._lock:
@@ -64,43 +80,56 @@ class Metrics:
 
     def render(self) -> str:
         """The exposition text."""
+        return generate_latest(self.registry).decode()
+
+    def collect(self) -> Iterator[Metric]:
+        """Every family, read in one hold of the lock."""
         with self._lock:
-            lines = _family(
-                "specx_requests_total", "counter", "HTTP requests by endpoint and status"
+            requests = CounterMetricFamily(
+                "specx_requests_total",
+                "HTTP requests by endpoint and status",
+                labels=("endpoint", "status"),
             )
             for (endpoint, status), n in sorted(self.requests.items()):
-                lines.append(f'specx_requests_total{{endpoint="{endpoint}",status="{status}"}} {n}')
-            lines += _family("specx_finished_total", "counter", "Requests ended, by reason")
+                requests.add_metric((endpoint, str(status)), n)
+            finish = CounterMetricFamily(
+                "specx_finished_total", "Requests ended, by reason", labels=("reason",)
+            )
             for reason, n in sorted(self.finish.items()):
-                lines.append(f'specx_finished_total{{reason="{reason}"}} {n}')
-            for name, kind, help_, value in (
-                ("prompt_tokens_total", "counter", "Prompt tokens prefilled", self.prompt_tokens),
-                ("generation_tokens_total", "counter", "Tokens generated", self.generation_tokens),
-                ("rounds_total", "counter", "Verify rounds, summed over requests", self.rounds),
-                ("draft_tokens_total", "counter", "Draft nodes verified", self.drafted),
-                ("accepted_tokens_total", "counter", "Draft tokens accepted", self.accepted),
-                ("acceptance_length", "gauge", "Mean tokens per round (bonus counted)",
-                 (self.rounds + self.accepted) / self.rounds if self.rounds else 0.0),
-                ("draft_seconds_total", "counter", "Time drafting", self.draft_s),
-                ("verify_seconds_total", "counter", "Time in verify forwards", self.verify_s),
-                ("round_seconds_total", "counter", "Time in decoding rounds", self.round_s),
-                ("queue_wait_seconds_total", "counter", "Time requests waited", self.queue_wait_s),
-                ("queue_depth", "gauge", "Requests waiting for a slot", self.queue_depth),
-                ("batch_running", "gauge", "Sequences in the running batch", self.running),
-                ("batch_slots", "gauge", "KV slots of the batch", self.slots),
-                ("batch_occupancy", "gauge", "Mean running sequences per round",
-                 self.batch_rows / self.batch_rounds if self.batch_rounds else 0.0),
-                *self._prefix_cache_rows(),
-            ):  # fmt: skip
-                lines += _family(f"specx_{name}", kind, help_)
-                lines.append(f"specx_{name} {value}")
-            lines += _family(
-                "specx_acceptance_by_position", "gauge", "Mean per-request P(accepted >= d)"
+                finish.add_metric((reason,), n)
+            by_position = GaugeMetricFamily(
+                "specx_acceptance_by_position",
+                "Mean per-request P(accepted >= d)",
+                labels=("position",),
             )
             for d in sorted(self.position_seen):
-                rate = self.position_hits[d] / self.position_seen[d]
-                lines.append(f'specx_acceptance_by_position{{position="{d}"}} {rate}')
-        return "\n".join(lines) + "\n"
+                by_position.add_metric((str(d),), self.position_hits[d] / self.position_seen[d])
+            scalars = [
+                _FAMILIES[kind](f"specx_{name}", help_, value=value)
+                for name, kind, help_, value in self._scalar_rows()
+            ]
+        return iter([requests, finish, *scalars, by_position])
+
+    def _scalar_rows(self) -> list[tuple[str, str, str, float]]:
+        return [
+            ("prompt_tokens_total", "counter", "Prompt tokens prefilled", self.prompt_tokens),
+            ("generation_tokens_total", "counter", "Tokens generated", self.generation_tokens),
+            ("rounds_total", "counter", "Verify rounds, summed over requests", self.rounds),
+            ("draft_tokens_total", "counter", "Draft nodes verified", self.drafted),
+            ("accepted_tokens_total", "counter", "Draft tokens accepted", self.accepted),
+            ("acceptance_length", "gauge", "Mean tokens per round (bonus counted)",
+             (self.rounds + self.accepted) / self.rounds if self.rounds else 0.0),
+            ("draft_seconds_total", "counter", "Time drafting", self.draft_s),
+            ("verify_seconds_total", "counter", "Time in verify forwards", self.verify_s),
+            ("round_seconds_total", "counter", "Time in decoding rounds", self.round_s),
+            ("queue_wait_seconds_total", "counter", "Time requests waited", self.queue_wait_s),
+            ("queue_depth", "gauge", "Requests waiting for a slot", self.queue_depth),
+            ("batch_running", "gauge", "Sequences in the running batch", self.running),
+            ("batch_slots", "gauge", "KV slots of the batch", self.slots),
+            ("batch_occupancy", "gauge", "Mean running sequences per round",
+             self.batch_rows / self.batch_rounds if self.batch_rounds else 0.0),
+            *self._prefix_cache_rows(),
+        ]  # fmt: skip
 
     def _prefix_cache_rows(self) -> list[tuple[str, str, str, float]]:
         cache = self.prefix_cache
@@ -115,7 +144,3 @@ class Metrics:
             ("prefix_cache_bytes", "gauge", "Bytes of cached blocks", cache.bytes),
             ("prefix_cache_max_bytes", "gauge", "The bound", cache.max_bytes),
         ]  # fmt: skip
-
-
-def _family(name: str, kind: str, help_: str) -> list[str]:
-    return [f"# HELP {name} {help_}", f"# TYPE {name} {kind}"]

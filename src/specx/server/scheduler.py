@@ -174,7 +174,7 @@ class Scheduler:
                     break
                 self._expire(time.perf_counter())
                 self._drop_cancelled()
-                admit = []
+                admit: list[Job] = []
                 while self._waiting and self.batch.free - len(admit) > 0:
                     admit.append(self._waiting.popleft())
                 self.metrics.queue_depth = len(self._waiting)
@@ -221,7 +221,7 @@ class Scheduler:
         if job.cancelled.is_set():
             self._finish(job, _cancelled(job))
             return
-        text = TextStream(self.engine.decode_text, job.stop)
+        text = self.engine.text_stream(job.stop)
         drafter = self._take_drafter(job.plan)
 
         def sink(_row: int, tokens: list[int]) -> bool:
