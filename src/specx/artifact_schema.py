@@ -11,7 +11,7 @@ Standard library only: the runtime imports this module.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import PurePosixPath
 from typing import Any
 
@@ -76,7 +76,7 @@ _IO = {
 }
 
 
-def _fields(where: str, data: dict, schema: dict[str, tuple[Check, str]]) -> None:
+def _fields(where: str, data: dict, schema: Mapping[str, tuple[Check, str]]) -> None:
     for key, (check, expected) in schema.items():
         if key not in data:
             raise ArtifactError(f"{where}: {key} is missing")

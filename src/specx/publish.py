@@ -185,6 +185,8 @@ def _sha256_member(tar: tarfile.TarFile, member: tarfile.TarInfo, path: Path) ->
     digest = hashlib.sha256()
     try:
         f = tar.extractfile(member)
+        if f is None:  # callers pass regular files only
+            raise ArtifactError(f"{path}: {member.name} is not a regular file")
         while chunk := f.read(_CHUNK):
             digest.update(chunk)
     except (tarfile.TarError, EOFError, OSError) as e:

@@ -59,7 +59,7 @@ class CheckpointTensors(Mapping[str, torch.Tensor]):
         """The stored tensor behind `key`."""
         return self._aliases.get(key, key)
 
-    def raw(self, key: str, buffer: bytearray | None = None) -> RawTensor:
+    def raw(self, key: str, buffer: bytearray | memoryview | None = None) -> RawTensor:
         """The tensor in its stored dtype (read into `buffer`, if given, which it must fit)."""
         stored = self.source_key(key)
         return self._files[stored].read(stored, buffer)
@@ -111,7 +111,7 @@ class _RowSlice:
     def dtype(self, key: str) -> str:  # noqa: D102
         return self.file.dtype(self.key)
 
-    def read(self, key: str, buffer: bytearray | None = None) -> RawTensor:  # noqa: D102
+    def read(self, key: str, buffer: bytearray | memoryview | None = None) -> RawTensor:  # noqa: D102
         return self.file.read(self.key).map(lambda a: a[self.start : self.stop])
 
 
@@ -135,7 +135,7 @@ class _Offset:
     def dtype(self, key: str) -> str:  # noqa: D102
         return "F32"
 
-    def read(self, key: str, buffer: bytearray | None = None) -> RawTensor:  # noqa: D102
+    def read(self, key: str, buffer: bytearray | memoryview | None = None) -> RawTensor:  # noqa: D102
         return RawTensor(self.file.read(self.key).float32() + np.float32(self.offset), "F32")
 
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -222,9 +223,9 @@ def _hf_config(config_path: Path, family: str):
         raise CheckpointError(f"{config_path}: not a valid {family} config: {e}") from e
 
 
-def _softcaps(config_path: Path, hf, family: str) -> dict[str, float]:
+def _softcaps(config_path: Path, hf, family: str) -> dict[str, Any]:
     """Gemma 2's attention and final-logit caps (absent or null: none); refused elsewhere."""
-    caps = {}
+    caps: dict[str, Any] = {}  # fields of TargetConfig, floats
     for field, name in (
         ("attn_logit_softcapping", "attn_softcap"),
         ("final_logit_softcapping", "logit_softcap"),
@@ -271,7 +272,7 @@ def _gemma(config_path: Path, hf, head_dim: int, attention_scaling: float) -> di
 
 
 def _rope(
-    config_path: Path, hf, head_dim: int, params: dict, layer_type: str | None = None
+    config_path: Path, hf, head_dim: int, params: Mapping[str, Any], layer_type: str | None = None
 ) -> tuple[tuple[float, ...], float, int | None]:
     import torch
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS

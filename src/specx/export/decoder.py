@@ -89,10 +89,12 @@ def _norm(config: TargetConfig, dim: int | None = None) -> RMSNorm:
 class RotaryEmbedding(nn.Module):
     """cos/sin of each token's position; positions come from the tree, not from arange."""
 
+    inv_freq: torch.Tensor  # a buffer (register_buffer), typed for Module's __getattr__
+
     def __init__(self, config: TargetConfig, inv_freq: tuple[float, ...] | None = None):
         super().__init__()
-        inv_freq = torch.tensor(inv_freq or config.inv_freq)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        table = torch.tensor(inv_freq or config.inv_freq)
+        self.register_buffer("inv_freq", table, persistent=False)
         self.scaling = config.rope_attention_scaling
 
     def forward(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # noqa: D102
@@ -298,13 +300,16 @@ class TargetDecoder(nn.Module):
         """Returns (logits, [taps,] key_0, value_0, key_1, ...) per the module docstring."""
         c = self.config
         rope = self.rotary(position_ids)
-        local_rope = self.local_rotary(position_ids) if c.local_inv_freq else rope
+        # local_rotary exists exactly when the config has local_inv_freq
+        local_rope = self.local_rotary(position_ids) if self.local_rotary is not None else rope
         h = self.model.embed_tokens(input_ids)
         if c.embedding_scale != 1.0:
             h = h * c.embedding_scale
-        windowed = c.windowed_layers
+        windowed, window = c.windowed_layers, c.sliding_window  # windowed: () without a window
         local_mask = (
-            _window(attention_mask, position_ids, c.sliding_window) if any(windowed) else None
+            _window(attention_mask, position_ids, window)
+            if window is not None and any(windowed)
+            else None
         )
         captured: dict[int, torch.Tensor] = {}
         new_cache: list[torch.Tensor] = []

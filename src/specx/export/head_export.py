@@ -11,7 +11,10 @@ import torch
 from torch import nn
 
 from specx.artifact import sha256_file
+from specx.export.heads.eagle import EagleHead
+from specx.export.heads.eagle3 import Eagle3Head
 from specx.export.heads.medusa import MedusaHeads
+from specx.export.heads.mtp import MTPHead
 from specx.export.onnx_graph import export_module, graph_entry, save_graph
 from specx.graphs.draft_chain import build_draft_chain
 
@@ -28,9 +31,13 @@ AR_INPUTS = [
 ]
 AR_OUTPUTS = ["logits", "hidden", "present_key_0", "present_value_0"]
 
+# The heads `specx.export.heads.load_head` returns; all but Medusa draft autoregressively.
+AutoregressiveHead = Eagle3Head | EagleHead | MTPHead
+DraftHead = AutoregressiveHead | MedusaHeads
+
 
 class _Projection(nn.Module):
-    def __init__(self, head: nn.Module):
+    def __init__(self, head: Eagle3Head):
         super().__init__()
         self.head = head
 
@@ -53,7 +60,7 @@ def _autoregressive(head: nn.Module) -> nn.Module:
     return Flat()
 
 
-def _ar_example(head: nn.Module) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+def _ar_example(head: AutoregressiveHead) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
     c = head.config
     batch, n, capacity, kv_len = 2, 3, 11, 7
     cache = [torch.zeros(batch, c.num_kv_heads, capacity, c.head_dim) for _ in range(2)]
@@ -93,7 +100,7 @@ def _source(spec: str) -> dict[str, Any]:
     }
 
 
-def export_head(head: nn.Module, spec: str, staging: Path) -> tuple[dict, dict]:
+def export_head(head: DraftHead, spec: str, staging: Path) -> tuple[dict, dict]:
     """Writes the head's graphs into `staging`.
 
     Returns:
@@ -135,7 +142,7 @@ def export_head(head: nn.Module, spec: str, staging: Path) -> tuple[dict, dict]:
         "vocab_size": entry["outputs"][0]["shape"][-1],
     }
     graphs["draft_head"] = entry
-    if hasattr(head, "project"):
+    if isinstance(head, Eagle3Head):  # the one head with a feature projection
         width = head.fc.in_features
         b, t = dim("batch"), dim("tokens")
         projection = export_module(
@@ -150,8 +157,9 @@ def export_head(head: nn.Module, spec: str, staging: Path) -> tuple[dict, dict]:
             projection, *save_graph(projection, staging, "draft_projection")
         )
         drafter["projection"] = "draft_projection"
-    if getattr(head, "d2t", None) is not None:
-        np.save(staging / "draft_d2t.npy", head.d2t.numpy())
+    d2t = getattr(head, "d2t", None)
+    if d2t is not None:
+        np.save(staging / "draft_d2t.npy", d2t.numpy())
         drafter["d2t"] = "draft_d2t.npy"
     graphs["draft_chain"] = save_draft_chain(staging, entry, drafter_d2t(head))
     return drafter, graphs

@@ -78,6 +78,7 @@ def _trace(
             )
         except Exception as e:  # torch raises many unrelated types from deep in the tracer
             raise ExportError(f"torch.onnx.export of {what} failed: {e}") from e
+    assert program is not None  # None only from the legacy (dynamo=False) exporter
     return program.model
 
 

@@ -119,7 +119,7 @@ class StreamedTensor(ir.LazyTensor):
 
         `reuse`: read into the scratch's byte buffers (valid until the next call).
         """
-        buffers = [None] * len(self.keys)
+        buffers: Sequence[memoryview | None] = [None] * len(self.keys)
         if reuse:
             buffers = self.scratch.raw([self.tensors.nbytes(key) for key in self.keys])
         parts = [self.tensors.raw(k, b) for k, b in zip(self.keys, buffers, strict=True)]
@@ -134,9 +134,9 @@ class StreamedTensor(ir.LazyTensor):
     def transposed(self, name: str) -> StreamedTensor:
         """This 2D weight transposed (a `Transpose` node folded away)."""
         assert len(self.keys) == 1 and len(self.shape) == 2
-        shape = (self.shape[1], self.shape[0])
+        rows, columns = self.shape.numpy()
         return StreamedTensor(
-            self.tensors, self.keys, not self.is_transposed, shape, name, self.scratch
+            self.tensors, self.keys, not self.is_transposed, (columns, rows), name, self.scratch
         )
 
     def concatenated(self, others: Sequence[ir.TensorProtocol], name: str):
@@ -146,15 +146,17 @@ class StreamedTensor(ir.LazyTensor):
         orientation (then the caller concatenates in memory).
         """
         parts = [self, *others]
-        if not all(
-            isinstance(p, StreamedTensor)
+        streamed = [
+            p
+            for p in parts
+            if isinstance(p, StreamedTensor)
             and p.is_transposed == self.is_transposed
             and p.tensors is self.tensors
-            for p in parts
-        ):
+        ]
+        if len(streamed) != len(parts):
             return NotImplemented
-        keys = [key for p in parts for key in p.keys]
-        shape = (self.shape[0], sum(p.shape[1] for p in parts))
+        keys = [key for p in streamed for key in p.keys]
+        shape = (self.shape.numpy()[0], sum(p.shape.numpy()[1] for p in streamed))
         return StreamedTensor(self.tensors, keys, self.is_transposed, shape, name, self.scratch)
 
     def tofile(self, file: BinaryIO) -> None:
@@ -174,7 +176,7 @@ class StreamedTensor(ir.LazyTensor):
                 columns = array.shape[1]
                 _widen_into(block[:, column : column + columns], array[start:stop], part.dtype)
                 column += columns
-            file.write(memoryview(block).cast("B"))
+            file.write(block.data.cast("B"))
 
 
 def bind_checkpoint_weights(model: ir.Model, tensors: CheckpointTensors) -> int:
@@ -185,11 +187,10 @@ def bind_checkpoint_weights(model: ir.Model, tensors: CheckpointTensors) -> int:
     """
     bound, scratch = 0, Scratch()
     for value in model.graph.initializers.values():
-        if value.name in tensors and value.const_value is not None:
-            shape = tuple(value.const_value.shape)
-            value.const_value = StreamedTensor(
-                tensors, [value.name], False, shape, value.name, scratch
-            )
+        name, tensor = value.name, value.const_value
+        if name is not None and name in tensors and tensor is not None:
+            shape = tensor.shape.numpy()
+            value.const_value = StreamedTensor(tensors, [name], False, shape, name, scratch)
             bound += 1
     return bound
 
@@ -204,13 +205,13 @@ class FoldWeightTransposesPass(InPlacePass):
     def call(self, model: ir.Model) -> PassResult:  # noqa: D102
         graph, folded = model.graph, 0
         for node in list(graph):
-            source = node.inputs[0] if node.inputs else None
-            if not _is_weight_transpose(node, source):
+            transposed = _weight_transpose(node)
+            if transposed is None:
                 continue
+            source, streamed = transposed
             output = node.outputs[0]
             name = f"{source.name}.T"
-            weight = ir.Value(name=name, const_value=source.const_value.transposed(name))
-            weight.shape, weight.type = weight.const_value.shape, ir.TensorType(ir.DataType.FLOAT)
+            weight = ir.val(name, const_value=streamed.transposed(name))  # FLOAT, its shape
             graph.register_initializer(weight)
             ir.convenience.replace_all_uses_with(output, weight)
             graph.remove(node, safe=True)
@@ -221,10 +222,13 @@ class FoldWeightTransposesPass(InPlacePass):
         return PassResult(model, modified=bool(folded))
 
 
-def _is_weight_transpose(node: ir.Node, source: ir.Value | None) -> bool:
+def _weight_transpose(node: ir.Node) -> tuple[ir.Value, StreamedTensor] | None:
+    """(source, its streamed weight) if `node` transposes a 2D streamed weight, else None."""
+    source = node.inputs[0] if node.inputs else None
     if (node.domain, node.op_type) != ("", "Transpose") or source is None:
-        return False
-    if not isinstance(source.const_value, StreamedTensor) or len(source.const_value.shape) != 2:
-        return False
+        return None
+    weight = source.const_value
+    if not isinstance(weight, StreamedTensor) or len(weight.shape) != 2:
+        return None
     perm = node.attributes.get_ints("perm", None)
-    return perm is None or list(perm) == [1, 0]
+    return (source, weight) if perm is None or list(perm) == [1, 0] else None

@@ -156,7 +156,8 @@ def _check_capacity(
             f"(window {window}), which specx does not implement for {config.family}; "
             f"export with --max-context <= {window}"
         )
-    if config.windowed_layers and max_tree_tokens > window:  # see decoder._window
+    # windowed_layers is () without a window; see decoder._window
+    if window is not None and config.windowed_layers and max_tree_tokens > window:
         raise ExportError(
             f"--max-tree-tokens {max_tree_tokens} exceeds the target's sliding window {window}: "
             "a verified tree must fit in the window"
@@ -263,6 +264,8 @@ def export_target(
         body["model"]["max_tree_tokens"] = max_tree_tokens
         if head is not None:
             from specx.export.head_export import export_head
+
+            assert drafter is not None  # the head was loaded from it
 
             progress(f"[3/5] tracing and writing the {head.kind} head")
             body["drafter"], graphs = export_head(head, drafter, staging)

@@ -117,7 +117,7 @@ class TensorFile:
             return _TORCH_NAMES.get(str(self._torch[key].dtype), str(self._torch[key].dtype))
         return self._entries[key].dtype
 
-    def read(self, key: str, buffer: bytearray | None = None) -> RawTensor:
+    def read(self, key: str, buffer: bytearray | memoryview | None = None) -> RawTensor:
         """The whole tensor in its stored dtype, in `buffer` when one is given (reused).
 
         A reused buffer saves the page faults of a fresh allocation per tensor, which cost
@@ -134,7 +134,7 @@ class TensorFile:
             array = array.reshape(entry.shape)
         with open(self.path, "rb") as f:
             f.seek(entry.begin)
-            if f.readinto(memoryview(array).cast("B")) != entry.end - entry.begin:
+            if f.readinto(array.data.cast("B")) != entry.end - entry.begin:
                 raise CheckpointError(f"{self.path}: tensor {key} is truncated")
         return RawTensor(array, entry.dtype)
 

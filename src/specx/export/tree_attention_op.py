@@ -7,6 +7,9 @@ attached after export, because `torch.onnx.export` would otherwise inline it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from onnx.defs import OpSchema
@@ -137,4 +140,7 @@ def _translate(
     )
 
 
-ONNX_TRANSLATIONS = {torch.ops.specx.tree_attention.default: _translate}
+# torch.onnx.export's custom_translation_table type: an op overload is one such callable.
+ONNX_TRANSLATIONS: dict[Callable[..., Any], Callable[..., Any]] = {
+    torch.ops.specx.tree_attention.default: _translate
+}

@@ -145,19 +145,21 @@ class WeightWriter:
             stdout=subprocess.PIPE,
             env=env,
         )
+        assert self._process.stdin is not None and self._process.stdout is not None  # PIPEs
+        self._stdin, self._stdout = self._process.stdin, self._process.stdout
         self._send(_Setup(Path(directory), name, tensors, plans))
 
     def _send(self, message: Any) -> None:
         try:
-            pickle.dump(message, self._process.stdin, protocol=pickle.HIGHEST_PROTOCOL)
-            self._process.stdin.flush()
+            pickle.dump(message, self._stdin, protocol=pickle.HIGHEST_PROTOCOL)
+            self._stdin.flush()
         except BrokenPipeError:
             self._receive()  # the child's own error, if it sent one
             raise self._died() from None
 
     def _receive(self) -> Any:
         try:
-            reply = pickle.load(self._process.stdout)
+            reply = pickle.load(self._stdout)
         except EOFError:
             raise self._died() from None
         if isinstance(reply, _Failure):
@@ -172,7 +174,7 @@ class WeightWriter:
 
     def _external(self, offset: int, length: int, tensor: ir.TensorProtocol) -> ir.ExternalTensor:
         return ir.ExternalTensor(
-            self._name, offset, length, tensor.dtype, shape=tensor.shape,
+            self._name, offset, length, tensor.dtype, shape=ir.Shape(tensor.shape.numpy()),
             name=tensor.name or "", base_dir=self._base_dir,
         )  # fmt: skip
 
@@ -190,6 +192,7 @@ class WeightWriter:
         if not isinstance(tensor, StreamedTensor):
             return None
         self.wait_for_plans()
+        assert self._written is not None  # wait_for_plans filled it
         plan = PlannedWeight(tensor.keys, tensor.is_transposed)
         done = self._written.get(plan)
         if done is None or tuple(tensor.shape) != _plan_shape(tensor.tensors, plan):
@@ -200,7 +203,7 @@ class WeightWriter:
         """Writes `tensor` at the end; returns the reference that replaces it in a graph."""
         self.wait_for_plans()
         if isinstance(tensor, StreamedTensor):
-            shape = tuple(tensor.shape)
+            shape = tensor.shape.numpy()
             self._send(_Streamed(tensor.keys, tensor.is_transposed, shape, tensor.name or ""))
         else:
             self._send(_Bytes(tensor.tobytes()))
@@ -214,7 +217,7 @@ class WeightWriter:
         self.wait_for_plans()
         self._send(_CLOSE)
         digest = self._receive()
-        self._process.stdin.close()
+        self._stdin.close()
         self._process.wait()
         return digest
 
@@ -229,7 +232,7 @@ class WeightWriter:
         if self._process.poll() is None:
             self._process.kill()
         self._process.wait()
-        for stream in (self._process.stdin, self._process.stdout):
+        for stream in (self._stdin, self._stdout):
             stream.close()
         self.temporary.unlink(missing_ok=True)
 

@@ -18,7 +18,7 @@ import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, cast
 
 import onnx_ir as ir
 
@@ -28,6 +28,12 @@ SIZE_THRESHOLD = 1024  # initializers of more bytes go to the data file
 
 # A tensor already in the data file, or None: lets a caller place tensors written earlier.
 Reuse = Callable[[ir.TensorProtocol], ir.ExternalTensor | None]
+
+
+class _WritesBlocks(Protocol):
+    """A tensor that writes itself in blocks (`writes_blocks`: StreamedTensor)."""
+
+    def tofile(self, file: DataFile) -> None: ...  # noqa: D102
 
 
 class TensorSink(Protocol):
@@ -71,7 +77,8 @@ class DataFile:
         """Writes `tensor` at the end; returns the reference that replaces it in a graph."""
         offset = self.position
         if getattr(tensor, "writes_blocks", False):
-            tensor.tofile(self)  # writes in row blocks through `self.write`
+            # writes in row blocks through `self.write`
+            cast(_WritesBlocks, tensor).tofile(self)
         else:
             self.write(tensor.tobytes())
         length = self.position - offset
@@ -82,7 +89,7 @@ class DataFile:
             offset,
             length,
             tensor.dtype,
-            shape=tensor.shape,
+            shape=ir.Shape(tensor.shape.numpy()),  # a stored tensor's dims are ints
             name=tensor.name or "",
             base_dir=self.directory,
         )
@@ -120,13 +127,13 @@ def save_streamed(
     path = Path(path)
     data = DataFile(path.parent, data_file) if isinstance(data_file, str) else data_file
     values = [
-        v
+        (v, v.const_value)
         for v in model.graph.initializers.values()
         if v.const_value is not None and v.const_value.nbytes > SIZE_THRESHOLD
     ]
     try:
-        for i, value in enumerate(values, 1):
-            value.const_value = reuse(value.const_value) or data.append(value.const_value)
+        for i, (value, tensor) in enumerate(values, 1):
+            value.const_value = reuse(tensor) or data.append(tensor)
             if i == 1 or i % 20 == 0 or i == len(values):
                 progress(f"  writing weights: {i}/{len(values)} tensors ({value.name})")
         digest = data.close()

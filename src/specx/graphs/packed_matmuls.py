@@ -18,6 +18,8 @@ import onnx_ir as ir
 from onnx_ir.passes import InPlacePass, PassResult
 from onnx_ir.passes.common import RemoveUnusedNodesPass
 
+from specx.graphs.ir_values import const_tensor, input_at
+
 __all__ = ["PackSiblingMatMulsPass"]
 
 
@@ -72,15 +74,12 @@ def _concatenated(tensors: list[ir.TensorProtocol], name: str) -> ir.TensorProto
 
 
 def _pack(graph: ir.Graph, nodes: list[ir.Node]) -> None:
-    tensors = [node.inputs[1].const_value for node in nodes]
+    tensors = [const_tensor(input_at(node, 1)) for node in nodes]
     first = nodes[0]
     name = first.outputs[0].name
-    packed_weight = ir.Value(
-        name=f"{name}_packed_weight",
-        const_value=_concatenated(tensors, f"{name}_packed_weight"),
+    packed_weight = ir.val(
+        f"{name}_packed_weight", const_value=_concatenated(tensors, f"{name}_packed_weight")
     )
-    packed_weight.shape = packed_weight.const_value.shape
-    packed_weight.type = ir.TensorType(packed_weight.const_value.dtype)
     sizes = np.array([t.shape[1] for t in tensors], dtype=np.int64)
     split_sizes = ir.Value(
         name=f"{name}_packed_split",

@@ -26,6 +26,8 @@ import numpy as np
 import onnx_ir as ir
 from onnx_ir.passes import InPlacePass, PassResult
 
+from specx.graphs.ir_values import input_at, name_of, producer_of
+
 __all__ = ["PRECISIONS", "ConvertPrecisionPass", "is_cache_name"]
 
 PRECISIONS: dict[str, ir.DataType] = {
@@ -37,9 +39,11 @@ _NUMPY = {ir.DataType.FLOAT16: np.float16, ir.DataType.BFLOAT16: ml_dtypes.bfloa
 _FLOAT = ir.DataType.FLOAT
 
 
-def is_cache_name(name: str) -> bool:
+def is_cache_name(name: str | None) -> bool:
     """True for a KV-cache input or output (`past_key_3`, `present_value_0`)."""
-    return name.startswith(("past_key_", "past_value_", "present_key_", "present_value_"))
+    return name is not None and name.startswith(
+        ("past_key_", "past_value_", "present_key_", "present_value_")
+    )
 
 
 class ConvertPrecisionPass(InPlacePass):
@@ -74,13 +78,13 @@ class ConvertPrecisionPass(InPlacePass):
                 node.attributes["stash_type"] = ir.AttrInt64("stash_type", _FLOAT)
             if any(id(o) in pinned for o in node.outputs) or node.op_type == "Constant":
                 continue
-            for index, value in enumerate(node.inputs):
-                if value is None or value.dtype != _FLOAT:
+            for index, operand in enumerate(node.inputs):
+                if operand is None or operand.dtype != _FLOAT:
                     continue
-                if id(value) in constants:
-                    node.replace_input_with(index, self._low_constant(graph, value, low_copies))
-                elif id(value) in pinned:
-                    node.replace_input_with(index, self._low_cast(graph, value, low_copies))
+                if id(operand) in constants:
+                    node.replace_input_with(index, self._low_constant(graph, operand, low_copies))
+                elif id(operand) in pinned:
+                    node.replace_input_with(index, self._low_cast(graph, operand, low_copies))
             for value in node.outputs:
                 if value.dtype == _FLOAT:
                     value.dtype = self.dtype
@@ -95,7 +99,7 @@ class ConvertPrecisionPass(InPlacePass):
             return cache[id(value)]
         array = value.const_value.numpy() if value.const_value is not None else None
         if array is None:  # a Constant node's output
-            array = value.producer().attributes["value"].value.numpy()
+            array = producer_of(value).attributes["value"].value.numpy()
         low = ir.Value(
             name=f"{value.name}_{self.dtype.name.lower()}",
             shape=value.shape,
@@ -109,7 +113,7 @@ class ConvertPrecisionPass(InPlacePass):
     def _low_cast(self, graph: ir.Graph, value: ir.Value, cache: dict[int, ir.Value]):
         if id(value) not in cache:
             cast = _cast(value, self.dtype, f"{value.name}_{self.dtype.name.lower()}")
-            graph.insert_after(value.producer(), cast)
+            graph.insert_after(producer_of(value), cast)
             cache[id(value)] = cast.outputs[0]
         return cache[id(value)]
 
@@ -121,7 +125,7 @@ class ConvertPrecisionPass(InPlacePass):
             user.replace_input_with(index, cast.outputs[0])
 
     def _cast_before_output(self, graph: ir.Graph, value: ir.Value) -> ir.Value:
-        name = value.name
+        name = name_of(value)
         value.name = f"{name}_low"
         cast = _cast(value, _FLOAT, name)
         graph.append(cast)
@@ -146,8 +150,10 @@ def _pinned_values(graph: ir.Graph) -> set[int]:
             continue
         floats = [v for v in node.inputs if v is not None and v.dtype == _FLOAT]
         if node.op_type == "Cast":
-            source_is_float = node.inputs[0].dtype.is_floating_point()
-            if not source_is_float or id(node.inputs[0]) in pinned:
+            source = input_at(node, 0)
+            if source.dtype is None:
+                raise ValueError(f"Cast input {source.name!r} has no dtype")
+            if not source.dtype.is_floating_point() or id(source) in pinned:
                 pinned.update(id(o) for o in node.outputs)
             continue
         if not floats or not all(id(v) in pinned or id(v) in constants for v in floats):

@@ -86,7 +86,7 @@ def uses_softcap(softcaps: list[float]) -> bool:
     return any(capped)
 
 
-def _ref_attr(name: str, attr_type: int) -> onnx.AttributeProto:
+def _ref_attr(name: str, attr_type: onnx.AttributeProto.AttributeType) -> onnx.AttributeProto:
     attr = onnx.AttributeProto(name=name, ref_attr_name=name, type=attr_type)
     return attr
 
@@ -182,7 +182,9 @@ def _capped_attention(q: str, mask: str, out: str) -> list[onnx.NodeProto]:
     def const(name: str, tensor: onnx.TensorProto) -> onnx.NodeProto:
         return helper.make_node("Constant", [], [name], value=tensor)
 
-    def ref_const(name: str, attr: str, attr_type: int) -> onnx.NodeProto:
+    def ref_const(
+        name: str, attr: str, attr_type: onnx.AttributeProto.AttributeType
+    ) -> onnx.NodeProto:
         node = helper.make_node("Constant", [], [name])
         field = "value_float" if attr_type == onnx.AttributeProto.FLOAT else "value_int"
         node.attribute.append(onnx.AttributeProto(name=field, ref_attr_name=attr, type=attr_type))

@@ -25,6 +25,7 @@ import onnx_ir as ir
 from onnx_ir.passes.common import InlinePass, ShapeInferencePass
 
 from specx.graphs import tree_attention as tree_op
+from specx.graphs.ir_values import input_at
 
 __all__ = ["TRT_OPS", "LintIssue", "OpSupport", "lint_for_tensorrt"]
 
@@ -71,10 +72,11 @@ def _is_constant(value: ir.Value | None) -> bool:
 
 def _constant_inputs(*indices: int) -> Check:
     def check(node: ir.Node, graph: ir.Graph) -> list[str]:
+        present = [(i, node.inputs[i]) for i in indices if i < len(node.inputs)]
         return [
-            f"input {i} ({node.inputs[i].name}) must be a constant (initializer or Constant)"
-            for i in indices
-            if i < len(node.inputs) and not _is_constant(node.inputs[i])
+            f"input {i} ({value.name}) must be a constant (initializer or Constant)"
+            for i, value in present
+            if value is not None and not _is_constant(value)
         ]
 
     return check
@@ -115,7 +117,7 @@ def _attention(node: ir.Node, graph: ir.Graph) -> list[str]:
             problems.append(f"{name} must be 4D, got rank {_rank(node.inputs[index])}")
     mask = node.inputs[3] if len(node.inputs) > 3 else None
     if mask is not None:
-        if mask.dtype not in (_D.BOOL, node.inputs[0].dtype):  # [docs]
+        if mask.dtype not in (_D.BOOL, input_at(node, 0).dtype):  # [docs]
             problems.append(f"attn_mask must be BOOL or Q's dtype, got {mask.dtype}")
         if _rank(mask) not in (4, None):  # [docs] a 4D attn_mask
             problems.append(f"attn_mask must be 4D, got rank {_rank(mask)}")
@@ -127,7 +129,7 @@ def _attention(node: ir.Node, graph: ir.Graph) -> list[str]:
 
 
 def _tensor_scatter(node: ir.Node, graph: ir.Graph) -> list[str]:
-    cache, update = node.inputs[0], node.inputs[1]
+    cache, update = input_at(node, 0), node.inputs[1]
     problems = [
         f"{name} must be 4D, got rank {_rank(v)}"
         for name, v in (("past_cache", cache), ("update", update))

@@ -24,10 +24,11 @@ import math
 
 import numpy as np
 import onnx_ir as ir
-from onnx_ir.passes import InPlacePass, PassError, PassResult
+from onnx_ir.passes import InPlacePass, PassBase, PassError, PassResult
 from onnx_ir.passes.common import RemoveUnusedNodesPass, TopologicalSortPass
 
 from specx.graphs import tree_attention as tree_op
+from specx.graphs.ir_values import input_at
 from specx.graphs.precision import PRECISIONS, ConvertPrecisionPass, is_cache_name
 
 __all__ = [
@@ -138,7 +139,7 @@ class DecomposeGeluPass(InPlacePass):
 
 
 def _decompose_gelu(graph: ir.Graph, node: ir.Node) -> None:
-    x = node.inputs[0]
+    x = input_at(node, 0)
     dtype = (x.dtype or ir.DataType.FLOAT).numpy()
     made: list[ir.Node] = []
 
@@ -178,7 +179,7 @@ def lower_for_tensorrt(model: ir.Model, capacity: int, precision: str = "fp32") 
     """
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, got {precision!r}")
-    passes = [CheckPluginNodesPass()]
+    passes: list[PassBase] = [CheckPluginNodesPass()]
     if precision != "fp32":
         passes.append(ConvertPrecisionPass(PRECISIONS[precision]))
     passes += [

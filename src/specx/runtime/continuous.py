@@ -124,8 +124,11 @@ class ContinuousBatch:
         view = self.cache.row(slot)
         logits, taps = self._prefill(view, sequence.prompt)
         if sequence.drafter is not None:
-            taps = None if sequence.drafter.taps == "none" else [taps]
-            sequence.drafter.start([sequence.prompt], needed, taps)
+            row_taps = None
+            if sequence.drafter.taps != "none":
+                assert taps is not None  # such a drafter is only paired with a tapped target
+                row_taps = [taps]
+            sequence.drafter.start([sequence.prompt], needed, row_taps)
         if sequence.drafter is None:
             sequence.controller = None  # nothing to size
         elif sequence.controller is not None:
@@ -149,7 +152,7 @@ class ContinuousBatch:
         start = np.array([reused], dtype=np.int64)
         logits, output = prefill(self.target, view, [prompt[reused:]], start)
         taps = None if output.taps is None else output.taps[0, : len(prompt) - reused]
-        if taps is not None and reused:
+        if taps is not None and hit is not None and reused:
             taps = np.concatenate([hit.taps, taps]) if hit.taps is not None else None
         if self.prefix_cache is not None:
             self.prefix_cache.store(prompt, view, taps)

@@ -129,7 +129,7 @@ class FixedSizes:
         return self._sizes
 
     def keep(self, proposed: list[DraftTree]) -> list[DraftTree]:  # noqa: D102
-        return list(map(truncated, proposed, self._sizes))
+        return list(map(truncated, proposed, self._sizes.tolist()))
 
     def observe(self, row: int, depth: int, accepted: list[int]) -> None:  # noqa: D102
         pass
@@ -216,16 +216,16 @@ class AdaptiveController:
         waiting = (self.next_probe[rows] > 0) & (self.round < self.next_probe[rows])
         if self.round > 1 and not waiting.all():  # else every row waits: no estimate needed
             # A batch ends with its slowest row: rows of a batch size by the lowest acceptance.
-            estimates = [self._estimates(b) for b in rows]
+            estimates = [self._estimates(b) for b in rows.tolist()]
             self._floor = [min(p) for p in zip(*estimates, strict=True)] if len(rows) > 1 else None
-            for b in rows:
+            for b in rows.tolist():
                 chosen[b] = self._size(b)
         self._chosen.update(chosen[active].tolist())
         self._sizes = chosen
         return chosen
 
     def keep(self, proposed: list[DraftTree]) -> list[DraftTree]:  # noqa: D102
-        return list(map(truncated, proposed, self._sizes))
+        return list(map(truncated, proposed, self._sizes.tolist()))
 
     def _size(self, b: int) -> int:
         if self.next_probe[b] and self.round < self.next_probe[b]:
@@ -438,7 +438,7 @@ class ConfidenceController:
                     gains[k] += p
                 else:
                     gains.append(p)
-        tokens = self._peers + self._active
+        tokens: float = self._peers + self._active  # plus the expected accepted tokens
         verify = self.costs.verify
         best, best_rate = 0, tokens * (1.0 + self.margin) / verify(1)
         # At most twice the widest draft timed: the cost of a width never seen is a guess,
@@ -528,6 +528,7 @@ def _judged_levels(draft: DraftTree, accepted: list[int]) -> list[float]:
     A level: the children of the root, then of each accepted node; `accepted` holds a child
     of every level but the last, which the target judged only if that node has children.
     """
+    assert draft.confidence is not None  # observe() learns from confident drafts only
     sums: dict[int, float] = {}  # parent -> its children's summed confidence
     for c, parent in zip(draft.confidence.tolist(), draft.parents.tolist(), strict=True):
         sums[parent] = sums.get(parent, 0.0) + c

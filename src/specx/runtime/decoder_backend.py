@@ -155,5 +155,6 @@ class DecoderBackend:
             output, _ = self.feed(cache.row(b), [tokens], starts[b : b + 1], row_features)
             logits[b, : len(tokens)] = output.logits[0, : len(tokens)]
             if taps is not None:
+                assert output.taps is not None  # has_taps: every forward returns them
                 taps[b, : len(tokens)] = output.taps[0, : len(tokens)]
         return StepOutput(logits, taps), np.array([max(len(s) - 1, 0) for s in sequences])

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+import numpy.typing as npt
 
 __all__ = ["KVCache"]
 
@@ -35,7 +36,7 @@ class KVCache:
         num_kv_heads: int,
         capacity: int,
         head_dim: int,
-        dtype: np.dtype = np.float32,
+        dtype: npt.DTypeLike = np.float32,
         spare_slots: int = 0,
     ) -> KVCache:
         """Zeroed buffers for `batch` sequences of up to `capacity` tokens."""

@@ -54,8 +54,8 @@ def read_prompts_file(path: Path) -> list[Prompt]:
     try:
         text = path.read_bytes().decode("utf-8")
     except UnicodeDecodeError as e:
-        line = path.read_bytes()[: e.start].count(b"\n") + 1
-        raise GenerationError(f"{path}:{line}: not UTF-8 text (a binary file?)") from e
+        number = path.read_bytes()[: e.start].count(b"\n") + 1
+        raise GenerationError(f"{path}:{number}: not UTF-8 text (a binary file?)") from e
     prompts = []
     for number, line in enumerate(text.splitlines(), 1):
         if line.strip():
@@ -135,10 +135,17 @@ def read_prompts(
             raise GenerationError("--prompt is empty")
         items: list[Prompt] = [prompt]
     else:
+        assert prompts_file is not None  # the one source given
         items = read_prompts_file(prompts_file)
-    if encode is None and any(isinstance(item, str) for item in items):
-        raise GenerationError(
-            "text prompts need a tokenizer; the artifact has none: use --prompt-ids or "
-            "'prompt_ids' lines"
-        )
-    return [item if isinstance(item, list) else encode(item) for item in items]
+
+    def ids(item: Prompt) -> list[int]:
+        if isinstance(item, list):
+            return item
+        if encode is None:
+            raise GenerationError(
+                "text prompts need a tokenizer; the artifact has none: use --prompt-ids or "
+                "'prompt_ids' lines"
+            )
+        return encode(item)
+
+    return [ids(item) for item in items]

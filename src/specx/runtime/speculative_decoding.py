@@ -23,6 +23,7 @@ from specx.errors import GenerationError
 from specx.runtime.controller import Controller
 from specx.runtime.decoder_backend import DecoderBackend
 from specx.runtime.drafters.base import Drafter
+from specx.runtime.kv_cache import KVCache
 from specx.runtime.metrics import AcceptanceStats
 from specx.runtime.plain_decoding import (
     GenerationResult,
@@ -180,7 +181,7 @@ def generate_speculative(
         drafting = active if sizes is None else active & (sizes > 0)
         proposed = drafts = None
         if drafting.any():
-            if sizes is None:  # a drafter without a controller may not take a budget
+            if controller is None or sizes is None:  # no controller: a drafter may take no budget
                 proposed = drafts = drafter.propose(histories, drafting, sampling, rng)
             else:
                 budget = int(sizes.max())
@@ -193,6 +194,7 @@ def generate_speculative(
             width = 1
             _plain_round(loop, tried=drafting if drafts is not None else None)
         else:
+            assert proposed is not None  # drafts come from the proposal
             width = _verify_round(loop, proposed, drafts)
         verified = time.perf_counter()
         draft_s += tock - tick
@@ -242,7 +244,7 @@ class _Loop:
 
     target: DecoderBackend
     drafter: Drafter
-    cache: object  # the target's KV cache
+    cache: KVCache  # the target's
     histories: list[list[int]]  # prompt + emitted, per row
     emitted: list[list[int]]
     active: np.ndarray  # [B] bool
@@ -281,7 +283,7 @@ def _verify_round(loop: _Loop, proposed: list[DraftTree], drafts: list[DraftTree
     input_ids, positions, mask = verify_inputs(roots, drafts, lengths, target.vocab_size)
     output = target.forward(cache, input_ids, positions, mask, lengths)
     greedy = loop.sampling.greedy
-    for b in np.flatnonzero(active):
+    for b in np.flatnonzero(active).tolist():
         draft = drafts[b]
         logits = output.logits[b, : 1 + len(draft)]
         # Only the verify tokens of this row, never the padding, go through the transform.
@@ -322,7 +324,7 @@ def _plain_round(loop: _Loop, tried: np.ndarray | None = None) -> None:
         logits.argmax(-1) if sampling.greedy else sample(sampling_probs(logits, sampling), loop.rng)
     )
     cache.lengths[rows] = lengths[rows] + 1
-    for b in rows:
+    for b in rows.tolist():
         taps = None if output.taps is None else output.taps[b, :1]
         loop.drafter.accept(b, EMPTY_DRAFT, [], taps)
         loop.emit(b, [int(tokens[b])])

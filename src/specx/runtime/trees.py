@@ -34,23 +34,25 @@ class TreeError(SpecxError):
     """A tree or choice list is malformed (empty, cyclic, parent after child, too big)."""
 
 
-def validate_parents(parents: Sequence[int], max_nodes: int | None = None) -> np.ndarray:
+def validate_parents(
+    parents: Sequence[int] | np.ndarray, max_nodes: int | None = None
+) -> np.ndarray:
     """Checks draft parent indices and returns them as int64.
 
     Raises:
         TreeError: a parent is not -1 or an earlier node (which also rules out cycles),
             or the tree has more than `max_nodes` nodes.
     """
-    parents = np.asarray(parents, dtype=np.int64).reshape(-1)
-    for i, parent in enumerate(parents.tolist()):
+    array = np.asarray(parents, dtype=np.int64).reshape(-1)
+    for i, parent in enumerate(array.tolist()):
         if parent >= i:
             kind = "a cycle" if parent == i else "a parent after its child"
             raise TreeError(f"node {i} has parent {parent}: {kind}; parents must precede children")
         if parent < -1:
             raise TreeError(f"node {i} has parent {parent}; use -1 for a child of the root")
-    if max_nodes is not None and len(parents) > max_nodes:
-        raise TreeError(f"the tree has {len(parents)} nodes; this run allows at most {max_nodes}")
-    return parents
+    if max_nodes is not None and len(array) > max_nodes:
+        raise TreeError(f"the tree has {len(array)} nodes; this run allows at most {max_nodes}")
+    return array
 
 
 def chain_parents(n: int) -> np.ndarray:

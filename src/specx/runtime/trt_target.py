@@ -12,6 +12,7 @@ as float32 numpy arrays, so drafting and verification are the CPU runtime's.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -20,6 +21,9 @@ from specx.errors import ArtifactError, GenerationError
 from specx.runtime.decoder_backend import DecoderBackend, StepOutput
 from specx.runtime.engine_compat import engine_mismatches
 from specx.runtime.kv_cache import KVCache
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 __all__ = ["TrtGraph", "TrtTarget"]
 
@@ -32,6 +36,7 @@ class _Engine:
         import torch
 
         build = manifest.build
+        assert build is not None, "a TensorRT engine comes from a build"
         capability = "{}.{}".format(*torch.cuda.get_device_capability())
         problems = engine_mismatches(build, trt.__version__, capability)
         if problems:
@@ -57,7 +62,7 @@ class _Engine:
         """Every input and output tensor of the engine."""
         return [self.engine.get_tensor_name(i) for i in range(self.engine.num_io_tensors)]
 
-    def set_shapes(self, profile: int, tensors: dict[str, object]) -> None:
+    def set_shapes(self, profile: int, tensors: dict[str, Tensor]) -> None:
         """Sets the shape of every input among `tensors` on the profile's context.
 
         Raises:
@@ -75,7 +80,7 @@ class _Engine:
                         f"profile {profile} (rebuild with a larger --max-batch or context?)"
                     )
 
-    def run(self, profile: int, tensors: dict[str, object]) -> None:
+    def run(self, profile: int, tensors: dict[str, Tensor]) -> None:
         """Binds `tensors` and executes on the profile, after torch's queued work.
 
         `tensors` are torch CUDA tensors by IO name, one for every input and output of the
@@ -133,16 +138,19 @@ class TrtTarget(DecoderBackend):
         torch = self._torch
         batch, n = input_ids.shape
 
-        def device(array: np.ndarray, dtype) -> object:
+        def device(array: np.ndarray, dtype) -> Tensor:
             return torch.from_numpy(np.ascontiguousarray(array, dtype=dtype)).cuda()
 
-        tensors = {
+        # Device tensors, the cache's too (allocate_cache: KVCache's annotations say numpy).
+        tensors: dict[str, Any] = {
             "input_ids": device(input_ids, np.int64),
             "position_ids": device(position_ids, np.int64),
             "attention_mask": device(attention_mask, bool),
             "write_pos": device(write_pos, np.int64),
         }
         if self._feature_input is not None:
+            if features is None:  # as OrtTarget: np.ascontiguousarray(None) is a NaN, not an error
+                raise GenerationError("this draft-head graph needs `features` [B, N, d]")
             tensors[self._feature_input] = device(features, np.float32)
         for i, (keys, values) in enumerate(zip(cache.keys, cache.values, strict=True)):
             tensors |= {f"past_key_{i}": keys, f"present_key_{i}": keys}

@@ -148,7 +148,7 @@ def stream_chunk(
         choice = {"index": 0, "text": text, "logprobs": None}
     choice |= {"finish_reason": None if done is None else done.finish_reason,
                "token_ids": list(tokens)}  # fmt: skip
-    chunk = {
+    chunk: dict[str, Any] = {
         "id": rid,
         "object": "chat.completion.chunk" if request.chat else "text_completion",
         "created": int(time.time()),
@@ -192,7 +192,7 @@ def _get(body: Mapping, name: str, kind: type, default: Any) -> Any:
         value = float(value)
     if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
         raise ApiError(400, f"{name} must be a {kind.__name__}, got {value!r}", name)
-    if kind is float and not math.isfinite(value):
+    if isinstance(value, float) and not math.isfinite(value):  # kind is float
         raise ApiError(400, f"{name} must be finite, got {value!r}", name)
     return value
 

@@ -30,7 +30,7 @@ def _one_layer(config: TargetConfig) -> TargetConfig:
     return dataclasses.replace(config.llama_layers(), num_layers=1)
 
 
-def _frozen(param: torch.nn.Parameter, value: torch.Tensor) -> None:
+def _frozen(param: torch.Tensor, value: torch.Tensor) -> None:
     param.data.copy_(value)
     param.requires_grad_(False)
 
@@ -49,6 +49,7 @@ def new_head(
     N-3).
     """
     embed, lm_head = target["model.embed_tokens.weight"], target["lm_head.weight"]
+    head: torch.nn.Module
     if kind == "eagle3":
         ids = np.arange(config.vocab_size) if draft_ids is None else np.sort(draft_ids)
         head = Eagle3Head(_one_layer(config), config.hidden_size, config.vocab_size, len(ids))
@@ -65,9 +66,10 @@ def new_head(
         _frozen(head.lm_head.weight, lm_head)
     elif kind == "medusa":
         head = MedusaHeads(config.hidden_size, config.vocab_size, medusa_heads, 1)
+        # torch types ModuleList items as plain Modules; each head is an nn.Sequential.
         for block in head.heads:  # Medusa starts each head as the target's lm_head
-            torch.nn.init.zeros_(block[0].linear.weight)
-            block[-1].weight.data.copy_(lm_head)
+            torch.nn.init.zeros_(block[0].linear.weight)  # type: ignore[index]
+            block[-1].weight.data.copy_(lm_head)  # type: ignore[index]
     elif kind == "mtp":
         head = MTPHead(_one_layer(config), hidden_first=False)
         _frozen(head.embed_tokens.weight, embed)
@@ -132,7 +134,8 @@ def save_head(head: torch.nn.Module, directory: Path, target_raw: dict[str, Any]
         files = {"model.safetensors": tensors}
     elif isinstance(head, MedusaHeads):
         tensors = {k.removeprefix("heads."): v for k, v in state.items()}
-        config = {"medusa_num_heads": len(head.heads), "medusa_num_layers": len(head.heads[0]) - 1}
+        depth = len(head.heads[0]) - 1  # type: ignore[arg-type]  # an nn.Sequential, typed Module
+        config = {"medusa_num_heads": len(head.heads), "medusa_num_layers": depth}
         files = {"medusa_lm_head.safetensors": tensors}
     elif isinstance(head, MTPHead):  # DeepSeek-V3 layout: model.layers.{N}.*
         p = f"model.layers.{target_raw['num_hidden_layers']}."

@@ -369,14 +369,14 @@ def train_drafter(
             complete regeneration.
     """
     target_dir, output_dir = Path(target_dir), Path(output_dir)
-    data = [Path(d) for d in data]
+    data_dirs = [Path(d) for d in data]
     held_dir = None if held_out is None else Path(held_out)
-    inputs = [*map(Path, corpus), *data, *([held_dir] if held_dir else [])]
+    inputs = [*map(Path, corpus), *data_dirs, *([held_dir] if held_dir else [])]
     tokenizer_path = _check_request(target_dir, inputs, output_dir, cfg)
     for directory in inputs[len(corpus) :]:
         if not is_regenerated(directory):
             raise SpecxError(f"{directory} is not a directory written by `specx regenerate`")
-    windows = _windows(tokenizer_path, corpus, data, held_dir, cfg)
+    windows = _windows(tokenizer_path, corpus, data_dirs, held_dir, cfg)
     checkpoint = load_checkpoint(target_dir)
     if cfg.on_policy_windows:
         progress(f"sampling {cfg.on_policy_windows} on-policy windows from the target")
@@ -444,7 +444,9 @@ class _Run:
         )
         output_dir.mkdir(parents=True, exist_ok=True)
         self.state_path = output_dir / STATE_FILE
-        self.start, self.losses, self.curve, self.seconds = 0, [], [], 0.0
+        self.start, self.seconds = 0, 0.0
+        self.losses: list[float] = []
+        self.curve: list[dict[str, Any]] = []  # one acceptance measurement per entry
         if self.state_path.is_file():
             self._load()
             progress(f"resuming {cfg.kind} training at step {self.start}")

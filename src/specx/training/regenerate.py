@@ -101,7 +101,7 @@ def _shard(target, stream: np.ndarray, cfg: RegenerateConfig, index: int) -> np.
     return np.concatenate(out)
 
 
-def _dtype(vocab: int) -> type:
+def _dtype(vocab: int) -> type[np.integer]:
     return np.uint16 if vocab <= 2**16 else np.int32
 
 

@@ -54,6 +54,7 @@ class Eagle3Head(nn.Module):
 
     kind = "eagle3"
     taps = "eagle3"
+    d2t: torch.Tensor  # a buffer (register_buffer), typed for Module's __getattr__
 
     def __init__(self, config: TargetConfig, target_hidden: int, vocab_size: int, draft_vocab: int):
         super().__init__()

@@ -56,7 +56,7 @@ class MedusaHeads(nn.Module):
         self.hidden_size = hidden_size
 
         def head() -> nn.Sequential:
-            blocks = [ResBlock(hidden_size) for _ in range(num_layers)]
+            blocks: list[nn.Module] = [ResBlock(hidden_size) for _ in range(num_layers)]
             if not shared_lm_head:  # each head's own lm_head (a new one per head)
                 blocks.append(nn.Linear(hidden_size, vocab_size, bias=False))
             return nn.Sequential(*blocks)

@@ -82,9 +82,15 @@ class DraftModelDrafter:
         self.cache = self.model.allocate_cache(len(prompts), capacity)
         self._catch_up(prompts)
 
+    def _live_cache(self) -> KVCache:
+        """The batch's cache, which `start` made."""
+        if self.cache is None:
+            raise RuntimeError("the draft model's drafter was used before start()")
+        return self.cache
+
     def _catch_up(self, histories: Sequence[Sequence[int]]) -> np.ndarray:
         """Feeds each sequence's tokens the draft has not seen; returns last-token logits."""
-        cache = self.cache
+        cache = self._live_cache()
         # A finished row may have kept more accepted rows than it emitted tokens.
         cache.lengths[:] = np.minimum(cache.lengths, [len(h) for h in histories])
         pending = [list(h[start:]) for h, start in zip(histories, cache.lengths, strict=True)]
@@ -95,11 +101,11 @@ class DraftModelDrafter:
     def _forward_nodes(self, nodes: np.ndarray, tokens: np.ndarray, parents: np.ndarray):
         write_pos, depth, mask = self.slots.place(nodes, parents)
         positions = self.slots.base[:, None] + depth
-        return self.model.forward(self.cache, tokens, positions, mask, write_pos).logits
+        return self.model.forward(self._live_cache(), tokens, positions, mask, write_pos).logits
 
     def propose(self, histories, active, sampling: SamplingParams, rng, budget=None):  # noqa: D102
         root_logits = self._catch_up(histories)
-        self.slots = NodeSlots(self.cache.lengths)
+        self.slots = NodeSlots(self._live_cache().lengths)
         shape = within(self.shape, budget)
         sample_chain = getattr(shape, "is_chain", False) or self.iid_siblings
         trees, self.pool_ids = grow(
@@ -114,5 +120,6 @@ class DraftModelDrafter:
         if not len(draft):
             return  # nothing drafted for the row (or no propose this round): catch-up feeds it
         offsets = self.slots.forwarded_prefix(row, self.pool_ids[row][accepted])
-        self.cache.keep_path(row, int(self.slots.base[row]), offsets)
-        self.cache.lengths[row] = self.slots.base[row] + len(offsets)
+        cache = self._live_cache()
+        cache.keep_path(row, int(self.slots.base[row]), offsets)
+        cache.lengths[row] = self.slots.base[row] + len(offsets)

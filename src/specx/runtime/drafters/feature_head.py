@@ -120,16 +120,19 @@ class FeatureHeadDrafter:
         out, last = self.head.feed(self.cache, tokens, starts, features)
         self.cache.lengths[:] = starts + counts
         rows = np.arange(len(histories))
+        assert out.taps is not None  # a draft head's graph always returns its hidden output
         return out.logits[rows, last], out.taps[rows, last]
 
-    def _propose_chain(self, histories, active, length: int) -> list[DraftTree] | None:
-        """The greedy chain in one call (`DraftChain`); None when it would overflow the cache."""
+    def _propose_chain(
+        self, chain: DraftChain, histories, active, length: int
+    ) -> list[DraftTree] | None:
+        """The greedy chain in one call (`chain`); None when it would overflow the cache."""
         starts, counts, tokens, features = self._pending(histories)
         steps = max(length - 1, 1)  # the graph's Loop needs a step; a 1-node chain is cut below
         width = max(1, int(counts.max()))
-        if not self.chain.fits(self.cache, starts, width, steps):
+        if not chain.fits(self.cache, starts, width, steps):
             return None
-        ids, probs = self.chain(self.cache, tokens, features, starts, steps)
+        ids, probs = chain(self.cache, tokens, features, starts, steps)
         self.cache.lengths[:] = starts + counts
         return [
             DraftTree(
@@ -160,7 +163,7 @@ class FeatureHeadDrafter:
     def propose(self, histories, active, sampling: SamplingParams, rng, budget=None):  # noqa: D102
         shape = within(self.shape, budget)
         if self.chain is not None and sampling.greedy:
-            trees = self._propose_chain(histories, active, shape.max_nodes)
+            trees = self._propose_chain(self.chain, histories, active, shape.max_nodes)
             if trees is not None:
                 return trees
         root_logits, self.root_hidden = self._catch_up(histories)

@@ -237,7 +237,10 @@ def _logsumexp(logits: np.ndarray) -> np.ndarray:
 
 def _grow_dynamic(shape: DynamicTree, root_logits, forward):
     batch, k = len(root_logits), min(shape.top_k, root_logits.shape[-1])
-    pool_tokens, pool_parents, pool_scores, pool_depth = [], [], [], []
+    pool_tokens: list[np.ndarray] = []
+    pool_parents: list[np.ndarray] = []
+    pool_scores: list[np.ndarray] = []
+    pool_depth: list[np.ndarray] = []
 
     def add(tokens, parents, scores, depth):
         start = sum(t.shape[1] for t in pool_tokens)
