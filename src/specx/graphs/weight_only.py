@@ -50,6 +50,8 @@ import numpy as np
 import onnx_ir as ir
 from onnx_ir.passes import InPlacePass, PassResult
 
+from specx.graphs.ir_values import const_tensor, input_at, name_of
+
 __all__ = [
     "BlockQuantized",
     "Quantizer",
@@ -102,7 +104,7 @@ class WeightOnlyConfig:
                 f"rescoring the lm_head's top {self.output_rescore} logits needs a 4-bit lm_head, "
                 f"got {self.output_bits or 'float32'} bits"
             )
-        if not 0 <= self.output_rescore <= 256:
+        if not 0 <= (self.output_rescore or 0) <= 256:
             raise ValueError(f"output_rescore must be in 0..256, got {self.output_rescore}")
         if self.scope not in SCOPES:
             raise ValueError(f"scope must be one of {SCOPES}, got {self.scope!r}")
@@ -110,6 +112,13 @@ class WeightOnlyConfig:
             raise ValueError(
                 "GPTQ calibrates the target's weights; a draft-only build rounds to nearest"
             )
+
+    @property
+    def block(self) -> int:
+        """The block size, once resolved (`specx.build.ort.weight_only_config`)."""
+        if self.block_size is None:
+            raise ValueError("the block size is resolved by the build (None: by model size)")
+        return self.block_size
 
     def record(self) -> dict:
         """The manifest's description of the build's quantization."""
@@ -157,6 +166,8 @@ class BlockQuantized:
     def packed_zero_points(self) -> np.ndarray:
         """zero_points [N, ceil(blocks * bits / 8)]: 4-bit ones two per byte along blocks."""
         zeros = self.zero_points
+        if zeros is None:
+            raise ValueError("a symmetric weight has no zero points to pack")
         if self.bits == 8:
             return zeros
         if zeros.shape[1] % 2:
@@ -229,14 +240,14 @@ class _Quantized:
     ):
         self.source, self.bits, self.config = source, bits, config
         self.quantizer, self.input_name = quantizer, input_name
-        k, n = source.shape
+        k, n = source.shape.numpy()
         self.k, self.n = int(k), int(n)
-        self.blocks = -(-self.k // config.block_size)
+        self.blocks = -(-self.k // config.block)
         self._parts: list[np.ndarray | None] | None = None
 
     def shapes(self) -> tuple[tuple[int, ...], ...]:
         per_byte = 8 // self.bits
-        blob = self.config.block_size * self.bits // 8
+        blob = self.config.block * self.bits // 8
         zero_bytes = -(-self.blocks // per_byte)
         return (self.n, self.blocks, blob), (self.n, self.blocks), (self.n, zero_bytes)
 
@@ -247,13 +258,15 @@ class _Quantized:
         self._parts[index] = None
         if all(p is None for p in self._parts):
             self._parts = None
+        if value is None:  # asymmetric only: a symmetric weight has no zero points
+            raise ValueError("this weight has no zero points (symmetric)")
         return value
 
-    def _compute(self) -> tuple[np.ndarray, ...]:
+    def _compute(self) -> tuple[np.ndarray | None, ...]:
         weight = np.asarray(self.source.numpy(), dtype=np.float32)
         config = self.config
         quantized = self.quantizer(
-            weight, self.bits, config.block_size, config.symmetric, self.input_name
+            weight, self.bits, config.block, config.symmetric, self.input_name
         )
         del weight  # a view of the source's memory map, which release() closes
         release = getattr(self.source, "release", None)
@@ -296,10 +309,11 @@ class WeightOnlyQuantizePass(InPlacePass):
             is_output = _feeds_output(node.outputs[0], outputs)
             bits = self.config.output_bits if is_output else self.config.bits
             if bits:
-                source, k = node.inputs[0], self.config.output_rescore if is_output else 0
-                replacement = _replace(graph, node, weight, bits, self.config, self.quantizer)
+                source, matrix = input_at(node, 0), input_at(node, 1)
+                k = self.config.output_rescore if is_output else 0
+                replacement = _replace(graph, node, matrix, bits, self.config, self.quantizer)
                 if k:
-                    _rescore_top_k(graph, replacement, source, weight, self.config, k)
+                    _rescore_top_k(graph, replacement, source, matrix, self.config, k)
                 changed += 1
         if changed:
             model.opset_imports.setdefault(MS_DOMAIN, 1)
@@ -326,11 +340,12 @@ def _replace(
     bits: int,
     config: WeightOnlyConfig,
     quantizer: Quantizer,
-) -> None:
-    quantized = _Quantized(weight.const_value, bits, config, quantizer, node.inputs[0].name)
+) -> ir.Node:
+    source = input_at(node, 0)
+    quantized = _Quantized(const_tensor(weight), bits, config, quantizer, name_of(source))
     base = weight.name or node.name
     inputs = [
-        node.inputs[0],
+        source,
         _lazy(quantized, 0, ir.DataType.UINT8, f"{base}_q{bits}"),
         _lazy(quantized, 1, ir.DataType.FLOAT, f"{base}_scales"),
     ]
@@ -338,7 +353,7 @@ def _replace(
         inputs.append(_lazy(quantized, 2, ir.DataType.UINT8, f"{base}_zero_points"))
     for value in inputs[1:]:
         graph.register_initializer(value)
-    attributes = {"K": quantized.k, "N": quantized.n, "bits": bits, "block_size": config.block_size}
+    attributes = {"K": quantized.k, "N": quantized.n, "bits": bits, "block_size": config.block}
     if config.accuracy_level:
         attributes["accuracy_level"] = config.accuracy_level
     replacement = ir.node(
@@ -370,8 +385,9 @@ def _rescore_top_k(
     product with x per id -> ScatterElements into the logits. Every step is row by row, so
     row invariance is what the 4-bit MatMul has.
     """
-    k = min(k, int(weight.const_value.shape[1]))
-    table = _Quantized(weight.const_value, 8, dataclasses.replace(config, symmetric=True), rtn, "")
+    tensor = const_tensor(weight)
+    k = min(k, int(tensor.shape.numpy()[1]))
+    table = _Quantized(tensor, 8, dataclasses.replace(config, symmetric=True), rtn, "")
     base = weight.name or matmul.name
     codes = _lazy(table, 0, ir.DataType.UINT8, f"{base}_rescore_q8")  # [V, blocks, block]
     scales = _lazy(table, 1, ir.DataType.FLOAT, f"{base}_rescore_scales")  # [V, blocks]
@@ -379,8 +395,9 @@ def _rescore_top_k(
         graph.register_initializer(value)
 
     def const(name: str, array: np.ndarray) -> ir.Value:
-        value = ir.Value(name=f"{base}_rescore_{name}", const_value=ir.tensor(array))
-        value.shape, value.type = value.const_value.shape, ir.TensorType(value.const_value.dtype)
+        tensor = ir.tensor(array)
+        value = ir.Value(name=f"{base}_rescore_{name}", const_value=tensor)
+        value.shape, value.type = ir.Shape(array.shape), ir.TensorType(tensor.dtype)
         graph.register_initializer(value)
         return value
 
@@ -403,7 +420,7 @@ def _rescore_top_k(
     rows = add("Mul", [rows, add("Unsqueeze", [add("Gather", [scales, ids.outputs[1]]), last])])
     flat = add("Concat", [add("Shape", [ids.outputs[1]]), last], axis=0)  # [..., k, -1]
     rows = add("Reshape", [rows, flat])
-    if table.k % config.block_size:  # the last block's padding
+    if table.k % config.block:  # the last block's padding
         rows = add("Slice", [rows, const("zero_start", np.array([0], np.int64)),
                              const("width", np.array([table.k], np.int64)), last])  # fmt: skip
     exact = add("Squeeze", [add("MatMul", [rows, add("Unsqueeze", [source, last])]), last])
