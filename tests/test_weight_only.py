@@ -258,6 +258,8 @@ def test_cli_builds_gptq_and_refuses_misuse(artifacts, tmp_path):
         main, ["build", str(artifact), "--precision", "int4", "--method", "gptq"]
     )
     assert refused.exit_code == 2 and "needs --prompts" in refused.stderr
+    refused = runner.invoke(main, ["build", str(artifact), "--prompts", str(prompts)])
+    assert refused.exit_code == 2 and "--prompts serves only --method gptq" in refused.stderr
     refused = runner.invoke(
         main, ["build", str(artifact), "--precision", "fp16", "--block-size", "32"]
     )

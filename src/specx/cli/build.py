@@ -21,7 +21,6 @@ _WEIGHT_OPTIONS = (
     "lm_head_bits",
     "lm_head_rescore",
     "method",
-    "prompts_file",
     "quantize",
 )
 

@@ -114,7 +114,7 @@ def _distance(manifest: Manifest, key: str, entry: dict, wanted: SamplingParams)
 def greedy_identity(manifest: Manifest) -> str:
     """What of greedy speculation the default build keeps identical to its plain decoding.
 
-    "all" (float builds: up to last-bit near-ties, see the README), "chains" (INT8 and
+    "all" (float builds: up to last-bit near-ties, see docs/speculative.md), "chains" (INT8 and
     weight-only int8-compute builds: chain drafts), or "none" (a weight-only build whose
     kernels treat a row alone differently from rows together on the build machine).
     """
