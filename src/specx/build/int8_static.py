@@ -36,8 +36,8 @@ import numpy as np
 from onnxruntime.quantization import CalibrationDataReader
 
 from specx.artifact import Manifest, load_manifest
-from specx.build.registry import BuildJob, BuildOptions, Progress
-from specx.build.staging import exported_entries
+from specx.build.registry import BuildJob, BuildOptions, BuildOutput, Progress
+from specx.build.staging import exported_entries, graph_entry
 from specx.errors import BuildError
 from specx.runtime.masks import causal_mask
 
@@ -143,7 +143,7 @@ class Int8Static:
             # drafts (specx.graphs.row_invariance); trees are not covered.
             "greedy_identity": "chains",
         }
-        return _record(manifest, staging, job.output.directory, quantization)
+        return _record(manifest, job.output, quantization)
 
 
 BACKEND = Int8Static()
@@ -533,23 +533,11 @@ def _count_quantized_matmuls(path: Path) -> dict[str, int]:
     return {"quantized": len(quantized), "total": len(matmuls)}
 
 
-def _record(
-    manifest: Manifest, staging: Path, directory: str, quantization: dict[str, Any]
-) -> dict[str, Any]:
+def _record(manifest: Manifest, output: BuildOutput, quantization: dict[str, Any]) -> dict:
     """The build's manifest entry: the quantized target, every other graph as exported."""
-    import onnx
     import onnxruntime as ort
 
-    from specx.graphs.signature import graph_signature
-
-    graphs = exported_entries(manifest)
-    model = onnx.load(str(staging / "target.onnx"), load_external_data=False)
-    data = ["target.onnx.data"] if (staging / "target.onnx.data").is_file() else []
-    graphs["target"] = {
-        "file": f"{directory}/target.onnx",
-        "data_files": [f"{directory}/{name}" for name in data],
-        **graph_signature(model),
-    }
+    graphs = {**exported_entries(manifest), "target": graph_entry(output, "target")}
     return {
         "precision": "int8",
         "onnxruntime_version": ort.__version__,

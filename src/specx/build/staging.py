@@ -21,7 +21,14 @@ from specx.build.registry import BuildOutput, Progress
 from specx.graphs.model_io import save_streamed
 from specx.graphs.signature import graph_signature
 
-__all__ = ["exported_entries", "fresh_output", "load_graph", "publish_build", "save_graph"]
+__all__ = [
+    "exported_entries",
+    "fresh_output",
+    "graph_entry",
+    "load_graph",
+    "publish_build",
+    "save_graph",
+]
 
 
 def fresh_output(name: str, staging: Path) -> BuildOutput:
@@ -78,10 +85,16 @@ def save_graph(
 
     Weights are written one at a time (lazy ones, e.g. quantized, computed as they go).
     """
+    save_streamed(model, output.staging / f"{name}.onnx", f"{name}.onnx.data", progress)
+    return graph_entry(output, name)
+
+
+def graph_entry(output: BuildOutput, name: str) -> dict[str, Any]:
+    """The manifest entry of `name.onnx` (and its `.data`, if any) staged in `output`."""
     path = output.staging / f"{name}.onnx"
-    save_streamed(model, path, f"{name}.onnx.data", progress)
+    data = [f"{name}.onnx.data"] if (output.staging / f"{name}.onnx.data").is_file() else []
     return {
         "file": f"{output.directory}/{name}.onnx",
-        "data_files": [f"{output.directory}/{name}.onnx.data"],
+        "data_files": [f"{output.directory}/{file}" for file in data],
         **graph_signature(onnx.load(path, load_external_data=False)),
     }
