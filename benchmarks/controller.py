@@ -48,22 +48,27 @@ def log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def artifacts(work: Path, heads: Path, only: list[str] | None = None) -> dict[str, dict[str, Path]]:
+def artifacts(
+    work: Path, heads: Path, only: list[str] | None = None, targets: list[str] | None = None
+) -> dict[str, dict[str, Path]]:
     """target -> drafter kind ("none" for model-free) -> artifact with an ort-fp32 build.
 
     Heads: EAGLE-1/3, Medusa and MTP from `heads` (benchmarks/pyref_heads.py; renumbered for
-    pyref-deep by `pyref_heads.for_deep`), each where it exists (`only`: these kinds alone).
+    pyref-deep by `pyref_heads.for_deep`), each where it exists (`only`: these kinds alone;
+    `targets`: these targets alone).
     """
     from specx.build import BuildOptions, build_artifact
     from specx.export.target_export import export_target
 
-    targets = {"pyref-7m": SHARED / "models" / "pyref-7m"}
+    checkpoints = {"pyref-7m": SHARED / "models" / "pyref-7m"}
     deep = Path.home() / ".cache" / "specx" / "pyref-deep"
     if (deep / "config.json").is_file():
-        targets["pyref-deep"] = deep
+        checkpoints["pyref-deep"] = deep
     kinds = [k for k in HEAD_KINDS if (heads / k / "config.json").is_file()]
     built: dict[str, dict[str, Path]] = {}
-    for name, checkpoint in targets.items():
+    for name, checkpoint in checkpoints.items():
+        if targets is not None and name not in targets:
+            continue
         built[name] = {}
         for kind in ["none", *kinds]:
             if only is not None and kind != "none" and kind not in only:
@@ -98,13 +103,15 @@ def measure_cell(engine, drafter, prompts, batch, temperature, args) -> dict:
     options = {"max_new_tokens": args.new_tokens, "temperature": temperature, "seed": 0,
                "ignore_eos": True}  # fmt: skip
     modes = {"plain": None, "fixed": fixed, "default": drafter}
+    if args.no_fixed:
+        del modes["fixed"]
     decode = dict.fromkeys(modes, 0.0)
     identical, sizes, calibration = True, {}, None
     for start in range(0, len(prompts), batch):
         group = prompts[start : start + batch]
         best: dict[str, list] = {}
         for r in range(args.repeats):
-            names = list(modes)[r % 3 :] + list(modes)[: r % 3]
+            names = list(modes)[r % len(modes) :] + list(modes)[: r % len(modes)]
             for name in names:
                 # Every run starts cold: a pooled suffix drafter would otherwise have seen
                 # this very prompt's output in the previous repeat.
@@ -116,13 +123,13 @@ def measure_cell(engine, drafter, prompts, batch, temperature, args) -> dict:
             decode[name] += done[0].stats.decode_s
         if temperature == 0:
             plain = [c.tokens for c in best["plain"]]
-            identical &= all([c.tokens for c in best[m]] == plain for m in ("fixed", "default"))
+            identical &= all([c.tokens for c in best[m]] == plain for m in modes)
         stats = best["default"][0].stats
         calibration = stats.calibration or calibration
         for size, count in stats.details.get("sizes_chosen", {}).items():
             sizes[size] = sizes.get(size, 0) + count
     return {
-        "fixed_speedup": decode["plain"] / decode["fixed"],
+        "fixed_speedup": decode["plain"] / decode["fixed"] if "fixed" in decode else None,
         "default_speedup": decode["plain"] / decode["default"],
         "identical_to_plain": identical if temperature == 0 else None,
         "default_sizes_chosen": sizes,
@@ -153,6 +160,8 @@ def main() -> None:
                         help="the trained drafters (benchmarks/heads/pyref-7m)")  # fmt: skip
     parser.add_argument("--calibrate", action="store_true", help="calibrate every drafter first")
     parser.add_argument("--only", default=None, help="comma-separated drafters to measure")
+    parser.add_argument("--targets", default=None, help="comma-separated targets (pyref-7m, ...)")
+    parser.add_argument("--no-fixed", action="store_true", help="plain vs the default only")
     parser.add_argument(
         "--merge", action="store_true", help="update the cells measured in an existing --out"
     )
@@ -183,7 +192,8 @@ def main() -> None:
     }
     only = None if args.only is None else args.only.split(",")
     draft = draft_model(work, args.heads)
-    for target_name, by_kind in artifacts(work, args.heads, only).items():
+    targets = None if args.targets is None else args.targets.split(",")
+    for target_name, by_kind in artifacts(work, args.heads, only, targets).items():
         for kind, artifact in by_kind.items():
             kinds = [kind]
             if kind == "none":
@@ -203,7 +213,7 @@ def main() -> None:
                         log(key)
                         row = measure_cell(engine, drafter, prompts, batch, temperature, args)
                         report["results"][key] = row
-                        log(f"  fixed {row['fixed_speedup']:.2f}x, default "
+                        log(f"  fixed {row['fixed_speedup'] or 0:.2f}x, default "
                             f"{row['default_speedup']:.2f}x")  # fmt: skip
     if args.merge and args.out.is_file():
         earlier = json.loads(args.out.read_text())
@@ -222,7 +232,10 @@ def main() -> None:
     print("|---|---|---|---|")
     for key, row in report["results"].items():
         fixed, default = row["fixed_speedup"], row["default_speedup"]
-        print(f"| {key} | {fixed:.2f}x | {default:.2f}x | {default / fixed:.0%} |")
+        if fixed is None:
+            print(f"| {key} | - | {default:.2f}x | - |")
+        else:
+            print(f"| {key} | {fixed:.2f}x | {default:.2f}x | {default / fixed:.0%} |")
 
 
 def _name(drafter: str) -> str:

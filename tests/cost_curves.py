@@ -7,6 +7,7 @@ class FixedCurve:
     """T(k) = 1 + slope k plain steps, whatever the host does (a `RoundCosts` stand-in)."""
 
     widest = 10**6  # every width counts as timed: the rule's reach is not limited
+    plain_timed = True
 
     def __init__(self, slope: float):
         self.slope = slope

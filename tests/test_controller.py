@@ -30,7 +30,7 @@ from specx.runtime.sampling import SamplingParams
 from specx.runtime.speculative_decoding import generate_speculative
 from specx.runtime.trees import DraftTree
 
-SWITCHING = [0, 3, 1, 0, 5, 2, 8]  # a different size every round, none included
+SWITCHING = [0, 3, 1, 0, 0, 0, 5, 2, 8]  # sizes change every round; none, and idle stretches
 
 
 def loopy(rng, vocab, count):
@@ -99,6 +99,8 @@ def rounds(controller, accepted_at, count: int, width_cost=0.1) -> list[int]:
         depth = accepted_at() if callable(accepted_at) else accepted_at
         controller.observe(0, size, list(range(min(depth, size))))
         controller.timed(1 + size, 1.0 + width_cost * size, 0.2 if size else 0.0)
+        if not size:  # the loop prices a plain step from its stretches of them (`idled`)
+            controller.costs.record(1, 1.0, 0.0)
     return chosen
 
 
@@ -140,9 +142,12 @@ def test_a_row_alone_drafts_until_a_draft_stops_paying():
         chosen.append(int(size))
         controller.observe(0, size, [])  # every draft rejected
         controller.timed(1 + size, 1.1 if size else 1.0, 0.2 if size else 0.0)
-    # p_1 falls 0.6 -> 0.48 -> 0.38 -> 0.31 -> 0.25 and a one-node round costs 1.3 plain
-    # steps: a draft pays while 1 + p_1 > 1.3 (at 1.31, 0.6% better, it still drafts).
-    assert chosen == [0, 1, 1, 1, 1, 0]
+        if not size:  # the loop prices a plain step from its stretches of them (`idled`)
+            controller.costs.record(1, 1.0, 0.0)
+    # p_1 falls 0.5 -> 1/3 -> 1/4 (the prior weighs two rounds) and a one-node round costs
+    # 1.3 plain steps: a draft pays while 1 + p_1 > 1.3 (at 1.33, 2.5% better, it still
+    # drafts; a 5% margin would have stopped it there).
+    assert chosen == [0, 1, 1, 0, 0, 0]
 
 
 def test_costs_an_earlier_request_timed_spare_the_plain_first_round():
@@ -159,14 +164,14 @@ def test_costs_an_earlier_request_timed_spare_the_plain_first_round():
 
 def test_one_slow_round_does_not_price_a_width_out_for_good():
     """Shared costs outlive requests, and the rule only re-times widths it picks."""
-    for rise, later_chose in ((1.5, [4, 4, 4, 8, 8, 8]), (math.inf, [4] * 6)):
+    for rise, later_chose in ((1.5, [4] * 7 + [8] * 5), (math.inf, [4] * 12)):
         first = AdaptiveController(costs=RoundCosts(rise=rise))
         first.start(1, 8)
         assert rounds(first, accepted_at=8, count=12, width_cost=0.02)[-3:] == [8, 8, 8]
         first.costs.record(9, 20.0, 0.2)  # a stall: 17x the width's estimate
         later = AdaptiveController(costs=first.costs)
-        later.start(1, 8)  # a prior 0.6 past depth 1: 8 nodes pay once depths 2-4 hold
-        assert rounds(later, accepted_at=8, count=6, width_cost=0.02) == later_chose
+        later.start(1, 8)  # a prior 0.5 past depth 4: 8 nodes pay once depths 1-4 hold
+        assert rounds(later, accepted_at=8, count=12, width_cost=0.02) == later_chose
     assert first.costs.verify(9) > 4  # unguarded (as first shared, 4de2b3d): 4x dearer
     guarded = RoundCosts()
     guarded.record(1, 1.0, 0.0)
@@ -231,7 +236,9 @@ def test_suffix_drafts_trimmed_by_confidence_equal_plain(artifacts, rng):
     prompts = loopy(rng, target.vocab_size, 3)
     for batch in (1, 3):
         # Steep costs, a short patience and quick probes: trims, idle rows and probes mix.
-        controller = ConfidenceController(costs=FixedCurve(0.3), patience=1, probe_every=2)
+        controller = ConfidenceController(
+            costs=FixedCurve(0.3), patience=1, probe_every=2, probe_budget=0.5
+        )
         drafter = SuffixDrafter(SuffixOptions(8, min_prob=0.0))
         spec = generate_speculative(target, drafter, prompts[:batch], 30, controller=controller)
         assert spec.tokens == generate_plain(target, prompts[:batch], 30).tokens
@@ -262,31 +269,76 @@ def test_confidence_trimming_keeps_the_prefix_that_pays_most():
 
 
 def test_confidence_learns_what_the_target_accepts_idles_and_comes_back():
-    controller = ConfidenceController(costs=FixedCurve(0.1), probe_every=4, max_probe_every=16)
+    controller = ConfidenceController(probe_every=4, max_probe_every=16)
     controller.start(1, 8)
     sure = chain([1.0] * 8)
 
     def rounds(count, accepted):
-        kept = []
-        for _ in range(count):
+        """Kept nodes per round (None: idle); times in plain steps, verify 1 + k / 16."""
+        kept: list[int | None] = []
+        while len(kept) < count:
+            idle = controller.idle_rounds(np.array([True]))
+            if idle:
+                kept += [None] * idle
+                controller.idled(idle, idle, 1.0)
+                continue
             if controller.sizes(np.array([True]))[0] == 0:
-                kept.append(None)  # idle: nothing proposed
+                kept.append(None)
+                controller.timed(1, 1.0, 0.0)
                 continue
             (draft,) = controller.keep([sure])
             kept.append(len(draft))
             if len(draft):
                 controller.observe(0, len(draft), list(range(min(accepted, len(draft)))))
-        return kept
+            controller.timed(1 + len(draft), 1.0 + len(draft) / 16, 0.02)
+        return kept[:count]
 
-    first = rounds(1, 0) + rounds(1, 8)
-    assert first == [None, 8]  # a plain step, then the drafter is trusted
-    # The target stops agreeing: drafts shrink, then the row idles and probes one node.
+    # Two plain steps, then the drafter is trusted, as wide as the widths timed allow.
+    assert rounds(5, 8) == [None, None, 1, 2, 4]
+    # The target stops agreeing: a whole draft rejected loses over half a step, so the row
+    # idles, and probes ever more rarely (8 rounds apart, then 16, the most).
     kept = rounds(60, 0)
-    assert 0 in kept and kept[-20:].count(None) >= 17
-    probes = [i for i, k in enumerate(kept) if k == 1]
-    assert len(probes) >= 2 and np.diff(probes)[-1] == 16
+    windows = [i for i in range(1, 60) if kept[i] is not None and kept[i - 1] is None]
+    assert kept[-20:].count(None) >= 18 and np.diff(windows).tolist() == [8, 16, 16]
     # It agrees again: the next probe finds it and whole drafts return.
     assert rounds(40, 8)[-5:] == [8] * 5
+
+
+def proposals(controller, rounds: int, found) -> list[bool]:
+    """Per round, whether the row proposed; `found(r)`: its proposal in round r matches.
+
+    Times in plain steps: a proposal costs 0.12, verifying k nodes 1 + k / 16; a match is
+    accepted whole; idle rounds are played as the loop plays them (`idle_rounds`, `idled`).
+    """
+    controller.start(1, 8)
+    asked: list[bool] = []
+    while len(asked) < rounds:
+        idle = controller.idle_rounds(np.array([True]))
+        if idle:
+            asked += [False] * idle
+            controller.idled(idle, idle, 1.0)
+            continue
+        wants = bool(controller.sizes(np.array([True]))[0])
+        asked.append(wants)
+        if not wants:
+            controller.timed(1, 1.0, 0.0)
+            continue
+        (draft,) = controller.keep([chain([1.0] * 8) if found(len(asked)) else DraftTree.empty()])
+        controller.observe(0, len(draft), list(range(len(draft))))
+        controller.timed(1 + len(draft), 1.0 + len(draft) / 16, 0.12)
+    return asked[:rounds]
+
+
+def test_confidence_stops_proposing_where_proposals_cost_more_than_they_earn():
+    never = proposals(ConfidenceController(), 120, found=lambda r: False)
+    # Two plain steps, then proposals lose 0.12 of a step each: past half a step (the loss
+    # budget), the row idles; each window of asking that paid nothing doubles the wait.
+    assert never[:9] == [False] * 2 + [True] * 5 + [False] * 2
+    asking = [i for i in range(1, 120) if never[i] and not never[i - 1]]
+    assert np.diff(asking).tolist() == [12, 20, 36]  # windows of 5 asks, idle 7, 15, 31
+    # A match every fourth round earns up to 7.4 plain steps, the misses 0.36: it keeps asking.
+    often = proposals(ConfidenceController(), 60, found=lambda r: r % 4 == 0)
+    assert all(often[2:])
 
 
 def test_a_batch_keeps_one_width_and_peers_raise_the_bar():

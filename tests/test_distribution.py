@@ -111,7 +111,7 @@ def test_broken_verifier_is_detected(pair, drafter_name):
 
 
 # Sizes switch every round (none included); each row of the batch follows the cycle.
-SWITCHING = [2, 0, 1, 3]
+SWITCHING = [2, 0, 0, 1, 3]  # with an idle stretch: plain steps in a row
 
 
 @pytest.mark.parametrize("sampling", [SAMPLING[0], SAMPLING[3]], ids=["T0.7", "T0.7-k10-p0.95"])

@@ -16,8 +16,9 @@ chosen independently of their tokens' draws leaves the rest drafted as the rule 
 `tests/test_distribution.py` the sampled distribution, with switching and with trimming.
 
 `AdaptiveController`, per sequence b and round: with p_d the running acceptance at depth d
-given depth d - 1 accepted (an exponential moving average over b's own rounds) and a round
-cost model T(k) learnt from the loop's own timings (an engine's requests share one),
+given depth d - 1 accepted (over b's own rounds: the mean of a weak prior and the evidence
+at first, then an exponential moving average) and a round cost model T(k) learnt from the
+loop's own timings (an engine's requests share one),
 
     k* = argmax_k (1 + sum_{d <= k} p_1 ... p_d) / T(k),   T(0) = a plain step,
 
@@ -26,14 +27,17 @@ lowest p_d among the active rows: the batch finishes with its slowest row, so a 
 size pays only if it pays for that one. With P peers (sequences of the same forward that
 have controllers of their own, as in continuous batching), the rate is the forward's:
 (P + 1 + sum ...) / T(k) against (P + 1) / T(0), since every peer waits for this draft.
-A sequence at k = 0 is probed with a one-node draft now and then (`AdaptiveController`), so
-one that becomes predictable gets speculation back.
+A sequence at k = 0 is probed with a one-node draft now and then, so one that becomes
+predictable gets speculation back.
 
-Starting from a calibration's recorded costs and acceptance instead (so a sequence would
-draft from its first round) was tried and measured worse on pyref-deep at batch 1 (EAGLE-1
-1.22x vs 1.39x, EAGLE-3 1.06x vs 1.22x, n-gram 1.42x vs 1.47x): the calibration's per-round
-overhead and its prompts' acceptance misjudge a given request more than a measured plain
-round and a one-node probe cost. The calibration's part is the batch threshold and the tree.
+Never losing without calibration is the controllers' job, from a request's first round:
+what they assume before measuring is cheap to be wrong about (a plain first round, one-node
+first drafts, a weak prior that the first misses overrule, a batch's first probe only once
+it is affordable), and rounds in which no row drafts are played by plain decoding's own
+loop (`idle_rounds`), so an idle speculative request costs what a plain one does.
+Calibration adds the batch threshold and the tree. Starting from a calibration's recorded
+acceptance and costs instead was measured worse (benchmarks/README.md, controller.py): its
+prompts misjudge a given request more than a measured plain round and a one-node probe.
 """
 
 from __future__ import annotations
@@ -73,6 +77,22 @@ class Controller(Protocol):
         """
         ...
 
+    def idle_rounds(self, active: np.ndarray) -> int:
+        """Rounds from the next on in which no active row drafts, whatever the rows emit.
+
+        The loop plays up to that many as plain decoding's own steps, without asking
+        `sizes` (a round that will not draft must not cost more than a plain step), and
+        reports them to `idled`. 0: ask `sizes` for the next round.
+        """
+        ...
+
+    def idled(self, rounds: int, row_rounds: int, step_s: float) -> None:
+        """The loop played `rounds` plain steps (`row_rounds` over the rows).
+
+        `step_s`: the fastest step's seconds, the price of a plain step.
+        """
+        ...
+
     def keep(self, proposed: list[DraftTree]) -> list[DraftTree]:
         """The prefix of each row's proposal it verifies this round (empty: a plain step).
 
@@ -88,7 +108,8 @@ class Controller(Protocol):
         """Times of the round: its verify over `width` tokens per row and its drafting.
 
         `verify_s` includes the loop's work around the forward; `draft_s` is 0 when no row
-        drafted.
+        drafted. A round of width 1 (the drafter asked, nothing drafted) is no plain step's
+        price: a plain step is priced from the stretches of them (`idled`).
         """
         ...
 
@@ -128,6 +149,16 @@ class FixedSizes:
         self._sizes = np.where(active, size, 0)
         return self._sizes
 
+    def idle_rounds(self, active: np.ndarray) -> int:  # noqa: D102
+        idle = 0
+        while idle < len(self.cycle) and not self.cycle[(self._round + idle) % len(self.cycle)]:
+            idle += 1
+        return idle if idle < len(self.cycle) else 1  # all zeros: one round at a time
+
+    def idled(self, rounds: int, row_rounds: int, step_s: float) -> None:  # noqa: D102
+        self._round += rounds
+        self._chosen[0] += row_rounds
+
     def keep(self, proposed: list[DraftTree]) -> list[DraftTree]:  # noqa: D102
         return list(map(truncated, proposed, self._sizes.tolist()))
 
@@ -144,38 +175,39 @@ class FixedSizes:
 class AdaptiveController:
     """The rule in the module docstring.
 
-    Scheduling details, each for the cost of rounds that do not draft:
+    Scheduling details, each for the cost of rounds that do not draft (what each was
+    measured to buy: benchmarks/README.md, controller.py):
     - the first round of a batch is a plain step, so the cost every draft is weighed
-      against is measured, not guessed; a batch then waits for its first probe (its
-      drafting rounds cost several plain steps: a probe at batch 4 ~2x one, measured);
+      against is measured, not guessed; a batch then waits for its first probe until
+      probes are affordable (its rows all draft in a probe round, which costs about two
+      plain steps before anything is timed: `UNTIMED_BATCH_PROBE`);
     - the first draft and every probe use the smallest size (one node);
     - given `costs` that earlier requests timed (`Engine` keeps one per drafting plan and
       batch size: costs are the machine's, not the request's), neither of the two above
-      happens: the first round drafts at the size the rule picks (pyref-deep, batch 1, 8
-      prompts x 64 tokens, one process, fastest of 3: EAGLE-1 with the calibrated chain 5
-      99% of the fixed chain 4's speedup vs 95% learning the costs per request, EAGLE-3
-      with chain 3 99% vs 97%; `RoundCosts` says how shared costs stay fresh);
+      happens: the first round drafts at the size the rule picks (`RoundCosts` says how
+      shared costs stay fresh);
+    - p_d starts as the mean of a Beta prior of weight 2 at `prior` and the evidence, so
+      the first misses count fully (a drafter the target rejects stops within a few rounds)
+      until the moving average's weight `smoothing` is reached;
     - a row that stopped drafting is not re-evaluated until its probe; the interval doubles
       after each probe that found nothing (`probe_every` up to `max_probe_every` rounds)
       and is never shorter than keeps probes within `probe_budget` of the time;
     - probes fall on multiples of the interval, so the idle rows of a batch probe together
-      and the rounds between stay plain for all of them (such a round is a decode step);
+      and the rounds between are plain decoding's steps for all of them (`idle_rounds`);
     - a row alone stops drafting only where a draft no longer beats a plain step: stopping
-      leaves it blind until its probe. With a 5% margin the moving average's dips idled
-      rows whose drafts paid (pyref-deep EAGLE-3, chain 3, batch 1, 8 prompts x 64 tokens,
-      one process, fastest of 3: 92% and 97% of the fixed chain's speedup in two runs, 98%
-      without the margin; at T = 1, 1.03x vs 1.08x plain decoding).
+      leaves it blind until its probe, and a margin made the moving average's dips idle
+      rows whose drafts paid.
     """
 
     def __init__(
         self,
-        prior: float = 0.6,
+        prior: float = 0.5,
         smoothing: float = 0.2,
         probe_every: int = 8,
         max_probe_every: int = 64,
         max_depth: int = 16,
         batch_margin: float = 0.5,
-        probe_budget: float = 0.03,
+        probe_budget: float = 0.02,
         costs: RoundCosts | None = None,
     ):
         self.prior, self.smoothing, self.max_depth = prior, smoothing, max_depth
@@ -195,7 +227,8 @@ class AdaptiveController:
         self.judged = np.zeros((batch, self.max_depth), dtype=np.int64)  # rounds that tested d
         self.round = int(self.costs.known)  # known costs: no plain first round to time them
         # 0: the row drafts; else the round of its next probe (a batch waits for its first).
-        self.next_probe = np.full(batch, 0 if batch == 1 else self.probe_every, dtype=np.int64)
+        first = 0 if batch == 1 else max(self.probe_every, self._affordable(batch))
+        self.next_probe = np.full(batch, first, dtype=np.int64)
         self.interval = np.full(batch, self.probe_every)
         self.probing = np.zeros(batch, dtype=bool)
         self.hit = np.zeros(batch, dtype=bool)  # the row's last round accepted a draft token
@@ -224,6 +257,19 @@ class AdaptiveController:
         self._sizes = chosen
         return chosen
 
+    def idle_rounds(self, active: np.ndarray) -> int:  # noqa: D102
+        after = self.round + 1  # the next round
+        waits = [
+            int(self.next_probe[b]) - after if self.next_probe[b] else 0
+            for b in np.flatnonzero(active).tolist()
+        ]
+        return max(min(waits, default=0), FIRST_PLAIN_ROUNDS if after == 1 else 0)
+
+    def idled(self, rounds: int, row_rounds: int, step_s: float) -> None:  # noqa: D102
+        self.round += rounds
+        self._chosen[0] += row_rounds
+        self.costs.record(1, step_s, 0.0)
+
     def keep(self, proposed: list[DraftTree]) -> list[DraftTree]:  # noqa: D102
         return list(map(truncated, proposed, self._sizes.tolist()))
 
@@ -243,11 +289,18 @@ class AdaptiveController:
                 self.interval[b] = min(2 * self.interval[b], self.max_probe_every)
             elif self.probing[b]:  # it found something: probe again soon
                 self.interval[b] = self.probe_every
-            probe = self.costs.time(self.candidates[1]) / self.costs.time(0)
-            step = max(int(self.interval[b]), _affordable_interval(probe, self.probe_budget))
+            step = max(int(self.interval[b]), self._affordable(len(self.interval)))
             self.next_probe[b] = (self.round // step + 1) * step
         self.probing[b] = False
         return size
+
+    def _affordable(self, batch: int) -> int:
+        """The fewest rounds between probes that keeps them within `probe_budget`."""
+        if self.costs.known:
+            probe = self.costs.time(self.candidates[1]) / self.costs.time(0)
+        else:  # nothing timed: a batch's probe is dear (its rows all draft), a row's cheap
+            probe = UNTIMED_BATCH_PROBE if batch > 1 else self.costs.time(1) / self.costs.time(0)
+        return _affordable_interval(probe, self.probe_budget)
 
     def _estimates(self, row: int) -> list[float]:
         """The row's p_d, each depth tested fewer than 3 times capped by the one before.
@@ -285,11 +338,16 @@ class AdaptiveController:
         self.hit[row] = count > 0
         for d in range(min(depth, count + 1, self.max_depth)):  # depths the target judged
             hit = float(d < count)
-            self.accept[row, d] += self.smoothing * (hit - self.accept[row, d])
             self.judged[row, d] += 1
+            # The mean of a Beta prior of weight 2 at `prior` and the evidence, until the
+            # moving average's weight is reached: the first misses count fully, so a
+            # drafter the target rejects stops within a few rounds, not a dozen.
+            step = max(self.smoothing, 1.0 / (self.judged[row, d] + 2))
+            self.accept[row, d] += step * (hit - self.accept[row, d])
 
     def timed(self, width: int, verify_s: float, draft_s: float) -> None:  # noqa: D102
-        self.costs.record(width, verify_s, draft_s)
+        if width > 1:
+            self.costs.record(width, verify_s, draft_s)
 
     def summary(self) -> dict:  # noqa: D102
         return {"controller": "adaptive", "sizes_chosen": dict(sorted(self._chosen.items()))}
@@ -315,27 +373,23 @@ class ConfidenceController:
     levels at depth d the target judged in b's drafts (the children of the root or of an
     accepted node), a moving average of whether a child was accepted over one of their
     summed c (from 1 over 1). Per depth, because acceptance is not independent: where the
-    first node of a copied span holds, the rest mostly do (a revision with one moving
-    average over every level judged made deep nodes look as unsure as first ones: 91% of
-    the whole drafts' speed at greedy in the run below's setting).
+    first node of a copied span holds, the rest mostly do (one moving average over every
+    level judged made deep nodes look as unsure as first ones, and cut greedy drafts short).
+    The counts' own word weighs one level, then the moving average takes over.
     The first round is a plain step, so T(0) is measured.
 
-    Measured (pyref-7m, batch 1, 16 prompts x 128 tokens, fastest of 3, one run per
-    temperature; time modeled as each round's width at the run's median time per width
-    plus the drafting time measured, which takes the host's noise out of comparing
-    decisions): at greedy this rule ran at 98% of the whole 16-node drafts' speed (96%
-    measured; 1.85x vs 1.93x plain decoding), `AdaptiveController` (sized before drafting:
-    between matches it went idle and missed the next) at 86% (1.63x); at T = 1, where
-    whole drafts lose (0.85x, measured), this rule 0.87x and `AdaptiveController` 0.91x
-    (a calibration at that temperature turns drafting off).
+    Trimming after drafting rather than sizing before it keeps matches that
+    `AdaptiveController`, idle between matches, misses (benchmarks/README.md,
+    controller.py).
 
     Each round's k is at most twice the widest forward timed so far: T(k) for a width
     never seen is a one-row guess, far too cheap for a forward of many rows.
 
-    A row that kept nothing `patience` rounds in a row stops proposing until a probe: a
-    round, after `probe_every` rounds (doubling up to `max_probe_every` while probes fail,
-    and never so often that probes cost more than `probe_budget` of the time), that keeps
-    at least one node (see `_after_proposal`).
+    A row stops proposing until a probe where asking loses more than `loss_budget` plain
+    steps (`timed`), or after `patience` rounds in a row that kept nothing in a batch: a
+    probe is a round, after `probe_every` rounds (doubling up to `max_probe_every` while
+    probes fail, and never so often that probes cost more than `probe_budget` of the
+    time), that keeps at least one node (see `_after_proposal`).
 
     Lossless: a deterministic draft is a function of the history, so a prefix chosen from
     it is too. A sampled draft (`probs` set) is kept whole: dropping its nodes by their own
@@ -350,11 +404,13 @@ class ConfidenceController:
         probe_every: int = 8,
         max_probe_every: int = 64,
         max_depth: int = 16,
-        probe_budget: float = 0.03,
+        probe_budget: float = 0.02,
+        loss_budget: float = 0.5,
         costs: RoundCosts | None = None,
     ):
         self.smoothing, self.margin, self.max_depth = smoothing, margin, max_depth
         self.patience = patience  # rounds keeping nothing before the row stops proposing
+        self.loss_budget = loss_budget  # plain steps asking may lose before rows idle
         self.probe_every, self.max_probe_every = probe_every, max_probe_every
         self.probe_budget = probe_budget  # the share of time probes may cost
         # T(k); tests pass a fixed curve so that what is kept does not depend on the host
@@ -374,6 +430,9 @@ class ConfidenceController:
         self.interval = [self.probe_every] * batch
         self.probing = [False] * batch
         self.asked = [False] * batch
+        self.judged = [[0] * self.max_depth for _ in range(batch)]  # levels judged per depth
+        self.loss, self.paid = 0.0, True  # what asking lost since it last paid (`timed`)
+        self._gained = 0  # draft tokens accepted this round
         self.round = 0
         self._peers = self._active = 0
 
@@ -394,6 +453,21 @@ class ConfidenceController:
         self._chosen[0] += self._active - sum(self.asked)
         return np.array(chosen, dtype=np.int64)
 
+    def idle_rounds(self, active: np.ndarray) -> int:  # noqa: D102
+        after = self.round + 1  # the next round
+        waits = [
+            self.idle_until[b] - after if self.idle_until[b] else 0
+            for b, on in enumerate(active.tolist())
+            if on
+        ]
+        return max(min(waits, default=0), FIRST_PLAIN_ROUNDS if after == 1 else 0)
+
+    def idled(self, rounds: int, row_rounds: int, step_s: float) -> None:  # noqa: D102
+        self.round += rounds
+        self._chosen[0] += row_rounds
+        self.asked = [False] * len(self.asked)  # the last round that asked is accounted for
+        self.costs.record(1, step_s, 0.0)
+
     def keep(self, proposed: list[DraftTree]) -> list[DraftTree]:  # noqa: D102
         paths = [
             self._path_probabilities(b, d) if self.asked[b] else None
@@ -410,6 +484,7 @@ class ConfidenceController:
                 self._after_proposal(b, keep, len(draft))
             kept.append(truncated(draft, keep))
             self.kept[b] = kept[-1]
+        self.probing = [False] * len(proposed)
         return kept
 
     def _path_probabilities(self, row: int, draft: DraftTree) -> list[float] | None:
@@ -455,22 +530,15 @@ class ConfidenceController:
         """After `patience` rounds in a row that kept nothing the row stops proposing.
 
         Nothing kept: a draft trimmed to nothing or, where the forward carries other rows,
-        no draft at all. Alone, a row keeps looking while it finds nothing: a proposal
-        costs a few percent of its step, a match missed while idle a few tokens (idling
-        on no-match streaks too cost 5% at greedy, batch 1). With 15 peers, 16 rows'
-        proposals cost ~10% of the forward (0.72x vs 0.88x under `AdaptiveController`
-        at 16 streams, before this and the reach limit in `_best`; 0.97x vs 1.03x after).
-        A probe that finds no draft failed like one the target rejects (`observe`).
+        no draft at all: many rows' proposals are a share of the forward worth saving.
+        Alone, a row that finds nothing keeps looking while its proposals' cost stays
+        within the loss budget (`timed`): a match missed while idle costs tokens.
         """
         if kept:
             self.misses[b] = 0
         elif proposed or self._peers + self._active > 1:
             self.misses[b] += 1
-        if self.probing[b] and not kept:
-            self.probing[b] = False
-            self.interval[b] = min(2 * self.interval[b], self.max_probe_every)
-            self._idle(b)
-        elif self.misses[b] >= self.patience:
+        if self.misses[b] >= self.patience:
             self._idle(b)
 
     def _idle(self, b: int) -> None:
@@ -485,15 +553,12 @@ class ConfidenceController:
         draft = self.kept[row]
         if depth == 0 or draft is None or draft.confidence is None:
             return  # nothing kept: nothing learnt about the drafter's confidence
-        if self.probing[row]:  # a probe that failed waits twice as long for the next
-            self.probing[row] = False
-            if accepted:
-                self.interval[row] = self.probe_every
-            else:
-                self.interval[row] = min(2 * self.interval[row], self.max_probe_every)
-                self._idle(row)
-        hits, expected, s = self.hits[row], self.expected[row], self.smoothing
+        self._gained += len(accepted)
+        hits, expected, judged = self.hits[row], self.expected[row], self.judged[row]
         for d, level in enumerate(_judged_levels(draft, accepted)[: self.max_depth]):
+            judged[d] += 1
+            # The counts' own word weighs one level, then the moving average takes over.
+            s = max(self.smoothing, 1.0 / (judged[d] + 1))
             hits[d] += s * (float(d < len(accepted)) - hits[d])
             expected[d] += s * (level - expected[d])
         self._correct(row)
@@ -503,15 +568,64 @@ class ConfidenceController:
 
         Unlike `AdaptiveController`'s p_d, a depth seldom judged is not capped by the one
         before: g starts from trusting the drafter's counts, and the cap cut greedy drafts
-        short (96% of the whole drafts' speed, against 98% uncapped, in one run).
+        short.
         """
         self.g[row][:] = [h / e for h, e in zip(self.hits[row], self.expected[row], strict=True)]
 
-    def timed(self, width: int, verify_s: float, draft_s: float) -> None:  # noqa: D102
-        self.costs.record(width, verify_s, draft_s)
+    def timed(self, width: int, verify_s: float, draft_s: float) -> None:
+        """Learns the round's costs, and idles the asking rows once asking has cost too much.
+
+        A round in which rows proposed earned, in tokens of the forward's R rows (peers
+        included) over what plain steps emit in the same time,
+
+            net = accepted draft tokens + R (1 - (draft + verify) / T(0)),
+
+        the proposal's time counted whether anything was kept or not (a proposal that
+        finds no match costs it too). The loss since asking last paid, L = max(0, L - net),
+        may reach `loss_budget` plain steps of the forward (R x `loss_budget` tokens):
+        past it every asking row goes idle until its probe, which opens the next window
+        of asking; the interval doubles while no round of a window paid, and is back to
+        `probe_every` after one that did. Alone, a no-match proposal costs a few percent
+        of a step and the row keeps looking a while; a wide round of a batch that loses
+        several steps idles it at once.
+        """
+        asked = [b for b, a in enumerate(self.asked) if a]
+        plain = self.costs.verify(1) if self.costs.plain_timed else None
+        if width > 1:
+            self.costs.record(width, verify_s, draft_s)
+        gained, self._gained = self._gained, 0
+        if not asked or plain is None:
+            return
+        rows = self._peers + self._active
+        net = gained + rows * (1.0 - (draft_s + verify_s) / plain)
+        self.paid |= net >= 0
+        self.loss = max(0.0, self.loss - net)
+        if self.loss <= self.loss_budget * rows:
+            return
+        for b in asked:
+            if self.paid:
+                self.interval[b] = self.probe_every
+            else:
+                self.interval[b] = min(2 * self.interval[b], self.max_probe_every)
+            if not self.idle_until[b]:
+                self._idle(b)
+        self.loss, self.paid = 0.0, False
 
     def summary(self) -> dict:  # noqa: D102
         return {"controller": "confidence", "sizes_chosen": dict(sorted(self._chosen.items()))}
+
+
+# A request's first rounds are plain steps that price a plain step (T(0)) unless earlier
+# requests did: two, since the first step after a prefill runs up to twice as slow as the
+# next (ONNX Runtime's first run at the decode shapes), and a stretch is priced by its
+# fastest step (`idled`).
+FIRST_PLAIN_ROUNDS = 2
+
+# A batch's probe round over a plain step, assumed before any was timed: every row of the
+# batch drafts and the verify forward doubles its width (about 2x at batch 4 on pyref-7m,
+# benchmarks/README.md#controllerpy), so the first probe of a batch waits until it is
+# affordable rather than landing on round `probe_every`.
+UNTIMED_BATCH_PROBE = 2.0
 
 
 def _affordable_interval(probe: float, budget: float) -> int:
@@ -556,10 +670,9 @@ class RoundCosts:
 
     An engine's requests share one (costs are the machine's), so an estimate may live far
     longer than a request, and the rule only re-times a width it picks: a width priced too
-    high is never picked again. Shared as first landed (4de2b3d), pyref-deep EAGLE-3 chose
-    1-node drafts in all 303 rounds of a benchmark cell (80% of the fixed chain's speedup;
-    100% with the guards, `benchmarks/controller.py`). Two guards, both erring cheap (a
-    width priced too low is picked, so re-timed at once):
+    high is never picked again (shared without guards, one stall kept a benchmark cell on
+    1-node drafts throughout: benchmarks/README.md, controller.py). Two guards, both erring
+    cheap (a width priced too low is picked, so re-timed at once):
     - a timing counts at most `rise` x the width's estimate (for a width not yet timed, what
       the other widths predict): one slow outlier moves an estimate a little, never out of
       the rule. The first two timings of a width replace its estimate (the first is capped,
@@ -609,6 +722,11 @@ class RoundCosts:
     def drafted(self) -> bool:
         """Whether a round with a draft has been timed."""
         return self.draft > 0
+
+    @property
+    def plain_timed(self) -> bool:
+        """Whether a plain step has been timed."""
+        return 1 in self.by_width
 
     @property
     def known(self) -> bool:

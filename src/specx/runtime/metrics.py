@@ -29,6 +29,11 @@ class AcceptanceStats:
         self.depths.append(draft_depth)
         self.accepted.append(accepted)
 
+    def record_plain(self, rounds: int) -> None:
+        """Adds `rounds` rounds without a draft."""
+        self.depths += [0] * rounds
+        self.accepted += [0] * rounds
+
     @classmethod
     def merge(cls, parts: Iterable[AcceptanceStats]) -> AcceptanceStats:
         """All rounds of several sequences."""

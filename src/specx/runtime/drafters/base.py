@@ -61,7 +61,8 @@ class Drafter(Protocol):
     ) -> None:
         """Tells the drafter which nodes of `draft` the target accepted for `row`.
 
-        `taps` [1 + len(accepted), W] are the target's taps of the root and the accepted
-        nodes, i.e. of the tokens whose KV the target just kept.
+        `taps` [n, W] are the target's taps of the tokens whose KV the target kept since
+        the last call: the root and the accepted nodes (n = 1 + len(accepted)) or, after a
+        stretch of plain steps (`draft` empty), the root of each step.
         """
         ...

@@ -90,7 +90,7 @@ class NGramIndex:
         self, history: Sequence[int], length: int, max_matches: int
     ) -> list[list[int]]:
         """`ngram_continuations(history, ...)`, as lists."""
-        self._update(history)
+        self.index(history)
         size = len(history)
         for n in range(min(self.max_n, size - 1), self.min_n - 1, -1):
             starts = self._starts.get(tuple(history[size - n :]))
@@ -98,7 +98,8 @@ class NGramIndex:
                 return _distinct(history, reversed(starts), n, length, max_matches)
         return []
 
-    def _update(self, history: Sequence[int]) -> None:
+    def index(self, history: Sequence[int]) -> None:
+        """Indexes what `history` gained since the last call (all of it if it is another)."""
         size = len(history)
         if self._last is not None and (size < self._ends or history[self._ends - 1] != self._last):
             self._reset()  # another history: start over
@@ -130,8 +131,15 @@ class NGramDrafter:
         self.min_n, self.max_n, self.max_matches = min_n, max_n, max_matches
         self._indexes: list[NGramIndex] = []
 
-    def start(self, prompts: Sequence[Sequence[int]], capacity: int, taps=None) -> None:  # noqa: D102
+    def start(self, prompts: Sequence[Sequence[int]], capacity: int, taps=None) -> None:
+        """Indexes the prompts: prompt work, done with the prefill rather than in a round.
+
+        A first round that indexed its prompt cost several later rounds' drafting, and the
+        controller, timing it, priced every draft as dear as that one.
+        """
         self._indexes = [NGramIndex(self.min_n, self.max_n) for _ in prompts]
+        for index, prompt in zip(self._indexes, prompts, strict=True):
+            index.index(prompt)
 
     def propose(self, histories, active, sampling: SamplingParams, rng, budget=None):  # noqa: D102
         nodes = self.max_nodes if budget is None else min(self.max_nodes, budget)
