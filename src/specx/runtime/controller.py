@@ -89,7 +89,7 @@ class Controller(Protocol):
     def idled(self, rounds: int, row_rounds: int, step_s: float) -> None:
         """The loop played `rounds` plain steps (`row_rounds` over the rows).
 
-        `step_s`: the fastest step's seconds, the price of a plain step.
+        `step_s`: a plain step's seconds (the mean step past the stretch's first).
         """
         ...
 
@@ -618,7 +618,7 @@ class ConfidenceController:
 # A request's first rounds are plain steps that price a plain step (T(0)) unless earlier
 # requests did: two, since the first step after a prefill runs up to twice as slow as the
 # next (ONNX Runtime's first run at the decode shapes), and a stretch is priced by its
-# fastest step (`idled`).
+# steps past the first (`idled`).
 FIRST_PLAIN_ROUNDS = 2
 
 # A batch's probe round over a plain step, assumed before any was timed: every row of the

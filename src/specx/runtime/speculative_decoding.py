@@ -13,7 +13,6 @@ For every sequence of the batch, each round:
 from __future__ import annotations
 
 import functools
-import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -332,9 +331,9 @@ def _plain_stretch(loop: _Loop, rounds: int, progress: Progress | None) -> tuple
     """Up to `rounds` decoding steps in which no row drafts.
 
     Returns:
-        The steps taken, their sum over the rows (a row that ends stops counting), and the
-        fastest step's seconds: what a plain step costs, without the first step after a
-        prefill or a verify forward (up to twice as slow on pyref-7m) or the host's noise.
+        The steps taken, their sum over the rows (a row that ends stops counting), and a
+        plain step's seconds: the mean step past the first (the first after a prefill or
+        a verify forward runs up to twice as slow), or the one step's.
 
     Plain decoding's own loop (`generate_plain`): a request or batch that does not
     speculate must not pay for the speculative round's bookkeeping (`_plain_round`
@@ -347,9 +346,8 @@ def _plain_stretch(loop: _Loop, rounds: int, progress: Progress | None) -> tuple
     rows = np.array(started, dtype=np.int64)
     roots = np.array([h[-1] for h in loop.histories], dtype=np.int64)
     taps: np.ndarray | None = None  # [B, rounds, W], when the target exports taps
-    steps, fastest = 0, math.inf
+    steps, first_s, started_s = 0, 0.0, time.perf_counter()
     while steps < rounds and rows.size:
-        tick = time.perf_counter()
         output = target.decode_step(cache, roots, np.where(active, cache.lengths, 0))
         logits = output.logits[:, 0]
         if sampling.greedy:
@@ -364,7 +362,8 @@ def _plain_stretch(loop: _Loop, rounds: int, progress: Progress | None) -> tuple
         for b in rows.tolist():
             loop.emit(b, [int(roots[b])])
         steps += 1
-        fastest = min(fastest, time.perf_counter() - tick)
+        if steps == 1:
+            first_s = time.perf_counter() - started_s
         if progress is not None:
             progress(sum(len(e) for e in loop.emitted), int((~active).sum()))
         rows = np.flatnonzero(active)
@@ -374,7 +373,8 @@ def _plain_stretch(loop: _Loop, rounds: int, progress: Progress | None) -> tuple
         loop.drafter.accept(b, EMPTY_DRAFT, [], None if taps is None else taps[b, :count])
         loop.stats[b].record_plain(count)
         row_steps += count
-    return steps, row_steps, fastest
+    rest_s = time.perf_counter() - started_s - first_s
+    return steps, row_steps, rest_s / (steps - 1) if steps > 1 else first_s
 
 
 EMPTY_DRAFT = DraftTree.empty()
