@@ -100,9 +100,7 @@ def main() -> None:
         "new_tokens": args.new_tokens,
         "repeats": args.repeats,
         "machine": {"platform": platform.platform(), "threads": args.threads},
-        "quantization": {
-            b: manifest.with_build(b).build.get("quantization") for b in BUILDS.values()
-        },
+        "quantization": {b: manifest.builds[b].quantization or None for b in BUILDS.values()},
         "results": rows,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -98,12 +98,11 @@ def _stale(manifest, precision: str) -> bool:
     from specx.build import BuildOptions
     from specx.build.ort import weight_only_config
 
-    build = manifest.data.get("builds", {}).get(f"ort-{precision}")
+    build = manifest.builds.get(f"ort-{precision}")
     if build is None or precision != "int4":
         return build is None
     wanted = weight_only_config(manifest, BuildOptions("ort", precision)).record()
-    recorded = build.get("quantization") or {}
-    return any(recorded.get(k) != v for k, v in wanted.items())
+    return any(build.quantization.get(k) != v for k, v in wanted.items())
 
 
 def load_prompts(file: str, count: int, max_tokens: int = 200) -> list[list[int]]:

@@ -75,7 +75,7 @@ def main() -> None:
     training = [p for p in sorted(stdlib.rglob("*.py")) if str(p.relative_to(stdlib)) not in held]
     calibration = windows(tokenizer, training[::50], 1, 32)
     manifest = load_manifest(artifact)
-    inputs, fp32 = manifest.graph("target")["inputs"], manifest.path("target.onnx")
+    inputs, fp32 = manifest.graph("target").inputs, manifest.path("target.onnx")
     rows = {}
     only = set(args.only.split(";")) if args.only else None
     for label, bits, block, method, lm_head, rescore in CONFIGS:
@@ -87,7 +87,7 @@ def main() -> None:
         build_artifact(artifact, BuildOptions("ort", f"int{bits}", weight_only=config),
                        prompts=calibration)  # fmt: skip
         built = load_manifest(artifact)
-        graph = built.path(built.runtime_graph("target")["file"])
+        graph = built.path(built.runtime_graph("target").file)
         accuracy = teacher_forced_accuracy(fp32, graph, inputs, held_out, threads=2)
         rows[label] = {
             "top1_agreement": accuracy["top1_agreement"],

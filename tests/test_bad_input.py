@@ -118,7 +118,7 @@ def test_overwrite_replaces_an_artifact_and_keeps_the_umask(checkpoint_copy, art
     finally:
         os.umask(old)
     assert result.code == 0, result.err
-    assert load_manifest(artifact).model["kv_capacity"] == 64
+    assert load_manifest(artifact).model.kv_capacity == 64
     for p in [artifact, *artifact.rglob("*")]:
         assert stat.S_IMODE(p.stat().st_mode) == (0o755 if p.is_dir() else 0o644), p
 
@@ -279,7 +279,7 @@ def test_binary_and_empty_prompts_files(tmp_path):
 
 def test_a_draft_model_without_a_tokenizer_is_refused():
     def backend(name, files):
-        manifest = SimpleNamespace(root=Path(name), data={"files": files})
+        manifest = SimpleNamespace(root=Path(name), files=files)
         return SimpleNamespace(vocab_size=10, manifest=manifest)
 
     with_tokenizer = backend("target", {"tokenizer.json": "a" * 64})

@@ -14,6 +14,7 @@ from specx.artifact import load_manifest
 from specx.build import BuildOptions, build_artifact
 from specx.cli import main
 from specx.errors import ArtifactError, BuildError
+from specx.manifest_types import BuildEntry, TensorSpec
 from specx.runtime.backends import open_decoder
 from specx.runtime.drafters.ngram import NGramDrafter
 from specx.runtime.engine_compat import engine_mismatches
@@ -39,9 +40,9 @@ def test_ort_fp32_build_records_the_exported_graphs(artifact):
     options = BuildOptions("ort", "fp32", lowering="none")
     assert build_artifact(artifact, options) == "ort-fp32"
     manifest = load_manifest(artifact)
-    assert manifest.data["default_build"] == "ort-fp32"
-    assert manifest.build["graphs"]["target"]["file"] == "target.onnx"
-    assert manifest.build["onnxruntime_version"]
+    assert manifest.default_build == "ort-fp32"
+    assert manifest.build.graphs["target"].file == "target.onnx"
+    assert manifest.data["builds"]["ort-fp32"]["onnxruntime_version"]
     assert _plain(artifact) == before
 
 
@@ -50,7 +51,7 @@ def test_ort_fp16_build_decodes_and_speculation_stays_lossless(artifact):
     build_artifact(artifact, BuildOptions("ort", "fp16"))
     manifest = load_manifest(artifact)
     target = open_decoder(manifest, threads=2)
-    assert manifest.build["graphs"]["target"]["file"].startswith("builds/ort-fp16.")
+    assert manifest.build.graphs["target"].file.startswith("builds/ort-fp16.")
     cache = target.allocate_cache(1)
     assert cache.keys[0].dtype == np.float16
     plain = generate_plain(target, PROMPTS, 12)
@@ -64,9 +65,9 @@ def test_ort_fp16_build_decodes_and_speculation_stays_lossless(artifact):
 
 def test_rebuilding_replaces_the_previous_build_directory(artifact):
     build_artifact(artifact, BuildOptions("ort", "fp16"))
-    first = load_manifest(artifact).build["directory"]
+    first = load_manifest(artifact).build.directory
     build_artifact(artifact, BuildOptions("ort", "fp16"))
-    second = load_manifest(artifact).build["directory"]
+    second = load_manifest(artifact).build.directory
     assert first != second and not (artifact / first).exists() and (artifact / second).is_dir()
 
 
@@ -86,7 +87,7 @@ def test_an_interrupted_build_leaves_the_manifest_untouched(artifact, monkeypatc
 
 def test_a_tampered_build_file_is_refused(artifact):
     build_artifact(artifact, BuildOptions("ort", "fp16"))
-    graph = artifact / load_manifest(artifact).build["graphs"]["target"]["file"]
+    graph = artifact / load_manifest(artifact).build.graphs["target"].file
     graph.write_bytes(graph.read_bytes()[:-10])
     with pytest.raises(ArtifactError, match="modified or truncated"):
         load_manifest(artifact)
@@ -136,7 +137,7 @@ def test_cli_build_and_generate_use_the_build(artifact):
 
 def test_optimization_profiles_follow_the_manifest(artifacts):
     manifest = load_manifest(artifacts["llama"])
-    inputs = manifest.graph("target")["inputs"]
+    inputs = manifest.graph("target").inputs
     limits = ProfileLimits(kv_capacity=128, max_tree_tokens=64, max_batch=4)
     profiles = optimization_profiles(inputs, limits)
     assert list(profiles) == ["decode", "prefill"]
@@ -144,18 +145,20 @@ def test_optimization_profiles_follow_the_manifest(artifacts):
     assert decode["input_ids"] == ([1, 1], [1, 8], [4, 64])
     assert prefill["input_ids"] == ([1, 1], [1, 64], [4, 128])
     assert decode["attention_mask"] == ([1, 1, 1, 1], [1, 1, 8, 64], [4, 1, 64, 128])
-    kv = manifest.model["num_kv_heads"], manifest.model["head_dim"]
+    kv = manifest.model.num_kv_heads, manifest.model.head_dim
     assert decode["past_key_0"] == (
         [1, kv[0], 128, kv[1]],
         [1, kv[0], 128, kv[1]],
         [4, kv[0], 128, kv[1]],
     )
     with pytest.raises(ArtifactError, match="dynamic dimension 'sequence'"):
-        optimization_profiles([{"name": "x", "shape": ["sequence"]}], limits)
+        optimization_profiles([TensorSpec("x", "float32", ("sequence",))], limits)
 
 
 def test_engine_mismatches_name_the_version_and_gpu():
-    build = {"tensorrt_version": "10.15.1", "compute_capability": "9.0", "gpu": "H200"}
+    build = BuildEntry(
+        "trt", "fp16", tensorrt_version="10.15.1", compute_capability="9.0", gpu="H200"
+    )
     assert engine_mismatches(build, "10.15.3", "9.0") == []
     assert engine_mismatches(build, None, None) == []
     problems = engine_mismatches(build, "11.1.0", "8.9")
@@ -181,7 +184,7 @@ class _CopyBackend:
         from specx.build.staging import load_graph, save_graph
 
         graphs = {}
-        for name in job.manifest.data["graphs"]:
+        for name in job.manifest.graphs:
             job.progress(f"[toy] copying {name}")
             graphs[name] = save_graph(load_graph(job.manifest, name), job.output, name)
         return {"precision": job.options.precision, "graphs": graphs}
@@ -199,9 +202,9 @@ def test_a_new_backend_is_one_class_and_its_registration(artifact, monkeypatch):
     result = CliRunner().invoke(main, ["build", str(artifact), "--backend", "toy-copy"])
     assert result.exit_code == 0, result.output
     manifest = load_manifest(artifact)
-    assert manifest.data["default_build"] == "toy-fp32"
-    assert manifest.build["backend"] == "ort"  # the runtime that opens it
-    assert manifest.build["graphs"]["target"]["file"].startswith("builds/toy-fp32.")
+    assert manifest.default_build == "toy-fp32"
+    assert manifest.build.backend == "ort"  # the runtime that opens it
+    assert manifest.build.graphs["target"].file.startswith("builds/toy-fp32.")
     assert _plain(artifact) == before
     completion = load(artifact, threads=2).generate(PROMPTS[0], max_new_tokens=4)
     assert (completion.stats.build, completion.stats.backend) == ("toy-fp32", "ort")

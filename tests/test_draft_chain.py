@@ -50,8 +50,8 @@ def test_one_call_chain_equals_the_per_depth_chain(name, batch, head_artifacts, 
 def test_chain_graph_is_in_every_ort_build_and_not_in_trt_lint(head_artifacts):
     manifest = load_manifest(head_artifacts["eagle"])
     entry = manifest.graph("draft_chain")
-    assert entry["ort_only"] and entry["data_files"] == manifest.graph("draft_head")["data_files"]
-    names = {i["name"] for i in entry["inputs"]}
+    assert entry.ort_only and entry.data_files == manifest.graph("draft_head").data_files
+    names = {i.name for i in entry.inputs}
     assert {"last_index", "steps"} <= names
 
 

@@ -12,6 +12,7 @@ from specx.artifact import load_manifest
 from specx.export.checkpoint import load_checkpoint
 from specx.export.decoder import TargetDecoder
 from specx.graphs import tree_attention as ta
+from specx.manifest_types import TapSpec
 from specx.runtime.ort_target import OrtTarget
 
 CAPACITY = 24
@@ -77,13 +78,13 @@ def test_each_attention_is_one_plugin_ready_node(artifacts):
     manifest = load_manifest(artifacts["qwen3"])
     model = onnx.load(manifest.path("target.onnx"), load_external_data=False)
     nodes = [n for n in model.graph.node if n.domain == ta.DOMAIN]
-    assert len(nodes) == manifest.model["num_layers"]
+    assert len(nodes) == manifest.model.num_layers
     for node in nodes:
         attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
         assert node.op_type == ta.OP_TYPE
         assert attrs["plugin_namespace"] == b"specx" and attrs["plugin_version"] == b"1"
         assert attrs["num_heads"] == 4 and attrs["num_kv_heads"] == 2
-        assert attrs["scale"] == pytest.approx(manifest.model["head_dim"] ** -0.5)
+        assert attrs["scale"] == pytest.approx(manifest.model.head_dim**-0.5)
     # No attention of the decoder escaped the op: the only Attention is inside the function.
     assert not [n for n in model.graph.node if n.op_type in ("Attention", "Softmax")]
     (function,) = [f for f in model.functions if f.name == ta.OP_TYPE]
@@ -94,15 +95,15 @@ def test_each_attention_is_one_plugin_ready_node(artifacts):
 def test_manifest_records_signature_and_dynamic_dims(artifacts):
     manifest = load_manifest(artifacts["llama"])
     graph = manifest.graph("target")
-    inputs = {t["name"]: t for t in graph["inputs"]}
-    assert inputs["input_ids"]["shape"] == ["batch", "tokens"]
-    assert inputs["attention_mask"]["shape"] == ["batch", 1, "tokens", "kv_len"]
-    assert inputs["past_key_0"]["shape"] == ["batch", 2, "capacity", 16]
-    outputs = {t["name"]: t for t in graph["outputs"]}
-    assert outputs["logits"]["shape"] == ["batch", "tokens", 512]
-    assert outputs["hidden_taps"]["shape"] == ["batch", "tokens", 3 * 64]
-    assert manifest.model["kv_capacity"] == MAX_CONTEXT
-    assert manifest.model["taps"] == {"kind": "eagle3", "layers": [2, 2, 1], "width": 192}
+    inputs = {t.name: t for t in graph.inputs}
+    assert inputs["input_ids"].shape == ("batch", "tokens")
+    assert inputs["attention_mask"].shape == ("batch", 1, "tokens", "kv_len")
+    assert inputs["past_key_0"].shape == ("batch", 2, "capacity", 16)
+    outputs = {t.name: t for t in graph.outputs}
+    assert outputs["logits"].shape == ("batch", "tokens", 512)
+    assert outputs["hidden_taps"].shape == ("batch", "tokens", 3 * 64)
+    assert manifest.model.kv_capacity == MAX_CONTEXT
+    assert manifest.model.taps == TapSpec(kind="eagle3", width=192, layers=(2, 2, 1))
 
 
 def test_max_context_defaults_to_the_trained_positions_and_more_is_asked_for_by_name(tmp_path):
@@ -114,11 +115,11 @@ def test_max_context_defaults_to_the_trained_positions_and_more_is_asked_for_by_
     preset = CheckpointPreset(32, 64, 1, 2, 1, 128, max_position_embeddings=96)
     checkpoint = write_random_checkpoint(tmp_path / "ck", "llama", preset)
     default = export_target(checkpoint, tmp_path / "a")
-    assert load_manifest(default).model["kv_capacity"] == 96
+    assert load_manifest(default).model.kv_capacity == 96
     with pytest.raises(ExportError, match=r"--max-context 128 exceeds the 96 positions ck was"):
         export_target(checkpoint, tmp_path / "b", max_context=128)
     assert not (tmp_path / "b").exists()
     allowed = export_target(
         checkpoint, tmp_path / "c", max_context=128, beyond_trained_positions=True
     )
-    assert load_manifest(allowed).model["kv_capacity"] == 128
+    assert load_manifest(allowed).model.kv_capacity == 128

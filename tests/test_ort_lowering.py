@@ -56,14 +56,13 @@ def test_the_lowered_graph_equals_the_exported_graph(family, batch, artifacts, t
     artifact = shutil.copytree(artifacts[family], tmp_path / "artifact")
     build_artifact(artifact, BuildOptions("ort", "fp32"))
     manifest = load_manifest(artifact)
-    assert manifest.build["lowering"] == {"target": "gqa"}
-    lowered = ir.load(manifest.path(manifest.build["graphs"]["target"]["file"]))
+    assert manifest.data["builds"]["ort-fp32"]["lowering"] == {"target": "gqa"}
+    lowered = ir.load(manifest.path(manifest.build.graphs["target"].file))
     ops = [n.op_type for n in lowered.graph]
     assert (
-        "TreeAttention" not in ops
-        and ops.count("GroupQueryAttention") == manifest.model["num_layers"]
+        "TreeAttention" not in ops and ops.count("GroupQueryAttention") == manifest.model.num_layers
     )
-    assert ops.count("SkipSimplifiedLayerNormalization") == 2 * manifest.model["num_layers"]
+    assert ops.count("SkipSimplifiedLayerNormalization") == 2 * manifest.model.num_layers
     # RoPE moves into GQA, except after per-head q/k norms (Qwen3, Gemma 3; not on ORT's CPU) and
     # for partial rotary (the phi3 preset, as Phi-4-mini: its rotary is not GQA's form);
     # SmolLM3's NoPE layers take GQA without rotary.
@@ -115,7 +114,7 @@ def test_heads_lowered_too_and_their_trees_equal_plain(name, head_artifacts, tmp
     manifest = load_manifest(artifact)
     # Medusa's heads are MLPs: nothing in them to lower.
     lowered = {"target": "gqa"} if name == "medusa" else {"target": "gqa", "draft_head": "gqa"}
-    assert manifest.build["lowering"] == lowered
+    assert manifest.data["builds"]["ort-fp32"]["lowering"] == lowered
     target = OrtTarget(manifest, threads=2)
     prompts = [rng.integers(1, HEAD_VOCAB, n).tolist() for n in (3, 8, 5)]
     # Medusa drafts static trees only; the others also draft dynamic ones.
@@ -164,12 +163,11 @@ def test_row_invariant_targets_pad_lone_query_rows(block_size, lowering, artifac
     build_artifact(artifact, BuildOptions("ort", "int4", weight_only=config, lowering=lowering))
     manifest = load_manifest(artifact)
     build = manifest.build
-    assert build["quantization"]["greedy_identity"] == "chains"
-    assert build["quantization"]["padding_row"] == (block_size == 128)
-    assert build.get("lowering") == ({"target": "gqa"} if lowering == "gqa" else None)
-    assert build["graphs"]["target"].get("kv_spare_slots", 0) == int(
-        lowering == "gqa" or block_size == 128
-    )
+    assert build.greedy_identity == "chains"
+    assert build.quantization["padding_row"] == (block_size == 128)
+    lowered = manifest.data["builds"]["ort-int4"].get("lowering")
+    assert lowered == ({"target": "gqa"} if lowering == "gqa" else None)
+    assert build.graphs["target"].kv_spare_slots == int(lowering == "gqa" or block_size == 128)
     _assert_rows_chunk_invariant(OrtTarget(manifest, threads=2))
 
 
@@ -181,7 +179,7 @@ def test_pairing_kernels_break_row_invariance_without_the_padding_row(
     artifact = shutil.copytree(artifacts["llama"], tmp_path / "artifact")
     config = WeightOnlyConfig(block_size=128)
     build_artifact(artifact, BuildOptions("ort", "int4", weight_only=config))
-    assert not load_manifest(artifact).build["quantization"]["padding_row"]
+    assert not load_manifest(artifact).build.quantization["padding_row"]
     with pytest.raises(AssertionError):
         _assert_rows_chunk_invariant(OrtTarget(load_manifest(artifact), threads=2))
 
@@ -208,7 +206,7 @@ def test_without_groupqueryattention_the_build_keeps_the_standard_body(
     messages = []
     build_artifact(artifact, BuildOptions("ort", "fp32"), progress=messages.append)
     manifest = load_manifest(artifact)
-    assert manifest.build["graphs"]["target"]["file"] == "target.onnx"  # the exported graph
+    assert manifest.build.graphs["target"].file == "target.onnx"  # the exported graph
     assert any("no GroupQueryAttention lowering" in m for m in messages)
 
 
@@ -225,5 +223,5 @@ def test_the_pass_shares_its_inputs_and_removes_the_transposes(artifacts):
 def _rope_layers(manifest) -> list[bool]:
     """Which layers rotate q and k, from the exported checkpoint's config."""
     config = manifest.data["source"]["config"]
-    flags = config.get("no_rope_layers") or [1] * manifest.model["num_layers"]
+    flags = config.get("no_rope_layers") or [1] * manifest.model.num_layers
     return [bool(f) for f in flags]

@@ -64,12 +64,12 @@ def test_siblings_are_packed_into_one_matmul_with_the_same_values():
 
 def test_exported_graphs_have_no_unpacked_siblings(artifacts):
     manifest = load_manifest(artifacts["llama"])
-    graph = onnx.load(str(manifest.path(manifest.graph("target")["file"]))).graph
+    graph = onnx.load(str(manifest.path(manifest.graph("target").file))).graph
     weights = {t.name for t in graph.initializer}
     readers: dict[str, int] = {}
     for node in graph.node:
         if node.op_type == "MatMul" and node.input[1] in weights:
             readers[node.input[0]] = readers.get(node.input[0], 0) + 1
     assert readers and max(readers.values()) == 1
-    layers = manifest.model["num_layers"]
+    layers = manifest.model.num_layers
     assert sum(n.op_type == "Split" and len(n.output) == 3 for n in graph.node) == layers

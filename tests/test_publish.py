@@ -115,7 +115,7 @@ def _with_trt_build(artifact):
             "directory": "builds/trt-fp16.x",
             "graphs": {
                 "target": {
-                    **manifest.graph("target"),
+                    **manifest.data["graphs"]["target"],
                     "engine": "builds/trt-fp16.x/target.engine",
                     "profiles": ["decode", "prefill"],
                 }

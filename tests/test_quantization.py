@@ -42,7 +42,7 @@ def _calibration_prompts(vocab_size: int, count: int = 6, length: int = 32) -> l
 @pytest.fixture(scope="module")
 def quantized(artifacts, tmp_path_factory):
     artifact = shutil.copytree(artifacts["llama"], tmp_path_factory.mktemp("int8") / "artifact")
-    prompts = _calibration_prompts(load_manifest(artifact).model["vocab_size"])
+    prompts = _calibration_prompts(load_manifest(artifact).model.vocab_size)
     report = quantize_artifact(artifact, prompts)
     return artifact, prompts, report
 
@@ -59,19 +59,19 @@ def _graph(path: Path) -> onnx.GraphProto:
 def test_the_int8_build_is_recorded_and_becomes_the_default(quantized):
     artifact, prompts, report = quantized
     manifest = load_manifest(artifact)  # verifies every pinned file's sha256
-    assert manifest.data["default_build"] == BUILD_NAME == report["build"]
+    assert manifest.default_build == BUILD_NAME == report["build"]
     build = manifest.build
-    assert (build["backend"], build["precision"]) == ("ort", "int8")
-    assert build["onnxruntime_version"]
-    assert build["directory"] == report["directory"]
-    assert build["directory"].startswith(f"builds/{BUILD_NAME}.")
-    target = build["graphs"]["target"]
-    assert target["file"] == f"{build['directory']}/target.onnx"
-    assert target["data_files"] == [f"{build['directory']}/target.onnx.data"]
-    assert all(f in manifest.data["files"] for f in [target["file"], *target["data_files"]])
+    assert build is not None and (build.backend, build.precision) == ("ort", "int8")
+    assert manifest.data["builds"][BUILD_NAME]["onnxruntime_version"]
+    assert build.directory == report["directory"]
+    assert build.directory.startswith(f"builds/{BUILD_NAME}.")
+    target = build.graphs["target"]
+    assert target.file == f"{build.directory}/target.onnx"
+    assert target.data_files == (f"{build.directory}/target.onnx.data",)
+    assert all(f in manifest.files for f in [target.file, *target.data_files])
     exported = manifest.graph("target")
-    assert (target["inputs"], target["outputs"]) == (exported["inputs"], exported["outputs"])
-    record = build["quantization"]
+    assert (target.inputs, target.outputs) == (exported.inputs, exported.outputs)
+    record = build.quantization
     assert record["mode"] == "int8" and "QDQ" in record["method"]
     assert record["calibration_prompts"] == len(prompts)
     assert record["calibration_tokens"] == sum(len(p) for p in prompts)
@@ -84,8 +84,8 @@ def test_the_int8_build_is_recorded_and_becomes_the_default(quantized):
 def test_every_matmul_is_wrapped_in_qdq_and_tree_attention_is_row_invariant(quantized):
     artifact, _, _ = quantized
     manifest = load_manifest(artifact)
-    original = _graph(manifest.path(manifest.graph("target")["file"]))
-    graph = _graph(manifest.path(manifest.build["graphs"]["target"]["file"]))
+    original = _graph(manifest.path(manifest.graph("target").file))
+    graph = _graph(manifest.path(manifest.runtime_graph("target").file))
     producers = {out: node for node in graph.node for out in node.output}
     ops = [node.op_type for node in graph.node]
     assert "QuantizeLinear" in ops and "DequantizeLinear" in ops
@@ -108,7 +108,7 @@ def test_every_matmul_is_wrapped_in_qdq_and_tree_attention_is_row_invariant(quan
 
     assert kept(graph) == kept(original) and len(kept(graph)) > 0
 
-    model = onnx.load(str(manifest.path(manifest.build["graphs"]["target"]["file"])))
+    model = onnx.load(str(manifest.path(manifest.runtime_graph("target").file)))
     assert list(model.functions) == [tree_op.function_proto(row_invariant=True)]
 
 
@@ -141,7 +141,7 @@ def test_int8_rows_are_bit_identical_whether_decoded_alone_or_in_a_chunk(quantiz
 def test_speculation_on_the_int8_target_is_lossless(quantized):
     artifact, _, _ = quantized
     manifest = load_manifest(artifact)
-    assert manifest.runtime_graph("target")["file"].startswith(f"builds/{BUILD_NAME}.")
+    assert manifest.runtime_graph("target").file.startswith(f"builds/{BUILD_NAME}.")
     target = open_decoder(manifest, threads=2)
     plain = generate_plain(target, REPEATING, 32)
     spec = generate_speculative(
@@ -172,7 +172,7 @@ def test_the_cli_reads_jsonl_prompts_and_prints_the_report(artifact, tmp_path):
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
     assert report["build"] == BUILD_NAME and report["calibration_prompts"] == 2
-    assert load_manifest(artifact).data["default_build"] == BUILD_NAME
+    assert load_manifest(artifact).default_build == BUILD_NAME
 
     text = CliRunner().invoke(quantize, [str(artifact), "--prompts", str(prompts_file)])
     assert text.exit_code == 0, text.output
@@ -189,7 +189,8 @@ def test_the_cli_reads_jsonl_prompts_and_prints_the_report(artifact, tmp_path):
     done = CliRunner().invoke(main, [*build, "--prompts", str(prompts_file)])
     assert done.exit_code == 0, done.output
     record = load_manifest(artifact).build
-    assert record["quantization"]["calibration_prompts"] == 3 and record["backend"] == "ort"
+    assert record is not None and record.backend == "ort"
+    assert record.quantization["calibration_prompts"] == 3
 
 
 @pytest.mark.parametrize(

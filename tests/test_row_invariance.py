@@ -155,14 +155,14 @@ def _chunked_logits(
 def test_tree_attention_rows_are_bit_identical_for_any_chunk(artifacts):
     """The float target with the row-invariant TreeAttention body, on ONNX Runtime."""
     manifest = load_manifest(artifacts["llama"])
-    model = onnx.load(str(manifest.path(manifest.graph("target")["file"])))
+    model = onnx.load(str(manifest.path(manifest.graph("target").file)))
     padded = ir.to_proto(RowInvariantPass()(ir.from_proto(model)).model)
     function = next(f for f in padded.functions if f.name == tree_op.OP_TYPE)
     assert function == tree_op.function_proto(row_invariant=True)
     assert len(padded.graph.initializer) == len(model.graph.initializer)  # nothing else added
     session = load_session(padded.SerializeToString())
     rng = np.random.default_rng(0)
-    vocab = manifest.model["vocab_size"]
+    vocab = manifest.model.vocab_size
     for _ in range(3):
         prompt, continuation = rng.integers(0, vocab, 17).tolist(), rng.integers(0, vocab, 6)
         one = _chunked_logits(session, prompt, continuation.tolist(), 1)

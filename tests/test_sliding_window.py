@@ -75,7 +75,7 @@ def test_speculation_and_the_ort_lowering_past_the_window(family, windowed, tmp_
     _, artifact, _ = windowed[family]
     lowered = shutil.copytree(artifact, tmp_path / "artifact")
     build_artifact(lowered, BuildOptions("ort", "fp32"))
-    assert load_manifest(lowered).build["lowering"] == {"target": "gqa"}
+    assert load_manifest(lowered).data["builds"]["ort-fp32"]["lowering"] == {"target": "gqa"}
     exported = OrtTarget(load_manifest(artifact), threads=2)
     prompts = _prompts(exported.vocab_size, seed=1)
     plain = generate_plain(exported, prompts, NEW_TOKENS)
@@ -105,8 +105,8 @@ def test_the_window_mask_lints_clean_for_tensorrt(family, windowed):
     from specx.graphs.trt_lowering import lower_for_tensorrt
 
     manifest = load_manifest(windowed[family][1])
-    model = ir.load(manifest.path(manifest.graph("target")["file"]))
+    model = ir.load(manifest.path(manifest.graph("target").file))
     ops = {n.op_type for n in model.graph}
     assert {"Range", "Less", "And"} <= ops  # the second mask is in the graph
-    lowered = lower_for_tensorrt(model, manifest.model["kv_capacity"], "fp16")
+    lowered = lower_for_tensorrt(model, manifest.model.kv_capacity, "fp16")
     assert lint_for_tensorrt(lowered, "target") == []

@@ -122,7 +122,7 @@ def test_trained_eagle3_drafts_losslessly(teacher_dir, tmp_path, taps):
     )
     manifest = load_manifest(artifact)
     # The head's own taps (4 = the last layer's output) reach the exported target.
-    assert manifest.model["taps"]["layers"] == list(taps or (2, 2, 1))
+    assert manifest.model.taps.layers == tuple(taps or (2, 2, 1))
     target = OrtTarget(manifest, threads=2)
     from specx.runtime.tokenizer import TextTokenizer
 

@@ -44,12 +44,13 @@ def trt_artifacts(artifacts, head_artifacts, tmp_path_factory):
 
 
 def test_manifest_records_the_engines(trt_artifacts):
-    build = load_manifest(trt_artifacts["llama-fp16"]).build
-    assert build["backend"] == "trt" and build["precision"] == "fp16"
-    assert build["tensorrt_version"] == trt.__version__
-    assert build["compute_capability"] == "{}.{}".format(*torch.cuda.get_device_capability())
-    assert build["graphs"]["target"]["profiles"] == ["decode", "prefill"]
-    assert len(build["graphs"]["target"]["engine_sha256"]) == 64
+    manifest = load_manifest(trt_artifacts["llama-fp16"])
+    build = manifest.build
+    assert build.backend == "trt" and build.precision == "fp16"
+    assert build.tensorrt_version == trt.__version__
+    assert build.compute_capability == "{}.{}".format(*torch.cuda.get_device_capability())
+    assert build.graphs["target"].profiles == ("decode", "prefill")
+    assert len(manifest.data["builds"]["trt-fp16"]["graphs"]["target"]["engine_sha256"]) == 64
 
 
 def test_fp32_engine_decodes_like_onnx_runtime(trt_artifacts, artifacts):

@@ -17,9 +17,9 @@ from specx.graphs.trt_lowering import lower_for_tensorrt
 
 def _graphs(artifact):
     manifest = load_manifest(artifact)
-    for name, entry in manifest.data["graphs"].items():
-        if not entry.get("ort_only"):  # the one-call draft chain: ONNX Runtime only
-            yield name, manifest.model["kv_capacity"], manifest.path(entry["file"])
+    for name, entry in manifest.graphs.items():
+        if not entry.ort_only:  # the one-call draft chain: ONNX Runtime only
+            yield name, manifest.model.kv_capacity, manifest.path(entry.file)
 
 
 @pytest.mark.parametrize("precision", ["fp32", "fp16", "bf16"])

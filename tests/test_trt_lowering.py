@@ -23,7 +23,7 @@ CAPACITY = 128  # conftest.MAX_CONTEXT
 
 def _load(artifact, graph: str = "target") -> ir.Model:
     manifest = load_manifest(artifact)
-    return ir.load(manifest.path(manifest.graph(graph)["file"]))
+    return ir.load(manifest.path(manifest.graph(graph).file))
 
 
 def _save(model: ir.Model, path) -> str:
@@ -116,7 +116,7 @@ def test_lowering_fixes_capacity_and_marks_plugin_nodes(artifacts):
     caches = [v for v in (*lowered.graph.inputs, *lowered.graph.outputs) if "_key_" in v.name]
     assert caches and all(v.shape[2] == CAPACITY for v in caches)
     nodes = [n for n in lowered.graph if n.op_type == "TreeAttention"]
-    assert len(nodes) == load_manifest(artifacts["llama"]).model["num_layers"]
+    assert len(nodes) == load_manifest(artifacts["llama"]).model.num_layers
     for node in nodes:
         assert node.attributes["plugin_namespace"].value == "specx"
         assert node.attributes["plugin_version"].value == "1"

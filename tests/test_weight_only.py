@@ -140,14 +140,14 @@ def int4_b128(artifacts, tmp_path_factory):
     artifact = shutil.copytree(artifacts["llama"], tmp_path_factory.mktemp("b128") / "artifact")
     config = WeightOnlyConfig(block_size=128)
     build_artifact(artifact, BuildOptions("ort", "int4", weight_only=config))
-    assert load_manifest(artifact).build["quantization"]["padding_row"]
+    assert load_manifest(artifact).build.quantization["padding_row"]
     return artifact
 
 
 def test_the_int4_build_is_recorded_with_its_method(int4, artifacts):
     manifest = load_manifest(int4)
-    assert manifest.data["default_build"] == "ort-int4"
-    record = manifest.build["quantization"]
+    assert manifest.default_build == "ort-int4"
+    record = manifest.build.quantization
     # A tiny target's weights sit in cache: blocks of 32, no padding row (build.py).
     assert record["bits"] == 4 and record["block_size"] == 32 and record["method"] == "rtn"
     assert record["padding_row"] is False
@@ -156,7 +156,7 @@ def test_the_int4_build_is_recorded_with_its_method(int4, artifacts):
     assert record["output_projection_rescored_top_k"] == 16
     assert chains_only(manifest)
     graph = onnx.load(
-        manifest.path(manifest.build["graphs"]["target"]["file"]), load_external_data=False
+        manifest.path(manifest.build.graphs["target"].file), load_external_data=False
     ).graph
     ops = [n.op_type for n in graph.node]
     exported = onnx.load(
@@ -179,14 +179,14 @@ def test_a_capped_lm_head_is_found_as_the_output_projection(artifacts, tmp_path,
     build_artifact(artifact, BuildOptions("ort", "int4"))
     manifest = load_manifest(artifact)
     graph = onnx.load(
-        manifest.path(manifest.build["graphs"]["target"]["file"]), load_external_data=False
+        manifest.path(manifest.build.graphs["target"].file), load_external_data=False
     ).graph
     ops = [n.op_type for n in graph.node]
     assert ops.count("TopK") == 1 and ops.count("Tanh") == 1
     (rescore,) = [n for n in graph.node if n.op_type == "ScatterElements"]
     consumers = [n.op_type for n in graph.node if rescore.output[0] in n.input]
     assert consumers in (["Div"], ["Tanh"])  # the cap applies to the rescored logits (/ 1 folds)
-    assert manifest.build["quantization"]["quantized_matmuls"]["target"] == {"4": 4 * 4 + 1}
+    assert manifest.build.quantization["quantized_matmuls"]["target"] == {"4": 4 * 4 + 1}
     prompts = [rng.integers(1, 500, 24).tolist() for _ in range(2)]
     plain = generate_plain(OrtTarget(manifest, threads=2), prompts, 8)
     assert all(len(tokens) == 8 for tokens in plain.tokens)
@@ -231,10 +231,10 @@ def test_head_chains_equal_plain_on_int4_builds(name, head_artifacts, tmp_path, 
     artifact = shutil.copytree(head_artifacts[name], tmp_path / "artifact")
     build_artifact(artifact, BuildOptions("ort", "int4"))
     manifest = load_manifest(artifact)
-    converted = set(manifest.build["quantization"]["quantized_matmuls"])
-    assert converted == set(manifest.data["graphs"]) - {"draft_chain"}
+    converted = set(manifest.build.quantization["quantized_matmuls"])
+    assert converted == set(manifest.graphs) - {"draft_chain"}
     # The one-call chain of an autoregressive head is derived from the quantized head.
-    assert ("draft_chain" in manifest.build["graphs"]) == (name != "medusa")
+    assert ("draft_chain" in manifest.build.graphs) == (name != "medusa")
     target = OrtTarget(manifest, threads=2)
     drafter = make_drafter(name.split("-")[0], target, DrafterOptions(tree=StaticTree.chain(3)))
     prompts = [rng.integers(1, HEAD_VOCAB, n).tolist() for n in (3, 8, 5, 12, 2, 7, 4, 9)]
@@ -280,7 +280,7 @@ def test_cli_builds_gptq_and_refuses_misuse(artifacts, tmp_path):
     ]
     done = runner.invoke(main, args)
     assert done.exit_code == 0, done.output
-    record = load_manifest(artifact).build["quantization"]
+    record = load_manifest(artifact).build.quantization
     assert (record["bits"], record["method"], record["block_size"]) == (8, "gptq", 32)
     assert record["output_projection_bits"] == 8
     assert record["output_projection_rescored_top_k"] == 0
@@ -347,7 +347,7 @@ def test_row_invariance_is_measured_and_recorded(artifacts, tmp_path):
     assert matmulnbits_row_invariance(WeightOnlyConfig(block_size=32)) == "as is"
     artifact = shutil.copytree(artifacts["llama"], tmp_path / "artifact")
     build_artifact(artifact, BuildOptions("ort", "int4", weight_only=config))
-    quantization = load_manifest(artifact).build["quantization"]
+    quantization = load_manifest(artifact).build.quantization
     assert quantization["greedy_identity"] == ("chains" if invariance else "none")
     assert quantization["padding_row"] == (invariance == "padded")
     if not invariance:
@@ -362,7 +362,7 @@ def test_the_block_size_follows_the_targets_size(artifacts, tmp_path, monkeypatc
     monkeypatch.setattr(specx.build.ort, "STREAMED_WEIGHTS", 1000)
     artifact = shutil.copytree(artifacts["llama"], tmp_path / "artifact")
     build_artifact(artifact, BuildOptions("ort", "int4"))
-    quantization = load_manifest(artifact).build["quantization"]
+    quantization = load_manifest(artifact).build.quantization
     assert quantization["block_size"] == 128
     assert quantization["padding_row"] == (
         matmulnbits_row_invariance(WeightOnlyConfig(block_size=128)) == "padded"
@@ -379,14 +379,14 @@ def test_a_draft_only_build_quantizes_the_head_and_keeps_the_float_target(
     )
     assert done.exit_code == 0, done.output
     manifest = load_manifest(artifact)
-    assert manifest.data["default_build"] == "ort-int8-draft"
-    record = manifest.build["quantization"]
+    assert manifest.default_build == "ort-int8-draft"
+    record = manifest.build.quantization
     assert record["scope"] == "draft" and "greedy_identity" not in record
     assert set(record["quantized_matmuls"]) == {"draft_head"}
     assert not chains_only(manifest)  # the target is float: trees keep greedy identity
 
     def ops(name: str) -> list[str]:
-        path = manifest.path(manifest.build["graphs"][name]["file"])
+        path = manifest.path(manifest.build.graphs[name].file)
         return [n.op_type for n in onnx.load(path, load_external_data=False).graph.node]
 
     assert "MatMulNBits" not in ops("target") and "GroupQueryAttention" in ops("target")

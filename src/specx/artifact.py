@@ -16,12 +16,13 @@ Standard library only: the runtime imports this module.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,13 @@ from typing import Any
 from specx import __version__
 from specx.artifact_schema import check_manifest_types
 from specx.errors import ArtifactError
+from specx.manifest_types import (
+    BuildEntry,
+    CalibrationEntry,
+    DrafterSpec,
+    GraphEntry,
+    ModelSpec,
+)
 
 __all__ = [
     "FORMAT_VERSION",
@@ -235,71 +243,105 @@ def atomic_output_dir(
 
 @dataclass(frozen=True)
 class Manifest:
-    """A loaded, verified manifest: `root` is the artifact directory, `data` the JSON body."""
+    """A loaded, verified manifest: its typed sections, and the JSON body they were read from.
 
-    root: Path
+    `data` is the body as read, kept for `manifest_body` to write back with a section
+    changed, and for the calibration entries, which are checked when used (`calibration`).
+    """
+
+    root: Path  # the artifact directory
     data: dict[str, Any]
+    model: ModelSpec
+    graphs: Mapping[str, GraphEntry]  # the exported graphs
+    builds: Mapping[str, BuildEntry]
+    default_build: str | None  # the build the runtime opens; None: the exported graphs
+    drafter: DrafterSpec | None  # the head exported with the target, if any
+    files: Mapping[str, str]  # every pinned file (relative path) -> sha256
+    tokenizer: str | None  # relative paths, as `files` names them
+    chat_template: str | None
+
+    @classmethod
+    def from_json(cls, root: Path, data: dict[str, Any]) -> Manifest:
+        """The manifest of a body `parse_manifest` checked (which this cannot fail on)."""
+        drafter = data.get("drafter")
+        return cls(
+            root=root,
+            data=data,
+            model=ModelSpec.from_json(data["model"]),
+            graphs={name: GraphEntry.from_json(g) for name, g in data["graphs"].items()},
+            builds={name: BuildEntry.from_json(b) for name, b in data.get("builds", {}).items()},
+            default_build=data.get("default_build"),
+            drafter=DrafterSpec.from_json(drafter) if drafter else None,
+            files=data["files"],
+            tokenizer=data.get("tokenizer"),
+            chat_template=data.get("chat_template"),
+        )
 
     def path(self, relative: str) -> Path:
         """Absolute path of a file the manifest lists."""
         return self.root / relative
 
-    def graph(self, name: str) -> dict[str, Any]:
-        """The entry of graph `name` (file, opset, inputs, outputs)."""
-        graphs = self.data["graphs"]
-        if name not in graphs:
+    def graph(self, name: str) -> GraphEntry:
+        """The exported graph `name` (file, signature)."""
+        if name not in self.graphs:
             raise ArtifactError(
-                f"{self.root / MANIFEST_NAME}: no graph named {name!r} (has {sorted(graphs)})"
+                f"{self.root / MANIFEST_NAME}: no graph named {name!r} (has {sorted(self.graphs)})"
             )
-        return graphs[name]
+        return self.graphs[name]
 
     @property
-    def model(self) -> dict[str, Any]:
-        """Shapes the runtime needs: layers, heads, head_dim, vocab, KV capacity, taps."""
-        return self.data["model"]
-
-    @property
-    def build(self) -> dict[str, Any] | None:
+    def build(self) -> BuildEntry | None:
         """The build the runtime uses (`specx build`), or None: the exported graphs on ORT.
 
         `builds` maps a build name to its backend, precision and graphs; `default_build`
         names the one `specx generate` runs unless told otherwise.
         """
-        name = self.data.get("default_build")
-        return None if name is None else self.data["builds"][name]
+        return None if self.default_build is None else self.builds[self.default_build]
 
     def with_build(self, name: str | None) -> Manifest:
         """This artifact with build `name` as the default (None: the exported graphs)."""
-        if name is not None and name not in self.data.get("builds", {}):
+        if name is not None and name not in self.builds:
             raise ArtifactError(
-                f"{self.root / MANIFEST_NAME}: no build {name!r} "
-                f"(has {sorted(self.data.get('builds', {}))})"
+                f"{self.root / MANIFEST_NAME}: no build {name!r} (has {sorted(self.builds)})"
             )
-        return Manifest(self.root, {**self.data, "default_build": name})
+        data = {**self.data, "default_build": name}
+        return dataclasses.replace(self, data=data, default_build=name)
 
-    def runtime_graph(self, name: str) -> dict[str, Any]:
+    def runtime_graph(self, name: str) -> GraphEntry:
         """The entry of graph `name` in the default build, else the exported graph's."""
         build = self.build
         if build is None:
             return self.graph(name)
-        if name not in build["graphs"]:
+        if name not in build.graphs:
             raise ArtifactError(
-                f"{self.root / MANIFEST_NAME}: build {self.data['default_build']!r} has no "
-                f"graph {name!r} (has {sorted(build['graphs'])})"
+                f"{self.root / MANIFEST_NAME}: build {self.default_build!r} has no "
+                f"graph {name!r} (has {sorted(build.graphs)})"
             )
-        return build["graphs"][name]
+        return build.graphs[name]
+
+    @property
+    def calibration_keys(self) -> tuple[str, ...]:
+        """The calibrated drafters: a drafter's name, `@<sampling setting>` past greedy."""
+        return tuple(self.data.get("calibration") or {})
+
+    def calibration(self, key: str) -> CalibrationEntry:
+        """`specx calibrate`'s entry `key`, checked now: a stale entry breaks only its users.
+
+        Raises:
+            ArtifactError: the entry is malformed (named, with the advice to recalibrate).
+        """
+        where = f"{self.root / MANIFEST_NAME}: calibration.{key}"
+        return CalibrationEntry.from_json(where, self.data["calibration"][key])
 
     @property
     def chat_template_file(self) -> Path | None:
         """The artifact's chat template (`specx.runtime.chat`), or None when it has none."""
-        name = self.data.get("chat_template")
-        return None if name is None else self.root / name
+        return None if self.chat_template is None else self.root / self.chat_template
 
     @property
     def tokenizer_file(self) -> Path | None:
         """The artifact's tokenizer.json, or None when it was exported without one."""
-        name = self.data.get("tokenizer")
-        return None if name is None else self.root / name
+        return None if self.tokenizer is None else self.root / self.tokenizer
 
 
 def manifest_body(manifest: Manifest) -> dict[str, Any]:
@@ -369,7 +411,7 @@ def load_manifest(root: str | os.PathLike[str], verify_hashes: bool = True) -> M
                     f"{path} does not match {manifest_path}: sha256 {actual} != {expected} "
                     "(the file was modified or truncated after export)"
                 )
-    return Manifest(root=root, data=data)
+    return Manifest.from_json(root, data)
 
 
 def parse_manifest(raw: bytes, where: str) -> dict[str, Any]:

@@ -3,7 +3,9 @@
 A manifest is JSON that a person can edit, so every field the runtime reads is checked
 here by type and range, and a bad one is named (`model.kv_capacity must be a positive
 integer, got 'lots'`) instead of failing later as a TypeError deep in decoding. File
-names must be relative paths inside the artifact: the loader hashes what they name.
+names must be relative paths inside the artifact: the loader hashes what they name. The
+typed sections (`specx.manifest_types`) are read from what passed, so every field they
+read is checked here (calibration entries excepted: they are checked when used).
 
 Standard library only: the runtime imports this module.
 """
@@ -69,6 +71,21 @@ _DECODER = {
     name: (_positive_int, "a positive integer")
     for name in ("num_layers", "num_kv_heads", "head_dim", "hidden_size", "vocab_size")
 }
+_DRAFTER = {name: (_is(str), "a string") for name in ("kind", "graph", "taps")}
+_DRAFTER_OPTIONAL = {
+    "medusa_heads": (_positive_int, "a positive integer"),
+    "projection": (_is(str), "a string"),
+    "d2t": (_relative_file, "a relative path inside the artifact"),
+}
+_BUILD_OPTIONAL = {
+    "directory": (_relative_file, "a relative path inside the artifact"),
+    "quantization": (lambda v: isinstance(v, dict), "an object"),
+    **{name: (_is(str), "a string") for name in ("tensorrt_version", "compute_capability", "gpu")},
+}
+_GREEDY_IDENTITY = ("all", "chains", "none")
+_QUANTIZATION_OPTIONAL = {
+    "greedy_identity": (lambda v: v in _GREEDY_IDENTITY, f"one of {', '.join(_GREEDY_IDENTITY)}")
+}
 _IO = {
     "name": (_is(str), "a string"),
     "dtype": (_is(str), "a string"),
@@ -82,6 +99,12 @@ def _fields(where: str, data: dict, schema: Mapping[str, tuple[Check, str]]) -> 
             raise ArtifactError(f"{where}: {key} is missing")
         if not check(data[key]):
             raise ArtifactError(f"{where}: {key} must be {expected}, got {data[key]!r:.60}")
+
+
+def _optional_fields(where: str, data: dict, schema: Mapping[str, tuple[Check, str]]) -> None:
+    """`_fields` for the fields of `schema` that `data` has (null counts as absent)."""
+    present = [key for key in schema if data.get(key) is not None]
+    _fields(where, data, {key: schema[key] for key in present})
 
 
 def _object(where: str, value: Any) -> dict:
@@ -101,6 +124,10 @@ def _graph(where: str, entry: Any) -> None:
     spare = entry.get("kv_spare_slots", 0)
     if not isinstance(spare, int) or isinstance(spare, bool) or not 0 <= spare <= 8:
         raise ArtifactError(f"{where}.kv_spare_slots must be an integer in 0..8, got {spare!r}")
+    if not isinstance(entry.get("ort_only", False), bool):
+        raise ArtifactError(f"{where}.ort_only must be true or false")
+    if not _list_of(_is(str))(entry.get("profiles", [])):
+        raise ArtifactError(f"{where}.profiles must be a list of strings")
     for side in ("inputs", "outputs"):
         values = entry.get(side)
         if not isinstance(values, list):
@@ -139,12 +166,20 @@ def check_manifest_types(where: str, data: dict[str, Any]) -> None:
                 raise ArtifactError(f"{where}: builds.{name}.{key} must be a string")
         for graph, entry in _object(f"{where}: builds.{name}.graphs", build.get("graphs")).items():
             _graph(f"{where}: builds.{name}.graphs.{graph}", entry)
+        _optional_fields(f"{where}: builds.{name}", build, _BUILD_OPTIONAL)
+        _optional_fields(
+            f"{where}: builds.{name}.quantization",
+            build.get("quantization") or {},
+            _QUANTIZATION_OPTIONAL,
+        )
     for key in ("default_build", "tokenizer", "chat_template"):
         if data.get(key) is not None and not isinstance(data[key], str):
             raise ArtifactError(f"{where}: {key} must be a string or null")
     for key in ("tokenizer", "chat_template"):
         if data.get(key) is not None and not _relative_file(data[key]):
             raise ArtifactError(f"{where}: {key} must be a relative path inside the artifact")
-    for key in ("drafter", "calibration"):
-        if data.get(key) is not None:
-            _object(f"{where}: {key}", data[key])
+    if data.get("calibration") is not None:
+        _object(f"{where}: calibration", data["calibration"])
+    if data.get("drafter") is not None and _object(f"{where}: drafter", data["drafter"]):
+        _fields(f"{where}: drafter", data["drafter"], _DRAFTER)
+        _optional_fields(f"{where}: drafter", data["drafter"], _DRAFTER_OPTIONAL)

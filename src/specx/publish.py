@@ -28,6 +28,7 @@ from specx.artifact import (
     parse_manifest,
 )
 from specx.errors import ArtifactError
+from specx.manifest_types import BuildEntry
 from specx.runtime.engine_compat import engine_mismatches
 
 __all__ = ["VerifyReport", "pack_artifact", "verify_artifact"]
@@ -62,7 +63,7 @@ def pack_artifact(
     manifest = load_manifest(artifact_dir)
     output.parent.mkdir(parents=True, exist_ok=True)
     top = manifest.root.name
-    names = [MANIFEST_NAME, *sorted(manifest.data["files"])]
+    names = [MANIFEST_NAME, *sorted(manifest.files)]
     fd, tmp = tempfile.mkstemp(prefix=f".{output.name}.", suffix=".tmp", dir=output.parent)
     try:
         with os.fdopen(fd, "wb") as raw, tarfile.open(fileobj=raw, mode="w") as tar:
@@ -201,15 +202,16 @@ def _check_builds(data: dict, report: VerifyReport) -> None:
             f"written by specx {data['specx_version']}, newer than this {__version__} "
             "(same artifact format, so it loads)"
         )
-    for name, build in data.get("builds", {}).items():
-        report.builds[name] = f"{build['backend']}/{build['precision']}"
-        if build["backend"] != "trt":
+    for name, record in data.get("builds", {}).items():
+        build = BuildEntry.from_json(record)  # `data` passed parse_manifest's checks
+        report.builds[name] = f"{build.backend}/{build.precision}"
+        if build.backend != "trt":
             continue
         local = _local_tensorrt()
         if local is None:
             report.notes.append(
-                f"build {name}: TensorRT {build.get('tensorrt_version')} engines for compute "
-                f"capability {build.get('compute_capability')}; TensorRT or a GPU is not "
+                f"build {name}: TensorRT {build.tensorrt_version} engines for compute "
+                f"capability {build.compute_capability}; TensorRT or a GPU is not "
                 "available here, so they were not checked against this machine"
             )
             continue

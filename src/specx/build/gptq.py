@@ -22,7 +22,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
@@ -33,6 +32,7 @@ from specx.graphs.weight_only import (
     block_scales,
     quantize_rtn,
 )
+from specx.manifest_types import TensorSpec
 
 __all__ = ["collect_hessians", "gptq_quantize", "gptq_quantizer"]
 
@@ -99,7 +99,7 @@ def gptq_quantizer(hessians: Mapping[str, np.ndarray], damp: float = 0.01) -> Qu
 
 def collect_hessians(
     graph_path: Path,
-    inputs: list[dict[str, Any]],
+    inputs: Sequence[TensorSpec],
     prompts: Sequence[Sequence[int]],
     threads: int | None = None,
 ) -> dict[str, np.ndarray]:

@@ -39,6 +39,7 @@ from specx.artifact import Manifest, load_manifest
 from specx.build.registry import BuildJob, BuildOptions, BuildOutput, Progress
 from specx.build.staging import exported_entries, graph_entry
 from specx.errors import BuildError
+from specx.manifest_types import TensorSpec
 from specx.runtime.masks import causal_mask
 
 if TYPE_CHECKING:
@@ -114,7 +115,7 @@ class Int8Static:
         output = staging / "target.onnx"
         tokens = sum(len(p) for p in prompts)
         job.progress(f"[int8] calibrating the target on {len(prompts)} prompts ({tokens} tokens)")
-        inputs = manifest.graph("target")["inputs"]
+        inputs = manifest.graph("target").inputs
         quantized = staging / ".source" / "quantized.onnx"
         _quantize_static(source, quantized, inputs, prompts, self.threads)
         _save_row_invariant(quantized, output)
@@ -134,7 +135,7 @@ class Int8Static:
         quantization = {
             "mode": self.mode,
             "method": METHOD,
-            "source": manifest.graph("target")["file"],
+            "source": manifest.graph("target").file,
             "quantized_matmuls": _count_quantized_matmuls(output),
             "calibration_prompts": len(prompts),
             "calibration_tokens": tokens,
@@ -184,12 +185,12 @@ def quantize_artifact(
     builder = Int8Static(mode, eval_prompts, threads)
     options = BuildOptions(backend=builder.name, precision="int8")
     name = build_artifact(artifact_dir, options, progress, prompts, builder)
-    record = load_manifest(artifact_dir, verify_hashes=False).data["builds"][name]
+    build = load_manifest(artifact_dir, verify_hashes=False).builds[name]
     seconds = time.perf_counter() - started
     return {
         "build": name,
-        "directory": record["directory"],
-        **record["quantization"],
+        "directory": build.directory,
+        **build.quantization,
         "seconds": seconds,
     }
 
@@ -224,7 +225,7 @@ def _modelopt_installed() -> bool:
 def _check_prompts(prompts: Sequence[Sequence[int]], manifest: Manifest, kind: str) -> None:
     if len(prompts) == 0:
         raise BuildError(f"no {kind} prompts given: quantization needs at least one")
-    capacity, vocab = manifest.model["kv_capacity"], manifest.model["vocab_size"]
+    capacity, vocab = manifest.model.kv_capacity, manifest.model.vocab_size
     for i, prompt in enumerate(prompts):
         if len(prompt) == 0:
             raise BuildError(f"{kind} prompt {i} is empty")
@@ -240,10 +241,10 @@ def _check_prompts(prompts: Sequence[Sequence[int]], manifest: Manifest, kind: s
 
 def _source_path(manifest: Manifest) -> Path:
     """The exported float32 target graph: what is quantized, whatever the default build."""
-    return manifest.path(manifest.graph("target")["file"])
+    return manifest.path(manifest.graph("target").file)
 
 
-def prefill_inputs(inputs: list[dict[str, Any]], prompt: Sequence[int]) -> dict[str, np.ndarray]:
+def prefill_inputs(inputs: Sequence[TensorSpec], prompt: Sequence[int]) -> dict[str, np.ndarray]:
     """The target graph's inputs for one prefill of `prompt` (batch 1) into an empty cache.
 
     The caches are zero buffers of exactly the prompt's length; names, head counts, head
@@ -256,7 +257,7 @@ def prefill_inputs(inputs: list[dict[str, Any]], prompt: Sequence[int]) -> dict[
     start = np.zeros(1, dtype=np.int64)
     feed = {}
     for spec in inputs:
-        name = spec["name"]
+        name = spec.name
         if name == "input_ids":
             feed[name] = np.array([prompt], dtype=np.int64)
         elif name == "position_ids":
@@ -266,8 +267,8 @@ def prefill_inputs(inputs: list[dict[str, Any]], prompt: Sequence[int]) -> dict[
         elif name == "write_pos":
             feed[name] = start
         elif name.startswith(("past_key_", "past_value_")):
-            _, heads, _, head_dim = spec["shape"]
-            feed[name] = np.zeros((1, heads, n, head_dim), dtype=spec["dtype"])
+            _, heads, _, head_dim = spec.shape
+            feed[name] = np.zeros((1, int(heads), n, int(head_dim)), dtype=spec.dtype)
         else:
             raise BuildError(f"the target graph has an input {name!r} a prefill cannot fill")
     return feed
@@ -276,7 +277,7 @@ def prefill_inputs(inputs: list[dict[str, Any]], prompt: Sequence[int]) -> dict[
 class PrefillReader(CalibrationDataReader):
     """ONNX Runtime calibration data: the target's inputs for a prefill of each prompt."""
 
-    def __init__(self, inputs: list[dict[str, Any]], prompts: Sequence[Sequence[int]]):
+    def __init__(self, inputs: Sequence[TensorSpec], prompts: Sequence[Sequence[int]]):
         self._feeds = (prefill_inputs(inputs, prompt) for prompt in prompts)
 
     def get_next(self) -> dict[str, np.ndarray] | None:
@@ -293,16 +294,16 @@ def _stage_source(manifest: Manifest, directory: Path) -> Path:
     """
     directory.mkdir()
     entry = manifest.graph("target")
-    for name in [entry["file"], *entry.get("data_files", [])]:
+    for name in [entry.file, *entry.data_files]:
         path = manifest.path(name)
         shutil.copyfile(path, directory / path.name)
-    return directory / manifest.path(entry["file"]).name
+    return directory / manifest.path(entry.file).name
 
 
 def _quantize_static(
     source: Path,
     output: Path,
-    inputs: list[dict[str, Any]],
+    inputs: Sequence[TensorSpec],
     prompts: Sequence[Sequence[int]],
     threads: int | None,
 ) -> None:
@@ -403,7 +404,7 @@ def _without_pre_processing_advice() -> Iterator[None]:
 def teacher_forced_accuracy(
     reference: Path,
     candidate: Path,
-    inputs: list[dict[str, Any]],
+    inputs: Sequence[TensorSpec],
     prompts: Sequence[Sequence[int]],
     threads: int | None = None,
 ) -> dict[str, Any]:

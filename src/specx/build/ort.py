@@ -76,7 +76,7 @@ class OnnxRuntime:
         method = options.weight_only.method if options.weight_only else "rtn"
         if method == "gptq" and not prompts:
             raise BuildError("a GPTQ build needs calibration prompts (--prompts FILE)")
-        if options.draft_only and set(manifest.data["graphs"]) == {"target"}:
+        if options.draft_only and set(manifest.graphs) == {"target"}:
             raise BuildError(
                 f"{manifest.root} has no draft head to quantize (--quantize draft); a draft "
                 "model is an artifact of its own: build it with --quantize all"
@@ -108,7 +108,7 @@ def _build_ort(
         graphs = exported_entries(manifest)  # the exported graphs are the fp32 ORT build
     else:
         graphs = {}
-        for name in manifest.data["graphs"]:
+        for name in manifest.graphs:
             if name == "draft_chain":
                 continue  # derived from the built head below
             progress(f"[ort] converting {name} to {options.precision}")
@@ -122,7 +122,7 @@ def _build_ort(
             graphs[name] = save_graph(model, output, name, progress)
             if padded == "graph" or (lower and padded == "attention"):
                 graphs[name]["kv_spare_slots"] = 1  # the padding row's key and value
-        if "draft_chain" in manifest.data["graphs"]:
+        if "draft_chain" in manifest.graphs:
             graphs["draft_chain"] = _derive_chain(manifest, graphs["draft_head"], output)
         for name in graphs:
             try:
@@ -153,7 +153,7 @@ def _quantizer(
 
     progress(f"[ort] collecting GPTQ input statistics on {len(prompts)} prompts")
     entry = manifest.graph(name)
-    hessians = collect_hessians(manifest.path(entry["file"]), entry["inputs"], prompts)
+    hessians = collect_hessians(manifest.path(entry.file), entry.inputs, prompts)
     return gptq_quantizer(hessians)
 
 
@@ -216,7 +216,7 @@ def _derive_chain(manifest: Manifest, head: dict[str, Any], output: BuildOutput)
     """The one-call chain graph of the built head (`specx.graphs.draft_chain`)."""
     from specx.export.head_export import save_draft_chain
 
-    d2t = (manifest.data.get("drafter") or {}).get("d2t")
+    d2t = None if manifest.drafter is None else manifest.drafter.d2t
     to_target = None
     if d2t:
         offsets = np.load(manifest.path(d2t))
@@ -235,8 +235,7 @@ def _lower(manifest: Manifest, model: ir.Model, pad_single_rows: bool) -> bool:
     RoPE tables cover every position a step can reach (a draft head's run up to a tree's
     depth past the target's).
     """
-    shape = manifest.model
-    positions = shape["kv_capacity"] + shape.get("max_tree_tokens", 0)
+    positions = manifest.model.kv_capacity + manifest.model.max_tree_tokens
     norms = SkipRmsNormPass()(model).modified
     attention = GroupQueryAttentionPass(positions, pad_single_rows)(model).modified
     return norms or attention
@@ -268,7 +267,7 @@ def weight_only_config(manifest: Manifest, options: BuildOptions) -> WeightOnlyC
     config = options.weight_only or WeightOnlyConfig(bits=WEIGHT_ONLY[options.precision])
     if config.block_size is not None:
         return config
-    graph = onnx.load(manifest.path(manifest.graph("target")["file"]), load_external_data=False)
+    graph = onnx.load(manifest.path(manifest.graph("target").file), load_external_data=False)
     weights = sum(math.prod(t.dims) for t in graph.graph.initializer if len(t.dims) == 2)
     return dataclasses.replace(config, block_size=128 if weights >= STREAMED_WEIGHTS else 32)
 

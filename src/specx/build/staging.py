@@ -75,7 +75,7 @@ def publish_build(manifest: Manifest, name: str, output: BuildOutput, record: di
 
 def load_graph(manifest: Manifest, name: str) -> ir.Model:
     """The exported graph `name`, with its weights."""
-    return ir.load(manifest.path(manifest.graph(name)["file"]))
+    return ir.load(manifest.path(manifest.graph(name).file))
 
 
 def save_graph(

@@ -17,6 +17,7 @@ from specx.errors import BuildError
 from specx.graphs.precision import PRECISIONS
 from specx.graphs.trt_lint import lint_for_tensorrt
 from specx.graphs.trt_lowering import lower_for_tensorrt
+from specx.manifest_types import GraphEntry
 
 __all__ = ["BACKEND", "TensorRT"]
 
@@ -48,10 +49,10 @@ class TensorRT:
         from specx.tensorrt.profiles import ProfileLimits, optimization_profiles
 
         manifest, options, output = job.manifest, job.options, job.output
-        capacity = manifest.model["kv_capacity"]
+        capacity = manifest.model.kv_capacity
         lowered = {}
-        for name, entry in manifest.data["graphs"].items():
-            if entry.get("ort_only"):
+        for name, exported in manifest.graphs.items():
+            if exported.ort_only:
                 continue  # e.g. the one-call draft chain (an ONNX Loop): TensorRT drafts per depth
             job.progress(f"[trt] lowering {name} ({options.precision}) and linting it")
             model = lower_for_tensorrt(load_graph(manifest, name), capacity, options.precision)
@@ -65,13 +66,13 @@ class TensorRT:
         device = device_summary()  # raises BuildError naming what is missing
         limits = ProfileLimits(
             kv_capacity=capacity,
-            max_tree_tokens=manifest.model["max_tree_tokens"],
+            max_tree_tokens=manifest.model.max_tree_tokens,
             max_batch=options.max_batch,
         )
         graphs = {}
         for name, model in lowered.items():
             entry = save_graph(model, output, name)
-            profiles = optimization_profiles(entry["inputs"], limits)
+            profiles = optimization_profiles(GraphEntry.from_json(entry).inputs, limits)
             job.progress(f"[trt] building the {name} engine ({len(profiles)} profiles)")
             engine = build_engine(
                 output.staging / f"{name}.onnx",

@@ -56,6 +56,7 @@ from specx.calibration.costs import DraftCost, fit_draft_cost, measure_verify_cu
 from specx.calibration.timing import measure_speedup
 from specx.calibration.tree_selection import RankedTree, best_trees, chain_expected
 from specx.errors import CalibrationError, SpecxError
+from specx.manifest_types import TreeChoice
 from specx.runtime.backends import build_name, open_decoder
 from specx.runtime.calibrated import calibration_key, chains_only, choice_shape
 from specx.runtime.decoder_backend import DecoderBackend
@@ -122,7 +123,8 @@ def calibrate_artifact(
     prompts = [list(map(int, p)) for p in prompts]
     if not prompts or any(len(p) == 0 for p in prompts):
         raise CalibrationError("calibration needs at least one non-empty prompt")
-    spec = options.drafter or (manifest.data.get("drafter") or {}).get("kind")
+    head = manifest.drafter
+    spec = options.drafter or (None if head is None else head.kind)
     if spec is None:
         raise CalibrationError(
             f"{manifest.root} has no drafter to calibrate: export it with --drafter "
@@ -132,7 +134,8 @@ def calibrate_artifact(
     if spec == "suffix":
         return _calibrate_budget(manifest, target, spec, prompts, options, sampling, progress)
     top_k = 1 if spec == "ngram" else options.probe_top_k
-    depth = _probe_depth(manifest.data, spec, options.probe_depth, top_k, target)
+    heads = None if head is None else head.medusa_heads
+    depth = _probe_depth(heads, spec, options.probe_depth, top_k, target)
     for index, prompt in enumerate(prompts):
         try:
             check_prompts(
@@ -351,12 +354,11 @@ def batch_summary(max_batch_spec: int) -> str:
 
 
 def _probe_depth(
-    manifest_data: dict, spec: str, depth: int, top_k: int, target: DecoderBackend
+    medusa_heads: int | None, spec: str, depth: int, top_k: int, target: DecoderBackend
 ) -> int:
     """The probe depth: at most the Medusa heads there are, and the tree must fit a verify."""
-    heads = (manifest_data.get("drafter") or {}).get("medusa_heads")
-    if spec == "medusa" and heads:
-        depth = min(depth, heads)
+    if spec == "medusa" and medusa_heads:
+        depth = min(depth, medusa_heads)
     if top_k * depth + 1 > target.max_tree_tokens:
         raise CalibrationError(
             f"a probe tree of {top_k} x {depth} nodes exceeds the artifact's "
@@ -367,7 +369,7 @@ def _probe_depth(
 
 def _candidate_shape(candidate: dict) -> StaticTree | DynamicTree:
     """A candidate's tree: `_candidates` makes static, chain and dynamic ones, no budget."""
-    shape = choice_shape(candidate)
+    shape = choice_shape(TreeChoice.from_json(candidate))
     assert shape is not None, f"a calibration candidate without a tree: {candidate}"
     return shape
 

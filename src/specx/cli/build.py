@@ -47,21 +47,21 @@ def lint(artifact_dir: Path, lint_target: str, precision: str, as_json: bool) ->
     from specx.graphs.trt_lowering import lower_for_tensorrt
 
     manifest = load_manifest(artifact_dir)
-    capacity = manifest.model["kv_capacity"]
+    capacity = manifest.model.kv_capacity
+    # The draft chain is built for ONNX Runtime only (an ONNX Loop): TensorRT drafts per depth.
+    graphs = {name: e for name, e in manifest.graphs.items() if not e.ort_only}
     issues, nodes = [], 0
-    for name, entry in manifest.data["graphs"].items():
-        if entry.get("ort_only"):
-            continue  # built for ONNX Runtime only (the one-call draft chain)
-        model = lower_for_tensorrt(ir.load(manifest.path(entry["file"])), capacity, precision)
+    for name, entry in graphs.items():
+        model = lower_for_tensorrt(ir.load(manifest.path(entry.file)), capacity, precision)
         nodes += sum(1 for _ in model.graph)
         issues += lint_for_tensorrt(model, name)
     if as_json:
         click.echo(json.dumps([vars(i) for i in issues], indent=2))
     for issue in issues:
         click.echo(str(issue), err=True)
-    graphs = sum(1 for e in manifest.data["graphs"].values() if not e.get("ort_only"))
     click.echo(
-        f"{lint_target} lint ({precision}): {graphs} graphs, {nodes} nodes, {len(issues)} issues",
+        f"{lint_target} lint ({precision}): {len(graphs)} graphs, {nodes} nodes, "
+        f"{len(issues)} issues",
         err=True,
     )
     if issues:

@@ -77,7 +77,7 @@ EXPORTED = "exported"  # the name the exported graphs run under when no build is
 
 def build_name(manifest: Manifest) -> str:
     """The artifact's default build, or `EXPORTED` when the exported graphs run."""
-    return manifest.data.get("default_build") or EXPORTED
+    return manifest.default_build or EXPORTED
 
 
 def select_build(manifest: Manifest, name: str | None) -> Manifest:
@@ -88,10 +88,9 @@ def select_build(manifest: Manifest, name: str | None) -> Manifest:
     """
     if name is None:
         return manifest
-    if name != EXPORTED and name not in manifest.data.get("builds", {}):
+    if name != EXPORTED and name not in manifest.builds:
         raise ArtifactError(
-            f"{manifest.root} has no build {name!r}: it has "
-            f"{sorted(manifest.data.get('builds', {})) + [EXPORTED]}"
+            f"{manifest.root} has no build {name!r}: it has {sorted(manifest.builds) + [EXPORTED]}"
         )
     return manifest.with_build(None if name == EXPORTED else name)
 
@@ -99,7 +98,7 @@ def select_build(manifest: Manifest, name: str | None) -> Manifest:
 def backend_name(manifest: Manifest) -> str:
     """The runtime of the artifact's default build (`"ort"` for the exported graphs)."""
     build = manifest.build
-    name = "ort" if build is None else build["backend"]
+    name = "ort" if build is None else build.backend
     if name not in OPENERS:
         raise ArtifactError(f"{manifest.root}: unknown backend {name!r} in the default build")
     return name

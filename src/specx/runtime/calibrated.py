@@ -12,9 +12,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from specx.artifact import MANIFEST_NAME, Manifest
-from specx.errors import ArtifactError, SpecxError
+from specx.errors import ArtifactError
+from specx.manifest_types import CalibratedSampling, TreeChoice
 from specx.runtime.drafters.tree_search import DynamicTree, StaticTree, TreeShape
 from specx.runtime.sampling import SamplingParams
+from specx.runtime.trees import TreeError
 
 __all__ = [
     "CalibratedChoice",
@@ -50,18 +52,20 @@ def calibration_key(drafter: str, sampling: SamplingParams) -> str:
     return key + (f",top_p={sampling.top_p:g}" if sampling.top_p < 1.0 else "")
 
 
-def choice_shape(choice: dict) -> TreeShape | None:
-    """The tree shape a recorded choice (or candidate) describes; None for a node budget."""
-    if choice["tree"] == "budget":
+def choice_shape(choice: TreeChoice) -> TreeShape | None:
+    """The tree shape a recorded choice (or candidate) describes; None for a node budget.
+
+    Raises:
+        TreeError: the recorded shape is not a tree (ranks, parameters out of range).
+    """
+    if choice.tree == "budget":
         return None
-    if choice["tree"] == "static":
-        return StaticTree.from_choices(choice["choices"])
-    if choice["tree"] == "dynamic":
-        dynamic = choice["dynamic"]
-        if "total_tokens" in dynamic:  # recorded before `dynamic` took EAGLE-2's meaning
-            return DynamicTree.of_nodes(dynamic["total_tokens"], dynamic["depth"], dynamic["top_k"])
-        return DynamicTree(**dynamic)
-    return StaticTree.chain(choice["chain_length"])
+    if choice.tree == "static":
+        return StaticTree.from_choices(choice.choices)
+    if choice.dynamic is not None:
+        dynamic = choice.dynamic
+        return DynamicTree(dynamic.total_token, dynamic.depth, dynamic.top_k)
+    return StaticTree.chain(choice.chain_length)
 
 
 def calibrated_choice(
@@ -70,45 +74,35 @@ def calibrated_choice(
     """The recorded choice for `drafter` (its name before any `:`) nearest `sampling`, or None."""
     name = drafter.partition(":")[0]
     recorded = {
-        key: entry
-        for key, entry in (manifest.data.get("calibration") or {}).items()
+        key: manifest.calibration(key)
+        for key in manifest.calibration_keys
         if key.partition("@")[0] == name
     }
     if not recorded:
         return None
     wanted = sampling or SamplingParams()
-    key = min(recorded, key=lambda k: _distance(manifest, k, recorded[k], wanted))
+    key = min(recorded, key=lambda k: _distance(recorded[k].sampling, wanted))
     entry = recorded[key]
     try:
-        choice = entry["choice"]
-        shape = choice_shape(choice)
-        label, max_batch_spec = str(choice["label"]), int(entry["max_batch_spec"])
-        predicted = float(entry["expected_speedup"])
-        nodes = int(choice["nodes"]) if shape is None else shape.max_nodes
-    except (KeyError, TypeError, ValueError, SpecxError) as e:
+        shape = choice_shape(entry.choice)
+    except TreeError as e:
         raise ArtifactError(
             f"{manifest.root / MANIFEST_NAME}: calibration.{key} is malformed ({e!r}); "
             f"run specx calibrate again"
         ) from e
+    label = entry.choice.label
     if key != name:
         label += f" (calibrated at {key.partition('@')[2]})"
-    if max_batch_spec == 0:
+    if entry.max_batch_spec == 0:
         label += " (calibration: speculation does not pay off here, decoding plainly)"
-    return CalibratedChoice(shape, nodes, max_batch_spec, predicted, label, key)
+    nodes = entry.choice.nodes if shape is None else shape.max_nodes
+    return CalibratedChoice(shape, nodes, entry.max_batch_spec, entry.expected_speedup, label, key)
 
 
-def _distance(manifest: Manifest, key: str, entry: dict, wanted: SamplingParams):
+def _distance(setting: CalibratedSampling, wanted: SamplingParams) -> tuple[float, float]:
     """(|temperature difference|, |top_p difference|) of an entry's setting from `wanted`."""
-    setting = entry.get("sampling") or {"temperature": 0.0, "top_p": 1.0}
-    try:
-        temperature, top_p = float(setting["temperature"]), float(setting["top_p"])
-    except (KeyError, TypeError, ValueError) as e:
-        raise ArtifactError(
-            f"{manifest.root / MANIFEST_NAME}: calibration.{key}.sampling is malformed "
-            f"({e!r}); run specx calibrate again"
-        ) from e
     top_p_wanted = 1.0 if wanted.greedy else wanted.top_p
-    return abs(temperature - wanted.temperature), abs(top_p - top_p_wanted)
+    return abs(setting.temperature - wanted.temperature), abs(setting.top_p - top_p_wanted)
 
 
 def greedy_identity(manifest: Manifest) -> str:
@@ -118,8 +112,8 @@ def greedy_identity(manifest: Manifest) -> str:
     weight-only int8-compute builds: chain drafts), or "none" (a weight-only build whose
     kernels treat a row alone differently from rows together on the build machine).
     """
-    build = manifest.build or {}
-    return (build.get("quantization") or {}).get("greedy_identity", "all")
+    build = manifest.build
+    return "all" if build is None else build.greedy_identity
 
 
 def chains_only(manifest: Manifest) -> bool:

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from specx.artifact import Manifest
-from specx.errors import GenerationError
+from specx.artifact import MANIFEST_NAME, Manifest
+from specx.errors import ArtifactError, GenerationError
 from specx.runtime.kv_cache import KVCache
 from specx.runtime.masks import causal_mask
 
@@ -38,25 +38,25 @@ class DecoderBackend:
     def __init__(self, manifest: Manifest, graph: str = "target"):
         self.manifest = manifest
         model = manifest.model
-        self.capacity: int = model["kv_capacity"]
-        self.max_tree_tokens: int = model["max_tree_tokens"]
+        self.capacity = model.kv_capacity
+        self.max_tree_tokens = model.max_tree_tokens
         if graph == "target":
-            self.num_layers: int = model["num_layers"]
-            self.num_kv_heads: int = model["num_kv_heads"]
-            self.head_dim: int = model["head_dim"]
-            self.vocab_size: int = model["vocab_size"]
-            self.taps: str = model["taps"]["kind"]
-            self.tap_width: int = model["taps"]["width"]
+            self.num_layers, self.num_kv_heads = model.num_layers, model.num_kv_heads
+            self.head_dim, self.vocab_size = model.head_dim, model.vocab_size
+            self.taps, self.tap_width = model.taps.kind, model.taps.width
             self._hidden_output, self._feature_input = "hidden_taps", None
         else:
-            decoder = manifest.graph(graph)["decoder"]
-            self.num_layers, self.num_kv_heads = decoder["num_layers"], decoder["num_kv_heads"]
-            self.head_dim, self.vocab_size = decoder["head_dim"], decoder["vocab_size"]
-            self.taps, self.tap_width = "hidden", decoder["hidden_size"]
+            decoder = manifest.graph(graph).decoder
+            if decoder is None:
+                where = manifest.root / MANIFEST_NAME
+                raise ArtifactError(f"{where}: graphs.{graph} has no decoder section")
+            self.num_layers, self.num_kv_heads = decoder.num_layers, decoder.num_kv_heads
+            self.head_dim, self.vocab_size = decoder.head_dim, decoder.vocab_size
+            self.taps, self.tap_width = "hidden", decoder.hidden_size
             self._hidden_output, self._feature_input = "hidden", "features"
         self.has_taps = self.taps != "none"
-        inputs = manifest.runtime_graph(graph)["inputs"]
-        self.cache_dtype = np.dtype(next(i["dtype"] for i in inputs if i["name"] == "past_key_0"))
+        inputs = manifest.runtime_graph(graph).inputs
+        self.cache_dtype = np.dtype(next(i.dtype for i in inputs if i.name == "past_key_0"))
 
     def allocate_cache(self, batch: int, capacity: int | None = None) -> KVCache:
         """A zeroed cache for `batch` sequences; capacity defaults to the artifact's."""

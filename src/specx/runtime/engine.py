@@ -355,7 +355,7 @@ class Engine:
         if isinstance(speculation, str):
             speculation = Speculation(speculation)
         check_prompts(ids, max_new_tokens, self.target.capacity, self.target.vocab_size)
-        eos = () if ignore_eos else tuple(self.manifest.model["eos_token_ids"])
+        eos = () if ignore_eos else self.manifest.model.eos_token_ids
         return _Request(ids, max_new_tokens, sampling, tuple(stop), eos, speculation)
 
     def _decode(
@@ -411,7 +411,7 @@ class Engine:
                 "the %s build keeps greedy speculation identical to its plain decoding %s; "
                 "a token can differ where int8 rounding flips a near-tie (pass a chain, "
                 "build with --block-size 32, or calibrate)",
-                self.manifest.data.get("default_build"),
+                self.manifest.default_build,
                 kept,
             )
         return drafter

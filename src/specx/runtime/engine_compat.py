@@ -7,31 +7,31 @@ mismatch with these messages instead of failing inside TensorRT.
 
 from __future__ import annotations
 
-from typing import Any
+from specx.manifest_types import BuildEntry
 
 __all__ = ["engine_mismatches"]
 
 
 def engine_mismatches(
-    build: dict[str, Any], tensorrt_version: str | None, compute_capability: str | None
+    build: BuildEntry, tensorrt_version: str | None, compute_capability: str | None
 ) -> list[str]:
     """Reasons the TensorRT `build` cannot run with this TensorRT and GPU (empty: it can).
 
     `None` for either means "unknown here" and that check is skipped.
     """
     problems = []
-    built_with = build.get("tensorrt_version")
+    built_with = build.tensorrt_version
     if tensorrt_version is not None and built_with is not None:
         if built_with.split(".")[:2] != tensorrt_version.split(".")[:2]:
             problems.append(
                 f"engines were built with TensorRT {built_with}, this is TensorRT "
                 f"{tensorrt_version}: rebuild them with `specx build --backend trt`"
             )
-    built_for = build.get("compute_capability")
+    built_for = build.compute_capability
     if compute_capability is not None and built_for is not None:
         if built_for != compute_capability:
             problems.append(
                 f"engines were built for GPU compute capability {built_for} "
-                f"({build.get('gpu', 'unknown GPU')}), this GPU is {compute_capability}"
+                f"({build.gpu or 'unknown GPU'}), this GPU is {compute_capability}"
             )
     return problems

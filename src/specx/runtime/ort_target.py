@@ -38,7 +38,7 @@ class OrtGraph:
 
 def open_session(manifest: Manifest, graph: str, threads: int | None) -> ort.InferenceSession:
     """An ONNX Runtime CPU session for one of the artifact's graphs, on the global pool."""
-    path = manifest.path(manifest.runtime_graph(graph)["file"])
+    path = manifest.path(manifest.runtime_graph(graph).file)
     try:
         return load_session(path, threads)
     except Exception as e:  # onnxruntime raises its own untyped errors here
@@ -61,7 +61,7 @@ class OrtTarget(DecoderBackend):
         self._bound_cache: KVCache | None = None
         self._step: _DecodeStep | None = None
         # A row-invariant GroupQueryAttention graph reads one padding slot past its writes.
-        self._spare_slots = int(manifest.runtime_graph(graph).get("kv_spare_slots", 0))
+        self._spare_slots = manifest.runtime_graph(graph).kv_spare_slots
 
     def allocate_cache(self, batch: int, capacity: int | None = None) -> KVCache:
         """A zeroed cache for `batch` sequences; capacity defaults to the artifact's."""

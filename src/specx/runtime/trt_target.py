@@ -11,7 +11,6 @@ as float32 numpy arrays, so drafting and verification are the CPU runtime's.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -42,16 +41,17 @@ class _Engine:
         if problems:
             raise ArtifactError(f"{manifest.root}: " + "; ".join(problems))
         entry = manifest.runtime_graph(graph)
+        if entry.engine is None:
+            build_name = manifest.default_build
+            raise ArtifactError(f"{manifest.root}: build {build_name!r} has no {graph} engine")
         self.logger = trt.Logger(trt.Logger.WARNING)
         self.runtime = trt.Runtime(self.logger)
-        self.engine = self.runtime.deserialize_cuda_engine(
-            Path(manifest.path(entry["engine"])).read_bytes()
-        )
+        self.engine = self.runtime.deserialize_cuda_engine(manifest.path(entry.engine).read_bytes())
         if self.engine is None:
-            raise ArtifactError(f"{entry['engine']}: TensorRT could not deserialize the engine")
+            raise ArtifactError(f"{entry.engine}: TensorRT could not deserialize the engine")
         self.stream = torch.cuda.Stream()
         self.contexts = []
-        for index in range(len(entry["profiles"])):
+        for index in range(len(entry.profiles)):
             context = self.engine.create_execution_context()
             context.set_optimization_profile_async(index, self.stream.cuda_stream)
             self.contexts.append(context)
@@ -173,9 +173,9 @@ class TrtGraph:
     def __init__(self, manifest: Manifest, graph: str):
         self._engine = _Engine(manifest, graph)
         entry = manifest.runtime_graph(graph)
-        self.input_name = entry["inputs"][0]["name"]
-        self.output_name = entry["outputs"][0]["name"]
-        self.max_tokens = manifest.model["max_tree_tokens"]
+        self.input_name = entry.inputs[0].name
+        self.output_name = entry.outputs[0].name
+        self.max_tokens = manifest.model.max_tree_tokens
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
         """The graph's first output for input `x` [B, N, d] (every output is bound)."""

@@ -208,7 +208,7 @@ class Service:
             raise ApiError(400, str(e)) from e
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
-        eos = frozenset(() if request.ignore_eos else engine.manifest.model["eos_token_ids"])
+        eos = frozenset(() if request.ignore_eos else engine.manifest.model.eos_token_ids)
 
         def deliver(event: TokensEvent | Finished) -> None:
             loop.call_soon_threadsafe(events.put_nowait, event)
@@ -225,7 +225,8 @@ class Service:
         Requests choose among the model-free drafters, the artifact's head and the server's
         default; never a path of their own (which draft model runs is the operator's call).
         """
-        head = (self.engine.manifest.data.get("drafter") or {}).get("kind")
+        exported = self.engine.manifest.drafter
+        head = None if exported is None else exported.kind
         allowed = [d for d in dict.fromkeys(("ngram", "suffix", head, self.options.drafter)) if d]
         if drafter not in allowed:
             raise ApiError(

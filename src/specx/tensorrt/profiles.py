@@ -15,10 +15,11 @@ different kernels: profile 0 (`decode`) serves verification and drafting, profil
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from specx.errors import ArtifactError
+from specx.manifest_types import TensorSpec
 
 __all__ = ["ProfileLimits", "Shapes", "optimization_profiles"]
 
@@ -37,7 +38,7 @@ class ProfileLimits:
 
 
 def optimization_profiles(
-    inputs: list[dict[str, Any]], limits: ProfileLimits
+    inputs: Sequence[TensorSpec], limits: ProfileLimits
 ) -> dict[str, dict[str, Shapes]]:
     """`{"decode": {input: (min, opt, max)}, "prefill": {...}}` for a graph's inputs.
 
@@ -62,19 +63,19 @@ def optimization_profiles(
         dims = {**shared, **own}
         shapes: dict[str, Shapes] = {}
         for value in inputs:
-            if all(isinstance(d, int) for d in value["shape"]):
+            if all(isinstance(d, int) for d in value.shape):
                 continue
             bounds = []
-            for dim in value["shape"]:
+            for dim in value.shape:
                 if isinstance(dim, int):
                     bounds.append((dim, dim, dim))
                 elif dim in dims:
                     bounds.append(dims[dim])
                 else:
                     raise ArtifactError(
-                        f"input {value['name']!r} has dynamic dimension {dim!r}; the TensorRT "
+                        f"input {value.name!r} has dynamic dimension {dim!r}; the TensorRT "
                         f"build knows the ranges of {sorted(dims)} only"
                     )
-            shapes[value["name"]] = tuple([b[i] for b in bounds] for i in range(3))  # type: ignore[assignment]
+            shapes[value.name] = tuple([b[i] for b in bounds] for i in range(3))  # type: ignore[assignment]
         profiles[profile] = shapes
     return profiles

@@ -59,7 +59,8 @@ def _head(kind: str):
     def build(target: DecoderBackend, argument: str | None, options: DrafterOptions) -> Drafter:
         if argument:
             raise SpecxError(f"{kind} drafts with the artifact's own head; it takes no argument")
-        exported = (target.manifest.data.get("drafter") or {}).get("kind")
+        head = target.manifest.drafter
+        exported = None if head is None else head.kind
         if exported != kind:
             raise SpecxError(
                 f"{target.manifest.root} was exported with drafter {exported!r}, not {kind!r}: "

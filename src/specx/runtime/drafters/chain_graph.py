@@ -36,8 +36,8 @@ class DraftChain:
     def available(manifest: Manifest) -> bool:
         """True when the default build (or the export) has the chain graph, on ORT."""
         build = manifest.build
-        graphs = manifest.data["graphs"] if build is None else build["graphs"]
-        backend = "ort" if build is None else build["backend"]
+        graphs = manifest.graphs if build is None else build.graphs
+        backend = "ort" if build is None else build.backend
         return backend == "ort" and "draft_chain" in graphs
 
     def fits(self, cache: KVCache, starts: np.ndarray, width: int, steps: int) -> bool:

@@ -34,7 +34,7 @@ def check_same_vocabulary(target: DecoderBackend, draft: DecoderBackend) -> None
             f"{target.manifest.root} has {target.vocab_size}; a draft model must share the "
             "target's vocabulary"
         )
-    ours, theirs = target.manifest.data["files"], draft.manifest.data["files"]
+    ours, theirs = target.manifest.files, draft.manifest.files
     if ("tokenizer.json" in ours) != ("tokenizer.json" in theirs):
         has, lacks = (target, draft) if "tokenizer.json" in ours else (draft, target)
         raise VocabMismatchError(

@@ -45,18 +45,19 @@ class FeatureHeadDrafter:
         threads: int | None = None,
         one_call: bool = True,
     ):
-        spec = manifest.data.get("drafter")
-        if not spec or spec["kind"] not in ("eagle3", "eagle", "mtp"):
+        spec = manifest.drafter
+        if spec is None or spec.kind not in ("eagle3", "eagle", "mtp"):
             raise ArtifactError(f"{manifest.root} has no EAGLE or MTP head")
-        self.name, self.taps = spec["kind"], spec["taps"]
+        self.name, self.taps = spec.kind, spec.taps
         self.head = open_decoder(manifest, threads, graph="draft_head")
-        projection = spec.get("projection")
-        self.projection = projection and open_stateless(manifest, projection, threads)
+        self.projection = (
+            None if spec.projection is None else open_stateless(manifest, spec.projection, threads)
+        )
         self.to_target = None
-        if spec.get("d2t"):
-            d2t = np.load(manifest.path(spec["d2t"]))
+        if spec.d2t:
+            d2t = np.load(manifest.path(spec.d2t))
             self.to_target = np.arange(len(d2t)) + d2t
-        self.target_vocab: int = manifest.model["vocab_size"]
+        self.target_vocab = manifest.model.vocab_size
         self.shape = shape
         self.max_nodes = shape.max_nodes
         self.drafts_chains = is_chain_shape(shape)

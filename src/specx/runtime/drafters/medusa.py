@@ -43,19 +43,19 @@ class MedusaDrafter:
     def __init__(
         self, manifest: Manifest, shape: TreeShape | None = None, threads: int | None = None
     ):
-        spec = manifest.data.get("drafter")
-        if not spec or spec["kind"] != "medusa":
+        spec = manifest.drafter
+        if spec is None or spec.kind != "medusa" or spec.medusa_heads is None:
             raise ArtifactError(f"{manifest.root} has no Medusa heads")
         shape = shape or StaticTree.from_choices(MEDUSA_DEFAULT_TREE)
         if not isinstance(shape, StaticTree):
             raise TreeError("Medusa drafts static trees or chains, not dynamic trees")
-        num_heads = spec["medusa_heads"]
+        num_heads = spec.medusa_heads
         if int(depths(shape.parents).max()) + 1 > num_heads:
             raise TreeError(
                 f"the tree is {int(depths(shape.parents).max()) + 1} deep but the artifact has "
                 f"{num_heads} Medusa heads"
             )
-        self.heads = open_stateless(manifest, spec["graph"], threads)
+        self.heads = open_stateless(manifest, spec.graph, threads)
         self.shape = shape
         self.max_nodes = shape.max_nodes
         self.drafts_chains = is_chain_shape(shape)

@@ -86,8 +86,8 @@ class DynamicTree:
     def of_nodes(cls, nodes: int, levels: int, top_k: int) -> DynamicTree:
         """The tree of `nodes` draft nodes on `levels` levels.
 
-        How specx read `dynamic:` before it took the official meaning; calibrations recorded
-        then are read through this.
+        How specx read `dynamic:` before it took the official meaning (calibrations recorded
+        then are converted alike: `specx.manifest_types.DynamicChoice`).
         """
         return cls(nodes + 1, levels - 1, top_k)
 
