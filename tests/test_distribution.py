@@ -130,19 +130,22 @@ def test_broken_verifier_is_detected_with_switching_sizes(pair, drafter_name):
     assert min(p_values(plain, spec, VOCAB)) < 1e-6
 
 
-def run_trimmed(pair, sampling, verifier, chunk=8, positions=6):
+def run_trimmed(pair, sampling, verifier, chunk=8, positions=8):
     """`run` for suffix drafts trimmed by their confidence, in batches of `chunk`.
 
     One kept size serves a batch (its verify forward is as wide as its widest row), so
     small batches, each with its own controller at fixed steep costs, make what is kept
     depend on a few rows' drafts and on what their earlier rounds accepted (over more
-    positions than `run`'s); a patience of 1 and quick probes add idle rows.
+    positions than `run`'s: the first two are plain steps); a patience of 1 and quick
+    probes add idle rows.
     """
     target, _, prompt = pair
     plain = generate_plain(target, [prompt] * SAMPLES, positions, sampling_with(sampling, 11))
     tokens, sizes = [], Counter()
     for start in range(0, SAMPLES, chunk):
-        controller = ConfidenceController(costs=FixedCurve(0.3), patience=1, probe_every=2)
+        controller = ConfidenceController(
+            costs=FixedCurve(0.3), patience=1, probe_every=2, probe_budget=0.5
+        )
         drafter = SuffixDrafter(SuffixOptions(max_nodes=6, min_prob=0.0))
         params = sampling_with(sampling, 1000 + start)
         spec = generate_speculative(target, drafter, [prompt] * chunk, positions, params,

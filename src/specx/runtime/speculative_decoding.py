@@ -330,19 +330,20 @@ def _plain_round(loop: _Loop, tried: np.ndarray | None = None) -> None:
 def _plain_stretch(loop: _Loop, rounds: int, progress: Progress | None) -> tuple[int, int, float]:
     """Up to `rounds` decoding steps in which no row drafts.
 
+    Plain decoding's own loop (`generate_plain`): a request or batch that does not
+    speculate must not pay for the speculative round's bookkeeping (what that cost:
+    benchmarks/README.md, controller.py). The drafter hears of the stretch once, at its
+    end: each row's taps of every step.
+
     Returns:
         The steps taken, their sum over the rows (a row that ends stops counting), and a
         plain step's seconds: the mean step past the first (the first after a prefill or
         a verify forward runs up to twice as slow), or the one step's.
-
-    Plain decoding's own loop (`generate_plain`): a request or batch that does not
-    speculate must not pay for the speculative round's bookkeeping (`_plain_round`
-    measured 2.5% at batch 1 and 4% at batch 4 over plain decoding on pyref-7m). The
-    drafter hears of the stretch once, at its end: each row's taps of every step.
     """
     cache, active, target, sampling = loop.cache, loop.active, loop.target, loop.sampling
     started = np.flatnonzero(active).tolist()
     before = [len(loop.emitted[b]) for b in started]
+    rounds = min(rounds, loop.max_new_tokens - min(before))  # no row outlives its budget
     rows = np.array(started, dtype=np.int64)
     roots = np.array([h[-1] for h in loop.histories], dtype=np.int64)
     taps: np.ndarray | None = None  # [B, rounds, W], when the target exports taps
