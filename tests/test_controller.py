@@ -99,8 +99,6 @@ def rounds(controller, accepted_at, count: int, width_cost=0.1) -> list[int]:
         depth = accepted_at() if callable(accepted_at) else accepted_at
         controller.observe(0, size, list(range(min(depth, size))))
         controller.timed(1 + size, 1.0 + width_cost * size, 0.2 if size else 0.0)
-        if not size:  # the loop prices a plain step from its stretches of them (`idled`)
-            controller.costs.record(1, 1.0, 0.0)
     return chosen
 
 
@@ -142,8 +140,6 @@ def test_a_row_alone_drafts_until_a_draft_stops_paying():
         chosen.append(int(size))
         controller.observe(0, size, [])  # every draft rejected
         controller.timed(1 + size, 1.1 if size else 1.0, 0.2 if size else 0.0)
-        if not size:  # the loop prices a plain step from its stretches of them (`idled`)
-            controller.costs.record(1, 1.0, 0.0)
     # p_1 falls 0.5 -> 1/3 -> 1/4 (the prior weighs two rounds) and a one-node round costs
     # 1.3 plain steps: a draft pays while 1 + p_1 > 1.3 (at 1.33, 2.5% better, it still
     # drafts; a 5% margin would have stopped it there).
@@ -193,6 +189,16 @@ def test_a_width_is_confirmed_by_its_second_timing_and_forgotten_when_not_timed(
     assert costs.known
     costs.record(5, 2.8, 0.2)  # the plain step was last timed 10 rounds ago
     assert not costs.known and costs.verify(1) == pytest.approx(costs.verify(5) / 1.2)
+
+
+def test_a_stretch_of_plain_steps_prices_the_plain_step_from_then_on():
+    """A lone width-1 round (after a verify, or a proposal that found nothing) costs more."""
+    costs = RoundCosts()
+    costs.record(1, 1.4, 0.0)  # no stretch yet: a lone plain round prices the step
+    assert costs.verify(1) == pytest.approx(1.4)
+    costs.record_stretch(1.0)
+    costs.record(1, 1.4, 0.0)
+    assert costs.verify(1) == pytest.approx(1.0)
 
 
 def test_an_engine_shares_round_costs_per_plan_and_batch(artifacts):

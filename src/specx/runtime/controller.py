@@ -108,8 +108,8 @@ class Controller(Protocol):
         """Times of the round: its verify over `width` tokens per row and its drafting.
 
         `verify_s` includes the loop's work around the forward; `draft_s` is 0 when no row
-        drafted. A round of width 1 (the drafter asked, nothing drafted) is no plain step's
-        price: a plain step is priced from the stretches of them (`idled`).
+        drafted. A round of width 1 prices a plain step only where no stretch of them has
+        (`RoundCosts.record`).
         """
         ...
 
@@ -268,7 +268,7 @@ class AdaptiveController:
     def idled(self, rounds: int, row_rounds: int, step_s: float) -> None:  # noqa: D102
         self.round += rounds
         self._chosen[0] += row_rounds
-        self.costs.record(1, step_s, 0.0)
+        self.costs.record_stretch(step_s)
 
     def keep(self, proposed: list[DraftTree]) -> list[DraftTree]:  # noqa: D102
         return list(map(truncated, proposed, self._sizes.tolist()))
@@ -346,8 +346,7 @@ class AdaptiveController:
             self.accept[row, d] += step * (hit - self.accept[row, d])
 
     def timed(self, width: int, verify_s: float, draft_s: float) -> None:  # noqa: D102
-        if width > 1:
-            self.costs.record(width, verify_s, draft_s)
+        self.costs.record(width, verify_s, draft_s)
 
     def summary(self) -> dict:  # noqa: D102
         return {"controller": "adaptive", "sizes_chosen": dict(sorted(self._chosen.items()))}
@@ -466,7 +465,7 @@ class ConfidenceController:
         self.round += rounds
         self._chosen[0] += row_rounds
         self.asked = [False] * len(self.asked)  # the last round that asked is accounted for
-        self.costs.record(1, step_s, 0.0)
+        self.costs.record_stretch(step_s)
 
     def keep(self, proposed: list[DraftTree]) -> list[DraftTree]:  # noqa: D102
         paths = [
@@ -591,8 +590,7 @@ class ConfidenceController:
         """
         asked = [b for b, a in enumerate(self.asked) if a]
         plain = self.costs.verify(1) if self.costs.plain_timed else None
-        if width > 1:
-            self.costs.record(width, verify_s, draft_s)
+        self.costs.record(width, verify_s, draft_s)
         gained, self._gained = self._gained, 0
         if not asked or plain is None:
             return
@@ -687,10 +685,18 @@ class RoundCosts:
         self._seen: list[int] = []  # the widths timed, sorted
         self._timed: dict[int, tuple[int, int]] = {}  # width -> (times timed, last round)
         self._round = 0
+        self._stretched = False  # a plain step was priced from a stretch (`record_stretch`)
         self.draft = 0.0
 
     def record(self, width: int, verify_s: float, draft_s: float) -> None:
-        """A round's verify time at `width` tokens per row and its drafting time."""
+        """A round's verify time at `width` tokens per row and its drafting time.
+
+        A round of width 1 prices a plain step only until a stretch of them has
+        (`record_stretch`): such a round follows a verify forward or a proposal that found
+        nothing, and costs more than plain decoding's steps.
+        """
+        if width == 1 and self._stretched:
+            return
         self._round += 1
         old = self.by_width.get(width)
         if old is None:
@@ -705,6 +711,12 @@ class RoundCosts:
         if width > 1:  # a round that drafted (a plain round's "draft" is the controller's own)
             step = 1.0 if not self.draft else self.smoothing
             self.draft += step * (draft_s - self.draft)
+
+    def record_stretch(self, step_s: float) -> None:
+        """A plain step's time, from a stretch of them: from now on the plain step's price."""
+        self._stretched = False
+        self.record(1, step_s, 0.0)
+        self._stretched = True
 
     def _forget(self, before: int) -> None:
         stale = [w for w, (_, last) in self._timed.items() if last <= before]
