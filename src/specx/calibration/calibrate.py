@@ -325,11 +325,11 @@ def _header(manifest, spec: str, prompts, options, sampling: SamplingParams) -> 
     }
 
 
-# The least measured speedup that turns speculation on at a batch size. A speculative loop
-# whose controller finds nothing worth drafting still costs more than plain decoding (its
-# bookkeeping and the head's features every round: pyref-deep EAGLE-3, drafts of size 0
-# every round vs plain decoding, one process, fastest of 5: 0.96x at batch 1, 0.94x at
-# batch 4), so a gain measured within that of 1 on other prompts is a likely loss on these.
+# The least measured speedup that turns speculation on at a batch size: a gain within the
+# timing noise of 1 on the calibration prompts is a likely loss on the user's (a speculative
+# loop that drafts nothing runs plain decoding's steps, but a benchmark cell timing plain
+# decoding against itself spreads several percent either way: benchmarks/README.md,
+# controller.py).
 PAYS = 1.05
 
 
@@ -390,7 +390,7 @@ def _run(target, drafter, prompts, options, observer=None) -> dict[str, Any]:
     Each prompt is decoded `options.repeats` times and its fastest pass kept, as the
     candidates are timed: the cost model's inputs (plain ms/token, draft and verify time per
     round) from single passes were biased up by interference and under-predicted every chain
-    on pyref-deep by 11-18%. `observer` sees the first pass only.
+    (benchmarks/README.md, calibration.py). `observer` sees the first pass only.
     """
     total = {"decode_s": 0.0, "tokens": 0, "draft_s": 0.0, "verify_s": 0.0, "rounds": 0}
     sampling = options.sampling()
