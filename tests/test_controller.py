@@ -280,24 +280,7 @@ def test_confidence_learns_what_the_target_accepts_idles_and_comes_back():
     sure = chain([1.0] * 8)
 
     def rounds(count, accepted):
-        """Kept nodes per round (None: idle); times in plain steps, verify 1 + k / 16."""
-        kept: list[int | None] = []
-        while len(kept) < count:
-            idle = controller.idle_rounds(np.array([True]))
-            if idle:
-                kept += [None] * idle
-                controller.idled(idle, idle, 1.0)
-                continue
-            if controller.sizes(np.array([True]))[0] == 0:
-                kept.append(None)
-                controller.timed(1, 1.0, 0.0)
-                continue
-            (draft,) = controller.keep([sure])
-            kept.append(len(draft))
-            if len(draft):
-                controller.observe(0, len(draft), list(range(min(accepted, len(draft)))))
-            controller.timed(1 + len(draft), 1.0 + len(draft) / 16, 0.02)
-        return kept[:count]
+        return play(controller, count, lambda r: sure, accepted, draft_s=0.02)
 
     # Two plain steps, then the drafter is trusted, as wide as the widths timed allow.
     assert rounds(5, 8) == [None, None, 1, 2, 4]
@@ -310,29 +293,40 @@ def test_confidence_learns_what_the_target_accepts_idles_and_comes_back():
     assert rounds(40, 8)[-5:] == [8] * 5
 
 
+def play(controller, rounds: int, draft, accepted: int, draft_s: float) -> list[int | None]:
+    """Rounds of one row played as the loop plays them; per round the nodes kept (None: idle).
+
+    `draft(r)`: the proposal of round r (from 1); the target accepts its first `accepted`
+    nodes. Times in plain steps: a proposal costs `draft_s`, verifying k nodes 1 + k / 16;
+    idle rounds go through `idle_rounds` and `idled`.
+    """
+    kept: list[int | None] = []
+    while len(kept) < rounds:
+        idle = controller.idle_rounds(np.array([True]))
+        if idle:
+            kept += [None] * idle
+            controller.idled(idle, idle, 1.0)
+            continue
+        if not controller.sizes(np.array([True]))[0]:
+            kept.append(None)
+            controller.timed(1, 1.0, 0.0)
+            continue
+        (draft_kept,) = controller.keep([draft(len(kept) + 1)])
+        kept.append(len(draft_kept))
+        controller.observe(0, len(draft_kept), list(range(min(accepted, len(draft_kept)))))
+        controller.timed(1 + len(draft_kept), 1.0 + len(draft_kept) / 16, draft_s)
+    return kept[:rounds]
+
+
 def proposals(controller, rounds: int, found) -> list[bool]:
     """Per round, whether the row proposed; `found(r)`: its proposal in round r matches.
 
-    Times in plain steps: a proposal costs 0.12, verifying k nodes 1 + k / 16; a match is
-    accepted whole; idle rounds are played as the loop plays them (`idle_rounds`, `idled`).
+    A proposal costs 0.12 of a plain step (`play`); a match is accepted whole.
     """
     controller.start(1, 8)
-    asked: list[bool] = []
-    while len(asked) < rounds:
-        idle = controller.idle_rounds(np.array([True]))
-        if idle:
-            asked += [False] * idle
-            controller.idled(idle, idle, 1.0)
-            continue
-        wants = bool(controller.sizes(np.array([True]))[0])
-        asked.append(wants)
-        if not wants:
-            controller.timed(1, 1.0, 0.0)
-            continue
-        (draft,) = controller.keep([chain([1.0] * 8) if found(len(asked)) else DraftTree.empty()])
-        controller.observe(0, len(draft), list(range(len(draft))))
-        controller.timed(1 + len(draft), 1.0 + len(draft) / 16, 0.12)
-    return asked[:rounds]
+    sure = chain([1.0] * 8)
+    draft = lambda r: sure if found(r) else DraftTree.empty()  # noqa: E731
+    return [k is not None for k in play(controller, rounds, draft, 8, draft_s=0.12)]
 
 
 def test_confidence_stops_proposing_where_proposals_cost_more_than_they_earn():

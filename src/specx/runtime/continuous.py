@@ -37,7 +37,7 @@ from specx.runtime.kv_cache import KVCache
 from specx.runtime.metrics import AcceptanceStats
 from specx.runtime.plain_decoding import TokenSink, check_prompts, prefill
 from specx.runtime.prefix_cache import PrefixCache
-from specx.runtime.sampling import SamplingParams, sample, sampling_probs
+from specx.runtime.sampling import SamplingParams, next_tokens, sampling_probs
 from specx.runtime.speculative_decoding import EMPTY_DRAFT, depth_of, scratch_of, verify_inputs
 from specx.runtime.trees import DraftTree
 from specx.runtime.verification import RandomCoin, verify
@@ -267,6 +267,4 @@ class ContinuousBatch:
 
 
 def _choose(logits: np.ndarray, sampling: SamplingParams, rng: np.random.Generator) -> int:
-    if sampling.greedy:
-        return int(logits.argmax())
-    return int(sample(sampling_probs(logits[None], sampling), rng)[0])
+    return int(next_tokens(logits[None], sampling, rng)[0])

@@ -258,12 +258,7 @@ class AdaptiveController:
         return chosen
 
     def idle_rounds(self, active: np.ndarray) -> int:  # noqa: D102
-        after = self.round + 1  # the next round
-        waits = [
-            int(self.next_probe[b]) - after if self.next_probe[b] else 0
-            for b in np.flatnonzero(active).tolist()
-        ]
-        return max(min(waits, default=0), FIRST_PLAIN_ROUNDS if after == 1 else 0)
+        return _idle_rounds(self.next_probe.tolist(), active, self.round)
 
     def idled(self, rounds: int, row_rounds: int, step_s: float) -> None:  # noqa: D102
         self.round += rounds
@@ -453,13 +448,7 @@ class ConfidenceController:
         return np.array(chosen, dtype=np.int64)
 
     def idle_rounds(self, active: np.ndarray) -> int:  # noqa: D102
-        after = self.round + 1  # the next round
-        waits = [
-            self.idle_until[b] - after if self.idle_until[b] else 0
-            for b, on in enumerate(active.tolist())
-            if on
-        ]
-        return max(min(waits, default=0), FIRST_PLAIN_ROUNDS if after == 1 else 0)
+        return _idle_rounds(self.idle_until, active, self.round)
 
     def idled(self, rounds: int, row_rounds: int, step_s: float) -> None:  # noqa: D102
         self.round += rounds
@@ -624,6 +613,16 @@ FIRST_PLAIN_ROUNDS = 2
 # benchmarks/README.md#controllerpy), so the first probe of a batch waits until it is
 # affordable rather than landing on round `probe_every`.
 UNTIMED_BATCH_PROBE = 2.0
+
+
+def _idle_rounds(until: list[int], active: np.ndarray, played: int) -> int:
+    """Rounds after round `played` in which every active row idles.
+
+    Row b idles until round `until[b]` (0: it drafts); a request's first rounds are plain.
+    """
+    after = played + 1  # the next round
+    waits = [u - after if u else 0 for u, on in zip(until, active.tolist(), strict=True) if on]
+    return max(min(waits, default=0), FIRST_PLAIN_ROUNDS if after == 1 else 0)
 
 
 def _affordable_interval(probe: float, budget: float) -> int:

@@ -11,7 +11,7 @@ import numpy as np
 
 from specx.errors import CapacityError, GenerationError
 from specx.runtime.decoder_backend import DecoderBackend
-from specx.runtime.sampling import SamplingParams, sample, sampling_probs
+from specx.runtime.sampling import SamplingParams, next_tokens
 
 __all__ = [
     "GenerationResult",
@@ -123,10 +123,7 @@ def generate_plain(
     stopped = np.full(len(prompts), max_new_tokens)  # where the sink ended each row
     steps = emitted = 0
     for step in range(max_new_tokens):
-        if sampling.greedy:
-            tokens = logits.argmax(-1)
-        else:
-            tokens = sample(sampling_probs(logits, sampling), rng)
+        tokens = next_tokens(logits, sampling, rng)
         generated[:, step] = tokens
         steps = step + 1
         emitted += int((~done).sum())

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["SamplingParams", "sample", "sampling_probs"]
+__all__ = ["SamplingParams", "next_tokens", "sample", "sampling_probs"]
 
 
 @dataclass(frozen=True)
@@ -72,6 +72,13 @@ def sampling_probs(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
         probs = np.where(drop, 0.0, probs)
         probs /= probs.sum(-1, keepdims=True)
     return probs
+
+
+def next_tokens(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> np.ndarray:
+    """One token per row of logits [..., V] under `params`: the argmax, or a draw; int64 [...]."""
+    if params.greedy:
+        return logits.argmax(-1)
+    return sample(sampling_probs(logits, params), rng)
 
 
 def sample(probs: np.ndarray, rng: np.random.Generator) -> np.ndarray:

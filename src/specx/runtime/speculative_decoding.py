@@ -34,7 +34,7 @@ from specx.runtime.plain_decoding import (
     generate_plain,
     prefill,
 )
-from specx.runtime.sampling import SamplingParams, sample, sampling_probs
+from specx.runtime.sampling import SamplingParams, next_tokens, sampling_probs
 from specx.runtime.trees import (
     DraftTree,
     TreeError,
@@ -162,7 +162,7 @@ def generate_speculative(
     if drafter.taps != "none":
         prompt_taps = [output.taps[b, : len(p)] for b, p in enumerate(prompts)]
     drafter.start(prompts, needed, prompt_taps)
-    first = logits.argmax(-1) if sampling.greedy else sample(sampling_probs(logits, sampling), rng)
+    first = next_tokens(logits, sampling, rng)
     prefill_s = time.perf_counter() - started
     emitted = [[int(t)] for t in first]
     histories = [list(p) + e for p, e in zip(prompts, emitted, strict=True)]
@@ -350,11 +350,7 @@ def _plain_stretch(loop: _Loop, rounds: int, progress: Progress | None) -> tuple
     steps, first_s, started_s = 0, 0.0, time.perf_counter()
     while steps < rounds and rows.size:
         output = target.decode_step(cache, roots, np.where(active, cache.lengths, 0))
-        logits = output.logits[:, 0]
-        if sampling.greedy:
-            roots = logits.argmax(-1)
-        else:
-            roots = sample(sampling_probs(logits, sampling), loop.rng)
+        roots = next_tokens(output.logits[:, 0], sampling, loop.rng)
         if output.taps is not None:
             if taps is None:
                 taps = np.empty((len(active), rounds, output.taps.shape[-1]), np.float32)
