@@ -126,7 +126,9 @@ def measure_cell(engine, drafter, prompts, batch, temperature, args) -> dict:
             identical &= all([c.tokens for c in best[m]] == plain for m in modes)
         stats = best["default"][0].stats
         calibration = stats.calibration or calibration
-        for size, count in stats.details.get("sizes_chosen", {}).items():
+        spec = stats.run.speculative
+        chosen = spec.controller.sizes_chosen if spec and spec.controller else {}
+        for size, count in chosen.items():
             sizes[size] = sizes.get(size, 0) + count
     return {
         "fixed_speedup": decode["plain"] / decode["fixed"] if "fixed" in decode else None,

@@ -82,9 +82,10 @@ def draft_overhead(drafter, target, prompts, new_tokens) -> dict:
     try:
         rounds = draft = 0.0
         for prompt in prompts:
-            stats = generate_speculative(target, drafter, [prompt], new_tokens).stats
-            rounds += stats["rounds"]
-            draft += stats["draft_s"]
+            spec = generate_speculative(target, drafter, [prompt], new_tokens).stats.speculative
+            assert spec is not None  # no max_batch_spec: it speculated
+            rounds += spec.acceptance.rounds
+            draft += spec.draft_s
     finally:
         chain.session.run_with_iobinding = run
     return {
@@ -102,7 +103,9 @@ def measure(target, drafter, prompts, args, sampling, curve, nodes) -> dict:
     rounds = draft = 0.0
     for prompt in prompts[:6]:
         stats = generate_speculative(target, drafter, [prompt], args.new_tokens, sampling).stats
-        rounds, draft = rounds + stats["rounds"], draft + stats["draft_s"]
+        assert stats.speculative is not None  # no max_batch_spec: it speculated
+        rounds += stats.speculative.acceptance.rounds
+        draft += stats.speculative.draft_s
     tau, draft_s = timing.acceptance_length, draft / rounds
     bound = tau * curve(1) / (curve(nodes + 1) + draft_s)
     return {

@@ -87,10 +87,10 @@ def main() -> None:
         row["identical_to_plain"] = summary.tokens == summaries["plain"].tokens
         if name != "plain":
             stats = list(runners[name].stats.values())
-            rounds = sum(s["rounds"] for s in stats)
-            emitted = sum(s["acceptance_length"] * s["rounds"] for s in stats)
+            rounds = sum(s.acceptance.rounds for s in stats)
+            emitted = sum(s.acceptance.acceptance_length * s.acceptance.rounds for s in stats)
             row["acceptance_length"] = emitted / rounds
-            row["draft_ms_per_round"] = 1e3 * sum(s["draft_s"] for s in stats) / rounds
+            row["draft_ms_per_round"] = 1e3 * sum(s.draft_s for s in stats) / rounds
         rows[name] = row
     report = {
         "benchmark": "draft_precision",

@@ -258,16 +258,17 @@ def peer_runners(prepared: Prepared, threads: int, temperature: float) -> dict:
 
 def acceptance(runner: SpecxSpeculative) -> dict:
     """Acceptance length and by position over the prompts, and drafting time per round."""
-    rounds = sum(s["rounds"] for s in runner.stats.values())
-    emitted = sum(s["acceptance_length"] * s["rounds"] for s in runner.stats.values())
-    depth = max(len(s["acceptance_by_position"]) for s in runner.stats.values())
+    runs = [s.acceptance for s in runner.stats.values()]
+    rounds = sum(a.rounds for a in runs)
+    emitted = sum(a.acceptance_length * a.rounds for a in runs)
+    depth = max(len(a.acceptance_by_position) for a in runs)
     by_position = []
     for d in range(depth):
-        rows = [s for s in runner.stats.values() if len(s["acceptance_by_position"]) > d]
-        weight = sum(s["rounds"] for s in rows)
-        by_position.append(sum(s["acceptance_by_position"][d] * s["rounds"] for s in rows) / weight)
-    draft = sum(s["draft_s"] for s in runner.stats.values())
-    verify = sum(s["verify_s"] for s in runner.stats.values())
+        rows = [a for a in runs if len(a.acceptance_by_position) > d]
+        weight = sum(a.rounds for a in rows)
+        by_position.append(sum(a.acceptance_by_position[d] * a.rounds for a in rows) / weight)
+    draft = sum(s.draft_s for s in runner.stats.values())
+    verify = sum(s.verify_s for s in runner.stats.values())
     return {
         "acceptance_length": emitted / rounds,
         "acceptance_by_position": by_position,

@@ -71,15 +71,16 @@ def measure(target, spec: str, tree: str, temperature: float, prompts, new_token
     for i, prompt in enumerate(prompts):
         sampling = SamplingParams(temperature, seed=i)
         out = generate_speculative(target, drafter, [prompt], new_tokens, sampling)
-        stats = out.stats
-        rounds += stats["rounds"]
-        emitted += stats["acceptance_length"] * stats["rounds"]
-        for d, rate in enumerate(stats["acceptance_by_position"]):
+        assert out.stats.speculative is not None  # no max_batch_spec: it speculated
+        stats = out.stats.speculative.acceptance
+        rounds += stats.rounds
+        emitted += stats.acceptance_length * stats.rounds
+        for d, rate in enumerate(stats.acceptance_by_position):
             while len(reached) <= d:
                 reached.append(0)
                 accepted.append(0)
-            reached[d] += stats["rounds"]
-            accepted[d] += rate * stats["rounds"]
+            reached[d] += stats.rounds
+            accepted[d] += rate * stats.rounds
         if sampling.greedy:
             identical &= out.tokens == generate_plain(target, [prompt], new_tokens).tokens
     return {

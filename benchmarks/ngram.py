@@ -18,9 +18,13 @@ import platform
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 from runners import scratch_dir
+
+if TYPE_CHECKING:
+    from specx.runtime.metrics import RunStats
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"
 CATEGORIES = {"copy-heavy": "sum.jsonl", "free-form": "mt_bench.jsonl", "code": "humaneval.jsonl"}
@@ -38,23 +42,34 @@ def load_prompts(path: Path, tokenizer, count: int, max_tokens: int) -> list[lis
     return prompts
 
 
-def mean_stats(results: list[dict]) -> dict:
-    keys = ("ms_per_token", "tokens_per_s", "acceptance_length", "draft_s", "verify_s", "rounds")
-    out = {k: float(np.mean([r[k] for r in results])) for k in keys if k in results[0]}
-    if "acceptance_by_position" in results[0]:
-        depth = max(len(r["acceptance_by_position"]) for r in results)
-        out["acceptance_by_position"] = [
-            float(
-                np.mean(
-                    [
-                        r["acceptance_by_position"][d]
-                        for r in results
-                        if len(r["acceptance_by_position"]) > d
-                    ]
-                )
+def mean_stats(results: list[RunStats]) -> dict:
+    out = {
+        "ms_per_token": float(np.mean([r.ms_per_token for r in results])),
+        "tokens_per_s": float(np.mean([r.tokens_per_s for r in results])),
+    }
+    spec = [r.speculative for r in results if r.speculative is not None]
+    if not spec:
+        return out
+    acceptance = [s.acceptance for s in spec]
+    out |= {
+        "acceptance_length": float(np.mean([a.acceptance_length for a in acceptance])),
+        "draft_s": float(np.mean([s.draft_s for s in spec])),
+        "verify_s": float(np.mean([s.verify_s for s in spec])),
+        "rounds": float(np.mean([a.rounds for a in acceptance])),
+    }
+    depth = max(len(a.acceptance_by_position) for a in acceptance)
+    out["acceptance_by_position"] = [
+        float(
+            np.mean(
+                [
+                    a.acceptance_by_position[d]
+                    for a in acceptance
+                    if len(a.acceptance_by_position) > d
+                ]
             )
-            for d in range(depth)
-        ]
+        )
+        for d in range(depth)
+    ]
     return out
 
 

@@ -194,9 +194,11 @@ def model_free_section(case: Case, args) -> dict:
         rows = reported(summaries, args.new_tokens, "onnxruntime-genai ngram")
         for name, runner in spec.items():
             stats = [runner.stats[tuple(p)] for p in prompts]
-            rows[name]["acceptance_length"] = statistics.mean(s["acceptance_length"] for s in stats)
+            rows[name]["acceptance_length"] = statistics.mean(
+                s.acceptance.acceptance_length for s in stats
+            )
             rows[name]["mean_draft_ms_per_round"] = statistics.mean(
-                1e3 * s["draft_s"] / max(s["rounds"], 1) for s in stats
+                1e3 * s.draft_s / max(s.acceptance.rounds, 1) for s in stats
             )
         results[set_name] = rows
     return results

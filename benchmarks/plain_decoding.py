@@ -69,7 +69,7 @@ def main() -> None:
 
     log("[3/4] plain decoding: specx vs transformers")
     specx_runs = [generate_plain(target, [prompt], args.new_tokens) for _ in range(args.repeats)]
-    specx_ms = statistics.median(r.stats["ms_per_token"] for r in specx_runs)
+    specx_ms = statistics.median(r.stats.ms_per_token for r in specx_runs)
     hf = AutoModelForCausalLM.from_pretrained(checkpoint).eval()
     ids = torch.tensor([prompt])
     hf_kwargs = dict(

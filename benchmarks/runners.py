@@ -21,7 +21,10 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from specx.runtime.metrics import SpeculativeStats
 
 
 @dataclass(frozen=True)
@@ -56,7 +59,7 @@ class SpecxPlain:
         from specx.runtime.plain_decoding import generate_plain
 
         result = generate_plain(self.target, [list(prompt)], new_tokens, self.sampling)
-        return Timing(result.stats["prefill_s"], result.stats["decode_s"], result.tokens[0])
+        return Timing(result.stats.prefill_s, result.stats.decode_s, result.tokens[0])
 
 
 class SpecxSpeculative:
@@ -64,7 +67,7 @@ class SpecxSpeculative:
 
     def __init__(self, target, drafter: Callable, sampling=None):
         self.target, self.drafter, self.sampling = target, drafter, sampling
-        self.stats: dict[tuple[int, ...], dict] = {}
+        self.stats: dict[tuple[int, ...], SpeculativeStats] = {}  # per prompt, its last run
 
     def __call__(self, prompt: Sequence[int], new_tokens: int) -> Timing:  # noqa: D102
         from specx.runtime.speculative_decoding import generate_speculative
@@ -72,8 +75,9 @@ class SpecxSpeculative:
         result = generate_speculative(
             self.target, self.drafter(prompt), [list(prompt)], new_tokens, self.sampling
         )
-        self.stats[tuple(prompt)] = result.stats
-        return Timing(result.stats["prefill_s"], result.stats["decode_s"], result.tokens[0])
+        assert result.stats.speculative is not None  # no max_batch_spec: it speculated
+        self.stats[tuple(prompt)] = result.stats.speculative
+        return Timing(result.stats.prefill_s, result.stats.decode_s, result.tokens[0])
 
 
 class GenaiPlain:

@@ -75,26 +75,26 @@ def run_config(target, drafter, prompts, new_tokens, sampling, repeats: int = 3)
                 runs.append(generate_plain(target, [prompt], new_tokens, sampling))
             else:
                 runs.append(generate_speculative(target, drafter, [prompt], new_tokens, sampling))
-        rows.append(min(runs, key=lambda r: r.stats["ms_per_token"]))
+        rows.append(min(runs, key=lambda r: r.stats.ms_per_token))
     stats = [r.stats for r in rows]
     out = {
-        "ms_per_token": statistics.mean(s["ms_per_token"] for s in stats),
-        "tokens_per_s": statistics.mean(s["tokens_per_s"] for s in stats),
+        "ms_per_token": statistics.mean(s.ms_per_token for s in stats),
+        "tokens_per_s": statistics.mean(s.tokens_per_s for s in stats),
         "tokens": [r.tokens[0] for r in rows],
     }
     if drafter is not None:
-        out["acceptance_length"] = statistics.mean(s["acceptance_length"] for s in stats)
-        depth = max(len(s["acceptance_by_position"]) for s in stats)
+        spec = [s.speculative for s in stats if s.speculative is not None]  # all: no fallback
+        acceptance = [s.acceptance for s in spec]
+        out["acceptance_length"] = statistics.mean(a.acceptance_length for a in acceptance)
+        depth = max(len(a.acceptance_by_position) for a in acceptance)
         out["acceptance_by_position"] = [
             statistics.mean(
-                s["acceptance_by_position"][d]
-                for s in stats
-                if len(s["acceptance_by_position"]) > d
+                a.acceptance_by_position[d] for a in acceptance if len(a.acceptance_by_position) > d
             )
             for d in range(depth)
         ]
         out["draft_s_per_round"] = statistics.mean(
-            s["draft_s"] / max(s["rounds"], 1) for s in stats
+            s.draft_s / max(s.acceptance.rounds, 1) for s in spec
         )
     return out
 

@@ -429,10 +429,10 @@ def test_batch_stats_say_per_token_and_per_step(artifacts):
         target, [[1, 2], [3], [4, 5, 6]], 9, progress=lambda t, f: seen.append(t)
     )
     stats = result.stats
-    assert stats["target_forwards"] == 8 and stats["new_tokens"] == 27
-    decode_ms = 1e3 * stats["decode_s"]
-    assert stats["ms_per_token"] == pytest.approx(decode_ms / (27 - 3))
-    assert stats["ms_per_step"] == pytest.approx(decode_ms / 8)
+    assert stats.target_forwards == 8 and stats.new_tokens == 27
+    decode_ms = 1e3 * stats.decode_s
+    assert stats.ms_per_token == pytest.approx(decode_ms / (27 - 3))
+    assert stats.ms_per_step == pytest.approx(decode_ms / 8)
     assert seen == [3 * i for i in range(1, 10)]
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 import shutil
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -319,8 +320,8 @@ def _timed(generate, seconds: list[float]):
     def run(*args, **kwargs):
         result = generate(*args, **kwargs)
         decode = float(next(times))
-        result.stats.update(decode_s=decode, total_s=decode, prefill_s=0.0)
-        return result
+        stats = replace(result.stats, decode_s=decode, total_s=decode, prefill_s=0.0)
+        return replace(result, stats=stats)
 
     return run
 

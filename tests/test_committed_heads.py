@@ -64,4 +64,4 @@ def test_a_committed_drafter_drafts_losslessly_above_its_floor(kind, prompts, tm
     options = DrafterOptions(4) if kind != "medusa" else DrafterOptions()
     spec_out = generate_speculative(target, make_drafter(spec, target, options), prompts, 48)
     assert spec_out.tokens == plain.tokens
-    assert spec_out.stats["acceptance_length"] > FLOORS[kind]
+    assert spec_out.stats.speculative.acceptance.acceptance_length > FLOORS[kind]

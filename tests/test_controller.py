@@ -45,7 +45,7 @@ def assert_switching_equals_plain(target, make, prompts, batches=(1, 3), tokens=
             controller = FixedSizes(SWITCHING)
             spec = generate_speculative(target, make(), chunk, tokens, controller=controller)
             assert spec.tokens == generate_plain(target, chunk, tokens).tokens
-            assert spec.stats["sizes_chosen"].keys() >= {0, 3}
+            assert spec.stats.speculative.controller.sizes_chosen.keys() >= {0, 3}
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
@@ -248,7 +248,8 @@ def test_suffix_drafts_trimmed_by_confidence_equal_plain(artifacts, rng):
         drafter = SuffixDrafter(SuffixOptions(8, min_prob=0.0))
         spec = generate_speculative(target, drafter, prompts[:batch], 30, controller=controller)
         assert spec.tokens == generate_plain(target, prompts[:batch], 30).tokens
-        assert len(spec.stats["sizes_chosen"]) >= 3 and spec.stats["controller"] == "confidence"
+        controller_stats = spec.stats.speculative.controller
+        assert len(controller_stats.sizes_chosen) >= 3 and controller_stats.name == "confidence"
 
 
 def test_confidence_trimming_keeps_the_prefix_that_pays_most():

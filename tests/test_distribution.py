@@ -8,6 +8,7 @@ run with a deliberately broken verifier must reject, which shows the test has po
 from __future__ import annotations
 
 from collections import Counter
+from types import SimpleNamespace
 
 import pytest
 
@@ -22,7 +23,7 @@ from specx.runtime.drafters.ngram import NGramDrafter
 from specx.runtime.drafters.suffix import SuffixDrafter, SuffixOptions
 from specx.runtime.drafters.tree_search import DynamicTree, StaticTree
 from specx.runtime.ort_target import OrtTarget
-from specx.runtime.plain_decoding import GenerationResult, generate_plain
+from specx.runtime.plain_decoding import generate_plain
 from specx.runtime.sampling import SamplingParams
 from specx.runtime.speculative_decoding import generate_speculative
 from specx.runtime.verification import verify
@@ -97,9 +98,10 @@ def run(pair, drafter_name, sampling, verifier, seed, controller=None):
 @pytest.mark.parametrize("drafter_name", list(DRAFTERS))
 def test_speculative_sampling_matches_plain(pair, drafter_name, sampling):
     plain, spec = run(pair, drafter_name, sampling, verify, seed=11)
-    accepted = spec.stats["accepted_tokens"]
+    acceptance = spec.stats.speculative.acceptance
+    accepted = acceptance.accepted_tokens
     assert 0 < accepted < SAMPLES * (POSITIONS - 1), "drafts must be accepted only sometimes"
-    assert min(p_values(plain, spec, VOCAB)) > 1e-3, spec.stats["acceptance_by_position"]
+    assert min(p_values(plain, spec, VOCAB)) > 1e-3, acceptance.acceptance_by_position
 
 
 @pytest.mark.parametrize(
@@ -119,8 +121,9 @@ SWITCHING = [2, 0, 0, 1, 3]  # with an idle stretch: plain steps in a row
 def test_sampling_with_switching_draft_sizes_matches_plain(pair, drafter_name, sampling):
     controller = FixedSizes(SWITCHING)
     plain, spec = run(pair, drafter_name, sampling, verify, seed=11, controller=controller)
-    assert spec.stats["sizes_chosen"].keys() >= {0, 2}  # the first two rounds: 2, then 0
-    assert min(p_values(plain, spec, VOCAB)) > 1e-3, spec.stats["acceptance_by_position"]
+    speculative = spec.stats.speculative
+    assert speculative.controller.sizes_chosen.keys() >= {0, 2}  # the first two rounds: 2, then 0
+    assert min(p_values(plain, spec, VOCAB)) > 1e-3, speculative.acceptance.acceptance_by_position
 
 
 @pytest.mark.parametrize("drafter_name", ["draft-chain", "draft-tree-topk"])
@@ -138,6 +141,9 @@ def run_trimmed(pair, sampling, verifier, chunk=8, positions=8):
     depend on a few rows' drafts and on what their earlier rounds accepted (over more
     positions than `run`'s: the first two are plain steps); a patience of 1 and quick
     probes add idle rows.
+
+    Returns:
+        (plain result, the speculative tokens as a result's `tokens`, sizes chosen: count).
     """
     target, _, prompt = pair
     plain = generate_plain(target, [prompt] * SAMPLES, positions, sampling_with(sampling, 11))
@@ -151,8 +157,8 @@ def run_trimmed(pair, sampling, verifier, chunk=8, positions=8):
         spec = generate_speculative(target, drafter, [prompt] * chunk, positions, params,
                                     verifier=verifier, controller=controller)  # fmt: skip
         tokens += spec.tokens
-        sizes.update(spec.stats["sizes_chosen"])
-    return plain, GenerationResult(tokens, {"sizes_chosen": dict(sizes)})
+        sizes.update(spec.stats.speculative.controller.sizes_chosen)
+    return plain, SimpleNamespace(tokens=tokens), sizes
 
 
 def sampling_with(sampling: SamplingParams, seed: int) -> SamplingParams:
@@ -162,11 +168,11 @@ def sampling_with(sampling: SamplingParams, seed: int) -> SamplingParams:
 @pytest.mark.parametrize("sampling", [SAMPLING[0], SAMPLING[1], SAMPLING[3]],
                          ids=["T0.7", "T1-k8", "T0.7-k10-p0.95"])  # fmt: skip
 def test_sampling_with_drafts_trimmed_by_confidence_matches_plain(pair, sampling):
-    plain, spec = run_trimmed(pair, sampling, verify)
-    assert len(spec.stats["sizes_chosen"]) >= 4, spec.stats["sizes_chosen"]
+    plain, spec, sizes = run_trimmed(pair, sampling, verify)
+    assert len(sizes) >= 4, sizes
     assert min(p_values(plain, spec, VOCAB)) > 1e-3
 
 
 def test_broken_verifier_is_detected_with_confidence_trimming(pair):
-    plain, spec = run_trimmed(pair, SAMPLING[0], broken_verify)
+    plain, spec, _ = run_trimmed(pair, SAMPLING[0], broken_verify)
     assert min(p_values(plain, spec, VOCAB)) < 1e-6

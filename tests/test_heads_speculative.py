@@ -52,7 +52,7 @@ def test_greedy_equals_plain(name, head_artifacts, rng):
                 plain = generate_plain(target, chunk, 30)
                 spec = generate_speculative(target, drafter, chunk, 30)
                 assert spec.tokens == plain.tokens, f"{name} {tree} {chunk}"
-                accepted += spec.stats["accepted_tokens"]
+                accepted += spec.stats.speculative.acceptance.accepted_tokens
     assert accepted > 0
 
 
@@ -63,7 +63,7 @@ def test_medusa_default_tree(head_artifacts):
     prompts = [[1, 2, 3], [4, 5, 6, 7]]
     spec = generate_speculative(target, drafter, prompts, 24)
     assert spec.tokens == generate_plain(target, prompts, 24).tokens
-    assert spec.stats["accepted_tokens"] > 0
+    assert spec.stats.speculative.acceptance.accepted_tokens > 0
 
 
 DISTRIBUTION_CASES = [
@@ -89,7 +89,7 @@ def sample_both(target, drafter, verifier):
 def test_sampling_matches_plain(name, tree, head_artifacts):
     target = OrtTarget(load_manifest(head_artifacts[name]), threads=2)
     plain, spec = sample_both(target, drafter_for(target, name, tree), verify)
-    assert spec.stats["accepted_tokens"] > 0
+    assert spec.stats.speculative.acceptance.accepted_tokens > 0
     assert min(p_values(plain, spec, HEAD_VOCAB)) > 1e-3
 
 

@@ -148,7 +148,7 @@ def test_speculation_on_the_int8_target_is_lossless(quantized):
         target, make_drafter("ngram", target, DrafterOptions(num_draft_tokens=4)), REPEATING, 32
     )
     assert spec.tokens == plain.tokens
-    assert spec.stats["accepted_tokens"] > 0
+    assert spec.stats.speculative.acceptance.accepted_tokens > 0
 
 
 def test_the_accuracy_report_is_sane(quantized):

@@ -86,7 +86,7 @@ def test_speculation_and_the_ort_lowering_past_the_window(family, windowed, tmp_
             for batch in ([p] for p in prompts):
                 spec = generate_speculative(target, drafter, batch, NEW_TOKENS)
                 assert spec.tokens == generate_plain(target, batch, NEW_TOKENS).tokens
-                accepted += spec.stats["accepted_tokens"]
+                accepted += spec.stats.speculative.acceptance.accepted_tokens
         assert accepted > 0
 
 

@@ -41,7 +41,7 @@ def assert_equals_plain(target, drafter, prompts, new_tokens=40, batch=3):
         plain = generate_plain(target, chunk, new_tokens, eos_token_ids=(0,))
         spec = generate_speculative(target, drafter, chunk, new_tokens, eos_token_ids=(0,))
         assert spec.tokens == plain.tokens, f"{drafter.name} batch {chunk}"
-        accepted += spec.stats["accepted_tokens"]
+        accepted += spec.stats.speculative.acceptance.accepted_tokens
     return accepted
 
 
@@ -107,7 +107,8 @@ def test_speculation_off_above_max_batch(artifacts):
     target = OrtTarget(load_manifest(artifacts["llama"]), threads=2)
     prompts = [[1, 2, 3]] * 3
     result = generate_speculative(target, NGramDrafter(4), prompts, 8, max_batch_spec=2)
-    assert result.stats["mode"] == "plain" and "off" in result.stats["speculation"]
+    assert result.stats.mode == "plain" and result.stats.speculative is None
+    assert result.stats.speculation_off == "off: batch 3 > max_batch_spec 2"
     assert result.tokens == generate_plain(target, prompts, 8).tokens
 
 
@@ -195,4 +196,4 @@ def test_draft_model_batch_filling_the_cache_equals_plain(artifacts, draft_artif
     drafter = DraftModelDrafter(draft, StaticTree.chain(1))
     spec = generate_speculative(target, drafter, prompts, new_tokens)
     assert spec.tokens == plain.tokens
-    assert spec.stats["accepted_tokens"] > 0 and row_by_row
+    assert spec.stats.speculative.acceptance.accepted_tokens > 0 and row_by_row

@@ -133,7 +133,7 @@ def test_trained_eagle3_drafts_losslessly(teacher_dir, tmp_path, taps):
     drafter = make_drafter("eagle3", target, DrafterOptions(tree=parse_tree_spec("dynamic:11,3,3")))
     spec = generate_speculative(target, drafter, prompts, 40)
     assert spec.tokens == plain.tokens
-    assert spec.stats["acceptance_length"] > 1.2
+    assert spec.stats.speculative.acceptance.acceptance_length > 1.2
 
 
 def test_cli_train_and_bad_input(teacher_dir, tmp_path):

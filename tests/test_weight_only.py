@@ -222,7 +222,7 @@ def test_chain_speculation_equals_plain_on_the_int4_build(
             plain = generate_plain(target, chunk, 40)
             speculative = generate_speculative(target, making, chunk, 40)
             assert speculative.tokens == plain.tokens, chunk
-            accepted += speculative.stats["accepted_tokens"]
+            accepted += speculative.stats.speculative.acceptance.accepted_tokens
     assert accepted > 0
 
 
@@ -245,7 +245,7 @@ def test_head_chains_equal_plain_on_int4_builds(name, head_artifacts, tmp_path, 
             plain = generate_plain(target, chunk, 40)
             speculative = generate_speculative(target, drafter, chunk, 40)
             assert speculative.tokens == plain.tokens, chunk
-            accepted += speculative.stats["accepted_tokens"]
+            accepted += speculative.stats.speculative.acceptance.accepted_tokens
     assert accepted > 0
 
 
@@ -404,7 +404,7 @@ def test_a_draft_only_build_quantizes_the_head_and_keeps_the_float_target(
             assert plain.tokens == generate_plain(float_target, chunk, 32).tokens
             speculative = generate_speculative(target, drafter, chunk, 32)
             assert speculative.tokens == plain.tokens, chunk
-            accepted += speculative.stats["accepted_tokens"]
+            accepted += speculative.stats.speculative.acceptance.accepted_tokens
     assert accepted > 0
 
 

@@ -399,7 +399,7 @@ def _run(target, drafter, prompts, options, observer=None) -> dict[str, Any]:
             _decode(target, drafter, prompt, options, sampling, observer if i == 0 else None)
             for i in range(options.repeats)
         ]
-        fastest = min(passes, key=lambda stats: stats["decode_s"])
+        fastest = min(passes, key=lambda row: row["decode_s"])
         for key in total:
             total[key] += fastest[key]
     total["rounds"] = max(total["rounds"], 1)
@@ -417,8 +417,14 @@ def _decode(target, drafter, prompt, options, sampling, observer) -> dict[str, A
         stats = generate_speculative(
             target, drafter, [prompt], options.max_new_tokens, sampling, observer=observer
         ).stats
-    row = {key: stats.get(key, 0) for key in ("decode_s", "draft_s", "verify_s", "rounds")}
-    return row | {"tokens": max(stats["new_tokens"] - 1, 1)}
+    spec = stats.speculative
+    return {
+        "decode_s": stats.decode_s,
+        "draft_s": 0 if spec is None else spec.draft_s,
+        "verify_s": 0 if spec is None else spec.verify_s,
+        "rounds": 0 if spec is None else spec.acceptance.rounds,
+        "tokens": max(stats.new_tokens - 1, 1),
+    }
 
 
 def _candidates(

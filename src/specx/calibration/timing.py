@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from specx.runtime.decoder_backend import DecoderBackend
 from specx.runtime.drafters.base import Drafter
+from specx.runtime.metrics import AcceptanceSummary
 from specx.runtime.plain_decoding import generate_plain
 from specx.runtime.sampling import SamplingParams
 from specx.runtime.speculative_decoding import generate_speculative
@@ -72,7 +73,8 @@ def measure_speedup(
     groups = [list(prompts[i : i + batch]) for i in range(0, len(prompts), batch)]
     plain_s = [float("inf")] * len(groups)
     speculative_s = [float("inf")] * len(groups)
-    tokens, identical, stats = 0, True, []
+    tokens, identical = 0, True
+    acceptance: list[AcceptanceSummary] = []  # each group's, of the first repeat
     for repeat in range(repeats):
         for g, group in enumerate(groups):
             plain = generate_plain(target, group, max_new_tokens, sampling)
@@ -80,17 +82,16 @@ def measure_speedup(
             if fresh is None:
                 raise ValueError("measure_speedup needs a drafter or new_drafter")
             spec = generate_speculative(target, fresh, group, max_new_tokens, sampling)
-            plain_s[g] = min(plain_s[g], plain.stats["decode_s"])
-            speculative_s[g] = min(
-                speculative_s[g], spec.stats["total_s"] - spec.stats["prefill_s"]
-            )
+            plain_s[g] = min(plain_s[g], plain.stats.decode_s)
+            speculative_s[g] = min(speculative_s[g], spec.stats.total_s - spec.stats.prefill_s)
             identical &= spec.tokens == plain.tokens
             if repeat == 0:
-                tokens += max(plain.stats["new_tokens"] - len(group), 1)
-                stats.append(spec.stats)
+                tokens += max(plain.stats.new_tokens - len(group), 1)
+                assert spec.stats.speculative is not None  # no max_batch_spec: it speculated
+                acceptance.append(spec.stats.speculative.acceptance)
     # Mean tokens per round over every row's rounds (AcceptanceStats' rule, merged).
-    rounds = sum(s["rounds"] for s in stats)
-    emitted = sum(s["acceptance_length"] * s["rounds"] for s in stats)
+    rounds = sum(a.rounds for a in acceptance)
+    emitted = sum(a.acceptance_length * a.rounds for a in acceptance)
     return PairedTiming(
         plain_s=sum(plain_s),
         speculative_s=sum(speculative_s),

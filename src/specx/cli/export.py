@@ -6,6 +6,7 @@ import json
 import sys
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
@@ -18,6 +19,9 @@ from specx.cli.common import (
 )
 from specx.cli.generate import print_stats
 from specx.errors import GenerationError, SpecxError
+
+if TYPE_CHECKING:
+    from specx.runtime.plain_decoding import GenerationResult
 
 __all__ = ["COMMANDS", "demo", "export"]
 
@@ -164,22 +168,23 @@ def demo(
             )
     require_extra("demo")
     if workdir is not None:
-        report = _demo(workdir, target_dir, prompt, max_new_tokens, threads)
+        report, plain, spec = _demo(workdir, target_dir, prompt, max_new_tokens, threads)
     else:
         with tempfile.TemporaryDirectory(prefix="specx-demo-") as scratch:
-            report = _demo(Path(scratch), target_dir, prompt, max_new_tokens, threads)
+            report, plain, spec = _demo(Path(scratch), target_dir, prompt, max_new_tokens, threads)
             report["artifact"] = None  # removed with the temporary directory
     json.dump(report, sys.stdout, indent=2)
     click.echo()
-    print_stats(report["plain"])
-    print_stats(report["speculative"])
-    if not report["identical_to_plain"]:
+    print_stats(plain.stats)
+    print_stats(spec.stats)
+    if spec.tokens != plain.tokens:
         raise GenerationError("speculative output differs from plain decoding: please report")
 
 
 def _demo(
     workdir: Path, target_dir: Path | None, prompt: str, max_new_tokens: int, threads: int | None
-) -> dict:
+) -> tuple[dict, GenerationResult, GenerationResult]:
+    """The report, and the plain and speculative results it sums up."""
     from specx.artifact import load_manifest
     from specx.export.random_checkpoint import write_random_checkpoint
     from specx.export.target_export import export_target
@@ -202,16 +207,19 @@ def _demo(
     progress("decoding: plain, then speculative with the n-gram drafter")
     plain = generate_plain(target, [prompt_ids], max_new_tokens)
     spec = generate_speculative(target, NGramDrafter(6), [prompt_ids], max_new_tokens)
-    return {
+    speculative = spec.stats.to_json()
+    del speculative["per_request"]  # the one prompt's: the totals already
+    report = {
         "artifact": str(artifact),
         "prompt": prompt,
         "text": tokenizer.decode(spec.tokens[0]) if tokenizer else None,
         "tokens": spec.tokens[0],
         "identical_to_plain": spec.tokens == plain.tokens,
-        "speedup": plain.stats["ms_per_token"] / spec.stats["ms_per_token"],
-        "plain": plain.stats,
-        "speculative": {k: v for k, v in spec.stats.items() if k != "per_request"},
+        "speedup": plain.stats.ms_per_token / spec.stats.ms_per_token,
+        "plain": plain.stats.to_json(),
+        "speculative": speculative,
     }
+    return report, plain, spec
 
 
 COMMANDS = (export, demo)

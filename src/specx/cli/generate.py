@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -21,7 +22,11 @@ from specx.cli.common import (
 )
 from specx.errors import GenerationError
 
-__all__ = ["COMMANDS", "DecodeProgress", "generate", "print_stats"]
+if TYPE_CHECKING:  # the runtime loads once a command runs (onnxruntime, numpy)
+    from specx.runtime.engine import Stats
+    from specx.runtime.metrics import RunStats
+
+__all__ = ["COMMANDS", "Comparison", "DecodeProgress", "generate", "print_stats"]
 
 _SPECULATIVE_OPTIONS = (
     "num_draft_tokens",
@@ -220,65 +225,96 @@ def generate(
     done = engine.generate_batch(
         prompts, **options, speculation=speculation, progress=progress(label)
     )
-    stats = dict(done[0].stats.details)
+    stats = done[0].stats
+    comparison: Comparison | None = None
     if compare and drafter is not None:
         plain = engine.generate_batch(prompts, **options, progress=progress("decoding plainly"))
-        stats["compare"] = {
-            "plain": dict(plain[0].stats.details),
-            "speedup": plain[0].stats.ms_per_token / stats["ms_per_token"],
+        comparison = Comparison(
+            plain=plain[0].stats,
+            speedup=plain[0].stats.ms_per_token / stats.ms_per_token,
             # Sampled speculation matches the target's distribution, not plain decoding's
             # draws token for token (its random stream is consumed differently): no verdict.
-            "identical_tokens": [c.tokens for c in plain] == [c.tokens for c in done]
+            identical_tokens=[c.tokens for c in plain] == [c.tokens for c in done]
             if temperature == 0
             else None,
-        }
+        )
     if as_json:
         texts = [c.text for c in done]
-        click.echo(json.dumps({"tokens": [c.tokens for c in done], "text": texts, "stats": stats}))
+        report = stats.to_json()
+        if comparison is not None:
+            report["compare"] = comparison.to_json()
+        click.echo(json.dumps({"tokens": [c.tokens for c in done], "text": texts, "stats": report}))
         return
     for i, completion in enumerate(done):
         if len(done) > 1:
             click.echo(f"--- completion {i + 1}/{len(done)} ---")
         text = completion.text
         click.echo(text if text is not None else " ".join(map(str, completion.tokens)))
-    print_stats(stats)
+    print_stats(stats, comparison)
 
 
-def print_stats(stats: dict[str, Any]) -> None:
-    """One line of stats on stderr: totals, decode ms/token and ms/step, acceptance."""
+@dataclass(frozen=True)
+class Comparison:
+    """`--compare`: the same prompts decoded plainly, against the speculative run."""
+
+    plain: Stats
+    speedup: float  # plain ms/token over speculative ms/token
+    identical_tokens: bool | None  # None: sampled (lossless in distribution only)
+
+    def to_json(self) -> dict[str, Any]:
+        """JSON-ready, as the speculative stats' "compare"."""
+        return {
+            "plain": self.plain.to_json(),
+            "speedup": self.speedup,
+            "identical_tokens": self.identical_tokens,
+        }
+
+
+def print_stats(stats: Stats | RunStats, compare: Comparison | None = None) -> None:
+    """One line of stats on stderr: totals, decode ms/token and ms/step, acceptance.
+
+    `stats`: an engine's (with its build, calibration and speculation), or a decoding
+    loop's.
+    """
+    from specx.runtime.engine import Stats
+
+    run = stats.run if isinstance(stats, Stats) else stats
     line = (
-        f"[{stats['mode']}] {stats['new_tokens']} tokens in {stats['total_s']:.3f}s "
-        f"(prefill {stats['prefill_s']:.3f}s): {stats['tokens_per_s']:.1f} tokens/s; decode "
-        f"{stats['ms_per_token']:.2f} ms/token, {stats['ms_per_step']:.2f} ms/step "
-        f"(batch {stats['batch']}" + (f", build {stats['build']})" if "build" in stats else ")")
+        f"[{run.mode}] {run.new_tokens} tokens in {run.total_s:.3f}s "
+        f"(prefill {run.prefill_s:.3f}s): {run.tokens_per_s:.1f} tokens/s; decode "
+        f"{run.ms_per_token:.2f} ms/token, {run.ms_per_step:.2f} ms/step (batch {run.batch}"
     )
-    if "acceptance_length" in stats:
+    line += f", build {stats.build})" if isinstance(stats, Stats) else ")"
+    spec = run.speculative
+    if spec is not None:
+        acceptance = spec.acceptance
         line += (
-            f", acceptance length {stats['acceptance_length']:.2f} over {stats['rounds']} rounds"
+            f", acceptance length {acceptance.acceptance_length:.2f} over {acceptance.rounds} "
+            "rounds"
         )
-    if "compare" in stats:
-        compare = stats["compare"]
-        identical = compare["identical_tokens"]
+    if compare is not None:
+        identical = compare.identical_tokens
         verdict = (
             f"identical tokens: {identical}"
             if identical is not None
             else "sampled: lossless in distribution, not token by token"
         )
         line += (
-            f"; plain {compare['plain']['ms_per_token']:.2f} ms/token, speedup "
-            f"{compare['speedup']:.2f}x, {verdict}"
+            f"; plain {compare.plain.ms_per_token:.2f} ms/token, speedup "
+            f"{compare.speedup:.2f}x, {verdict}"
         )
-    if "calibration" in stats:
-        calibration = stats["calibration"]
+    calibrated = stats.calibrated if isinstance(stats, Stats) else None
+    if calibrated is not None:
         line += (
-            f"; calibrated {calibration['tree']}, predicted speedup "
-            f"{calibration['predicted_speedup']:.2f}x"
+            f"; calibrated {calibrated.description}, predicted speedup "
+            f"{calibrated.predicted_speedup:.2f}x"
         )
-    if "sizes_chosen" in stats:
-        sizes = ", ".join(f"{k}: {n}" for k, n in stats["sizes_chosen"].items())
+    if spec is not None and spec.controller is not None:
+        sizes = ", ".join(f"{k}: {n}" for k, n in spec.controller.sizes_chosen.items())
         line += f"; draft sizes chosen (size: rows) {sizes}"
-    if "speculation" in stats:
-        line += f"; speculation {stats['speculation']}"
+    if run.speculation_off is not None:
+        speculation = stats.speculation if isinstance(stats, Stats) else run.speculation_off
+        line += f"; speculation {speculation}"
     click.echo(line, err=True)
 
 

@@ -11,8 +11,9 @@ An engine is what `specx generate` runs: the artifact's manifest verified, its d
 build opened once, and per request the default a user gets from the command line (the
 calibration entry nearest the request's sampling setting and the per-round controller;
 `Speculation` overrides each part). Outputs are the target's: greedy speculative
-decoding equals plain decoding token for token. Results are dataclasses; `Stats.details`
-keeps everything the decoding loop measured, JSON-ready.
+decoding equals plain decoding token for token. Results are dataclasses; `Stats.run`
+keeps everything the decoding loop measured (`specx.runtime.metrics`), `Stats.to_json` the
+same as JSON.
 
 One request decodes at a time per engine (a lock): the target's KV cache and the drafters'
 state are per call. Drafters are built once per configuration and reused, so a draft
@@ -25,7 +26,7 @@ import logging
 import queue
 import threading
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -38,6 +39,7 @@ from specx.runtime.controller import Controller, RoundCosts, controller_for
 from specx.runtime.detokenize import TextStream
 from specx.runtime.drafters import DrafterOptions, make_drafter
 from specx.runtime.drafters.tree_search import parse_tree_spec
+from specx.runtime.metrics import RunStats
 from specx.runtime.plain_decoding import (
     GenerationResult,
     Progress,
@@ -103,48 +105,98 @@ class DraftPlan:
 
 @dataclass(frozen=True)
 class Stats:
-    """One decoding run (a batch shares it): what users compare across systems."""
+    """One decoding run (a batch shares it): what users compare across systems.
 
-    mode: str  # "plain" | "speculative"
-    drafter: str | None
+    `run` is everything the decoding loop measured; the properties are the numbers most
+    compared (plain decoding: acceptance length 1, no draft or verify time).
+    """
+
+    run: RunStats
     build: str  # the artifact's build that ran ("ort-fp32", ...; "exported": no build)
     backend: str  # the runtime that ran it: "ort" (ONNX Runtime) or "trt" (TensorRT)
-    batch: int
-    prompt_tokens: int
-    new_tokens: int
-    prefill_s: float
-    decode_s: float
-    ms_per_token: float  # decode time per decoded token (after each sequence's first)
-    acceptance_length: float  # tokens per target forward per sequence, bonus counted; 1 plain
-    acceptance_by_position: tuple[float, ...]
-    draft_s: float
-    verify_s: float
     speculation: str  # "on", or why it was off
-    calibration: str | None  # the manifest entry used (calibration[...]), if any
-    details: Mapping[str, Any] = field(repr=False)  # everything the loop reported
+    calibrated: CalibratedChoice | None = None  # the manifest entry used, if any
 
-    @classmethod
-    def of(cls, stats: Mapping[str, Any]) -> Stats:
-        """From a decoding loop's stats."""
-        return cls(
-            mode=stats["mode"],
-            drafter=stats.get("drafter"),
-            build=stats["build"],
-            backend=stats["backend"],
-            batch=stats["batch"],
-            prompt_tokens=stats["prompt_tokens"],
-            new_tokens=stats["new_tokens"],
-            prefill_s=stats["prefill_s"],
-            decode_s=stats["decode_s"],
-            ms_per_token=stats["ms_per_token"],
-            acceptance_length=stats.get("acceptance_length", 1.0),
-            acceptance_by_position=tuple(stats.get("acceptance_by_position", ())),
-            draft_s=stats.get("draft_s", 0.0),
-            verify_s=stats.get("verify_s", 0.0),
-            speculation=stats.get("speculation", "on" if stats["mode"] != "plain" else "off"),
-            calibration=(stats.get("calibration") or {}).get("entry"),
-            details=dict(stats),
-        )
+    @property
+    def mode(self) -> Literal["plain", "speculative"]:
+        """The run's mode: "speculative" where it drafted, else "plain"."""
+        return self.run.mode
+
+    @property
+    def drafter(self) -> str | None:
+        """The drafter that ran; None when the run decoded plainly."""
+        return None if self.run.speculative is None else self.run.speculative.drafter
+
+    @property
+    def batch(self) -> int:
+        """Sequences decoded together."""
+        return self.run.batch
+
+    @property
+    def prompt_tokens(self) -> int:
+        """Prompt tokens over the batch."""
+        return self.run.prompt_tokens
+
+    @property
+    def new_tokens(self) -> int:
+        """Generated tokens over the batch."""
+        return self.run.new_tokens
+
+    @property
+    def prefill_s(self) -> float:
+        """Seconds of the prefill (it emits each sequence's first token)."""
+        return self.run.prefill_s
+
+    @property
+    def decode_s(self) -> float:
+        """Seconds after the prefill."""
+        return self.run.decode_s
+
+    @property
+    def ms_per_token(self) -> float:
+        """Decode time per decoded token (after each sequence's first)."""
+        return self.run.ms_per_token
+
+    @property
+    def acceptance_length(self) -> float:
+        """Tokens per target forward per sequence, bonus counted; 1 plain."""
+        spec = self.run.speculative
+        return 1.0 if spec is None else spec.acceptance.acceptance_length
+
+    @property
+    def acceptance_by_position(self) -> tuple[float, ...]:
+        """[depth] share of rounds whose draft reached it that accepted it."""
+        spec = self.run.speculative
+        return () if spec is None else spec.acceptance.acceptance_by_position
+
+    @property
+    def draft_s(self) -> float:
+        """Seconds proposing drafts."""
+        return 0.0 if self.run.speculative is None else self.run.speculative.draft_s
+
+    @property
+    def verify_s(self) -> float:
+        """Seconds of the speculative rounds' target forwards."""
+        return 0.0 if self.run.speculative is None else self.run.speculative.verify_s
+
+    @property
+    def calibration(self) -> str | None:
+        """The manifest entry used (calibration[...]), if any."""
+        return None if self.calibrated is None else self.calibrated.key
+
+    def to_json(self) -> dict[str, Any]:
+        """JSON-ready, as `specx generate --json` prints it (docs/cli.md)."""
+        out = self.run.to_json()
+        if self.run.speculation_off is not None:
+            out["speculation"] = self.speculation  # the calibration's reason, where it decided
+        if self.calibrated is not None:
+            out["calibration"] = {
+                "entry": self.calibrated.key,
+                "tree": self.calibrated.description,
+                "max_batch_spec": self.calibrated.max_batch_spec,
+                "predicted_speedup": self.calibrated.predicted_speedup,
+            }
+        return out | {"build": self.build, "backend": self.backend}
 
 
 @dataclass(frozen=True)
@@ -284,8 +336,8 @@ class Engine:
             texts[row].push(tokens)
             return not texts[row].stopped
 
-        result = self._decode(request, sink if request.stop else None, progress)
-        return self._completions(request, result, texts)
+        result, stats = self._decode(request, sink if request.stop else None, progress)
+        return self._completions(request, result, stats, texts)
 
     def stream(self, prompt: Prompt, **options: Any) -> Iterator[Chunk]:
         """Yields each verified round's tokens and text; the last chunk has the `Completion`.
@@ -305,8 +357,8 @@ class Engine:
 
         def work() -> None:
             try:
-                result = self._decode(request, sink, None)
-                chunks.put(self._completions(request, result, [text])[0])
+                result, stats = self._decode(request, sink, None)
+                chunks.put(self._completions(request, result, stats, [text])[0])
             except BaseException as e:  # handed to the consumer's thread
                 chunks.put(e)
 
@@ -360,7 +412,7 @@ class Engine:
 
     def _decode(
         self, request: _Request, sink: TokenSink | None, progress: Progress | None
-    ) -> GenerationResult:
+    ) -> tuple[GenerationResult, Stats]:
         with self.lock:
             if request.speculation is None:
                 result = generate_plain(
@@ -372,11 +424,14 @@ class Engine:
                     progress,
                     sink,
                 )
-            else:
-                result = self._speculative(request, sink, progress)
-        result.stats["build"] = build_name(self.manifest)
-        result.stats["backend"] = backend_name(self.manifest)
-        return result
+                return result, self._stats(result.stats, "off")
+            return self._speculative(request, sink, progress)
+
+    def _stats(
+        self, run: RunStats, speculation: str, calibrated: CalibratedChoice | None = None
+    ) -> Stats:
+        build, backend = build_name(self.manifest), backend_name(self.manifest)
+        return Stats(run, build, backend, speculation, calibrated)
 
     def plan(self, speculation: Speculation, sampling: SamplingParams) -> DraftPlan:
         """What a request with `speculation` at `sampling` drafts with (see `DraftPlan`)."""
@@ -416,7 +471,7 @@ class Engine:
             )
         return drafter
 
-    def _speculative(self, request: _Request, sink, progress) -> GenerationResult:
+    def _speculative(self, request: _Request, sink, progress) -> tuple[GenerationResult, Stats]:
         speculation = request.speculation
         assert speculation is not None  # plain requests never get here
         plan = self.plan(speculation, request.sampling)
@@ -436,19 +491,10 @@ class Engine:
             )
         finally:
             self.give_back(plan, drafter)
-        calibrated = plan.calibrated
-        if calibrated is not None:
-            result.stats["calibration"] = {
-                "entry": calibrated.key,
-                "tree": calibrated.description,
-                "max_batch_spec": calibrated.max_batch_spec,
-                "predicted_speedup": calibrated.predicted_speedup,
-            }
-            if speculation.max_batch_spec is None and "speculation" in result.stats:
-                result.stats["speculation"] = _calibrated_off(
-                    calibrated.max_batch_spec, len(request.prompts)
-                )
-        return result
+        calibrated, off = plan.calibrated, result.stats.speculation_off
+        if off is not None and calibrated is not None and speculation.max_batch_spec is None:
+            off = _calibrated_off(calibrated.max_batch_spec, len(request.prompts))
+        return result, self._stats(result.stats, off or "on", calibrated)
 
     def take_drafter(self, plan: DraftPlan):
         """A drafter for `plan` not in use: a pooled one, else a new one (`give_back` it)."""
@@ -487,9 +533,8 @@ class Engine:
         return scratch_of(drafter)
 
     def _completions(
-        self, request: _Request, result: GenerationResult, texts: list[TextStream]
+        self, request: _Request, result: GenerationResult, stats: Stats, texts: list[TextStream]
     ) -> list[Completion]:
-        stats = Stats.of(result.stats)
         completions = []
         for prompt, tokens, text in zip(request.prompts, result.tokens, texts, strict=True):
             if text.stopped:

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 import numpy as np
 
 from specx.errors import CapacityError, GenerationError
 from specx.runtime.decoder_backend import DecoderBackend
+from specx.runtime.metrics import RunStats
 from specx.runtime.sampling import SamplingParams, next_tokens
 
 __all__ = [
@@ -18,7 +18,6 @@ __all__ = [
     "Progress",
     "TokenSink",
     "check_prompts",
-    "decode_rates",
     "generate_plain",
     "prefill",
 ]
@@ -30,12 +29,12 @@ Progress = Callable[[int, int], None]
 TokenSink = Callable[[int, list[int]], bool]
 
 
-@dataclass
+@dataclass(frozen=True)
 class GenerationResult:
     """Generated tokens per prompt (prompt excluded; eos included when hit) and stats."""
 
-    tokens: list[list[int]]
-    stats: dict[str, Any] = field(default_factory=dict)
+    tokens: list[list[int]]  # [batch][new]
+    stats: RunStats
 
 
 def check_prompts(
@@ -141,40 +140,8 @@ def generate_plain(
     tokens_out = [
         _until_eos(row[: min(steps, n)], eos) for row, n in zip(generated, stopped, strict=True)
     ]
-    new_tokens = sum(len(t) for t in tokens_out)
-    return GenerationResult(
-        tokens=tokens_out,
-        stats={
-            "mode": "plain",
-            "batch": len(prompts),
-            "prompt_tokens": sum(len(p) for p in prompts),
-            "new_tokens": new_tokens,
-            "prefill_s": prefill_s,
-            **decode_rates(total_s, prefill_s, new_tokens, len(prompts), steps - 1),
-        },
-    )
-
-
-def decode_rates(
-    total_s: float, prefill_s: float, new_tokens: int, batch: int, decode_forwards: int
-) -> dict[str, float | int]:
-    """The timing stats of a run, the same rule for plain and speculative decoding.
-
-    The prefill emits each sequence's first token; every later token is a decoded one.
-    `ms_per_token` = decode time / decoded tokens over the whole batch (so at batch 1 the
-    time per token one user waits, and at batch B its batch-wide rate); `ms_per_step` =
-    decode time / target forwards after the prefill (one token per sequence for plain
-    decoding, one verified tree per sequence for speculative decoding).
-    """
-    decode_s = total_s - prefill_s
-    return {
-        "target_forwards": decode_forwards,
-        "decode_s": decode_s,
-        "total_s": total_s,
-        "tokens_per_s": new_tokens / total_s,
-        "ms_per_token": 1e3 * decode_s / max(new_tokens - batch, 1),
-        "ms_per_step": 1e3 * decode_s / max(decode_forwards, 1),
-    }
+    stats = RunStats.measure(prompts, tokens_out, prefill_s, total_s, steps - 1)
+    return GenerationResult(tokens_out, stats)
 
 
 def _sink_step(sink: TokenSink, tokens: np.ndarray, done: np.ndarray, stopped, step: int):

@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -24,13 +24,12 @@ from specx.runtime.controller import Controller
 from specx.runtime.decoder_backend import DecoderBackend
 from specx.runtime.drafters.base import Drafter
 from specx.runtime.kv_cache import KVCache
-from specx.runtime.metrics import AcceptanceStats
+from specx.runtime.metrics import AcceptanceStats, ControllerSummary, RunStats, SpeculativeStats
 from specx.runtime.plain_decoding import (
     GenerationResult,
     Progress,
     TokenSink,
     check_prompts,
-    decode_rates,
     generate_plain,
     prefill,
 )
@@ -134,8 +133,8 @@ def generate_speculative(
         result = generate_plain(
             target, prompts, max_new_tokens, sampling, eos_token_ids, progress, sink
         )
-        result.stats["speculation"] = f"off: batch {len(prompts)} > max_batch_spec {max_batch_spec}"
-        return result
+        off = f"off: batch {len(prompts)} > max_batch_spec {max_batch_spec}"
+        return replace(result, stats=replace(result.stats, speculation_off=off))
     if drafter.max_nodes + 1 > target.max_tree_tokens:
         raise TreeError(
             f"the {drafter.name} drafter proposes up to {drafter.max_nodes} nodes; with the root "
@@ -214,24 +213,17 @@ def generate_speculative(
             progress(sum(len(e) for e in emitted), int((~active).sum()))
     total_s = time.perf_counter() - started
     tokens_out = [e[:max_new_tokens] for e in emitted]
-    new_tokens = sum(len(t) for t in tokens_out)
-    return GenerationResult(
-        tokens=tokens_out,
-        stats={
-            "mode": "speculative",
-            "drafter": drafter.name,
-            "batch": batch,
-            "prompt_tokens": sum(len(p) for p in prompts),
-            "new_tokens": new_tokens,
-            "prefill_s": prefill_s,
-            "draft_s": draft_s,
-            "verify_s": verify_s,
-            **decode_rates(total_s, prefill_s, new_tokens, batch, forwards),
-            **AcceptanceStats.merge(stats).summary(),
-            **({} if controller is None else controller.summary()),
-            "per_request": [s.summary() for s in stats],
-        },
+    speculative = SpeculativeStats(
+        drafter=drafter.name,
+        draft_s=draft_s,
+        verify_s=verify_s,
+        acceptance=AcceptanceStats.merge(stats).summary(),
+        # controller.py's summary is a dict: typed here, at the loop's boundary.
+        controller=None if controller is None else ControllerSummary.of(controller.summary()),
+        per_request=tuple(s.summary() for s in stats),
     )
+    run = RunStats.measure(prompts, tokens_out, prefill_s, total_s, forwards, speculative)
+    return GenerationResult(tokens_out, run)
 
 
 def scratch_of(drafter: Drafter | None) -> int:

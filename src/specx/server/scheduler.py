@@ -276,18 +276,18 @@ class Scheduler:
         if reason is None:
             stopped = text.stopped or (tokens and tokens[-1] in job.eos)
             reason = "stop" if stopped else "length"
-        summary = sequence.stats.summary()
+        acceptance = sequence.stats.summary()
         done = Finished(
             tokens=list(tokens),
             text=text.text,
             tail=text.finish(),
             finish_reason=reason,
             prompt_tokens=len(job.prompt),
-            rounds=summary["rounds"],
+            rounds=acceptance.rounds,
             drafted=sequence.drafted,
-            accepted=summary["accepted_tokens"],
-            acceptance_length=summary["acceptance_length"],
-            acceptance_by_position=summary["acceptance_by_position"],
+            accepted=acceptance.accepted_tokens,
+            acceptance_length=acceptance.acceptance_length,
+            acceptance_by_position=list(acceptance.acceptance_by_position),
             error=error,
         )
         self._give_back(job.plan, sequence.drafter)
