@@ -105,6 +105,8 @@ def measure_cell(engine, drafter, prompts, batch, temperature, args) -> dict:
     modes = {"plain": None, "fixed": fixed, "default": drafter}
     if args.no_fixed:
         del modes["fixed"]
+    if args.control:
+        modes["control"] = None  # plain again: the cell's own noise band
     decode = dict.fromkeys(modes, 0.0)
     identical, sizes, calibration = True, {}, None
     for start in range(0, len(prompts), batch):
@@ -133,6 +135,7 @@ def measure_cell(engine, drafter, prompts, batch, temperature, args) -> dict:
     return {
         "fixed_speedup": decode["plain"] / decode["fixed"] if "fixed" in decode else None,
         "default_speedup": decode["plain"] / decode["default"],
+        "control_speedup": decode["plain"] / decode["control"] if "control" in decode else None,
         "identical_to_plain": identical if temperature == 0 else None,
         "default_sizes_chosen": sizes,
         "calibration_entry": calibration,
@@ -164,6 +167,8 @@ def main() -> None:
     parser.add_argument("--only", default=None, help="comma-separated drafters to measure")
     parser.add_argument("--targets", default=None, help="comma-separated targets (pyref-7m, ...)")
     parser.add_argument("--no-fixed", action="store_true", help="plain vs the default only")
+    parser.add_argument("--control", action="store_true",
+                        help="time plain twice: each cell's plain-vs-plain noise band")  # fmt: skip
     parser.add_argument(
         "--merge", action="store_true", help="update the cells measured in an existing --out"
     )
@@ -216,7 +221,8 @@ def main() -> None:
                         row = measure_cell(engine, drafter, prompts, batch, temperature, args)
                         report["results"][key] = row
                         log(f"  fixed {row['fixed_speedup'] or 0:.2f}x, default "
-                            f"{row['default_speedup']:.2f}x")  # fmt: skip
+                            f"{row['default_speedup']:.2f}x, control "
+                            f"{row['control_speedup'] or 0:.2f}x")  # fmt: skip
     if args.merge and args.out.is_file():
         earlier = json.loads(args.out.read_text())
         earlier["results"].update(report["results"])
@@ -230,14 +236,18 @@ def main() -> None:
         report = earlier
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
-    print("| cell | fixed draft | default (controller) | default / fixed |")
-    print("|---|---|---|---|")
+    print("| cell | fixed draft | default (controller) | default / fixed | plain / plain |")
+    print("|---|---|---|---|---|")
     for key, row in report["results"].items():
         fixed, default = row["fixed_speedup"], row["default_speedup"]
-        if fixed is None:
-            print(f"| {key} | - | {default:.2f}x | - |")
-        else:
-            print(f"| {key} | {fixed:.2f}x | {default:.2f}x | {default / fixed:.0%} |")
+        control = row.get("control_speedup")
+        cells = [
+            f"{fixed:.2f}x" if fixed else "-",
+            f"{default:.2f}x",
+            f"{default / fixed:.0%}" if fixed else "-",
+            f"{control:.2f}x" if control else "-",
+        ]
+        print(f"| {key} | " + " | ".join(cells) + " |")
 
 
 def _name(drafter: str) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import numpy as np
@@ -199,6 +200,10 @@ def test_a_stretch_of_plain_steps_prices_the_plain_step_from_then_on():
     costs.record_stretch(1.0)
     costs.record(1, 1.4, 0.0)
     assert costs.verify(1) == pytest.approx(1.0)
+    # Steps grow faster over a request: the latest stretch is the price, not an average.
+    costs.record_stretch(0.9)
+    costs.record_stretch(0.7)
+    assert costs.verify(1) == pytest.approx(0.7)
 
 
 def test_an_engine_shares_round_costs_per_plan_and_batch(artifacts):
@@ -294,12 +299,14 @@ def test_confidence_learns_what_the_target_accepts_idles_and_comes_back():
     assert rounds(40, 8)[-5:] == [8] * 5
 
 
-def play(controller, rounds: int, draft, accepted: int, draft_s: float) -> list[int | None]:
+def play(
+    controller, rounds: int, draft, accepted: int, draft_s: float, lone=lambda r: 1.0
+) -> list[int | None]:
     """Rounds of one row played as the loop plays them; per round the nodes kept (None: idle).
 
     `draft(r)`: the proposal of round r (from 1); the target accepts its first `accepted`
-    nodes. Times in plain steps: a proposal costs `draft_s`, verifying k nodes 1 + k / 16;
-    idle rounds go through `idle_rounds` and `idled`.
+    nodes. Times in plain steps: a proposal costs `draft_s`, verifying k > 0 nodes 1 + k / 16,
+    a round that kept none `lone(r)`; idle rounds go through `idle_rounds` and `idled`.
     """
     kept: list[int | None] = []
     while len(kept) < rounds:
@@ -315,11 +322,12 @@ def play(controller, rounds: int, draft, accepted: int, draft_s: float) -> list[
         (draft_kept,) = controller.keep([draft(len(kept) + 1)])
         kept.append(len(draft_kept))
         controller.observe(0, len(draft_kept), list(range(min(accepted, len(draft_kept)))))
-        controller.timed(1 + len(draft_kept), 1.0 + len(draft_kept) / 16, draft_s)
+        verify_s = 1.0 + len(draft_kept) / 16 if draft_kept else lone(len(kept))
+        controller.timed(1 + len(draft_kept), verify_s, draft_s)
     return kept[:rounds]
 
 
-def proposals(controller, rounds: int, found) -> list[bool]:
+def proposals(controller, rounds: int, found, lone=lambda r: 1.0) -> list[bool]:
     """Per round, whether the row proposed; `found(r)`: its proposal in round r matches.
 
     A proposal costs 0.12 of a plain step (`play`); a match is accepted whole.
@@ -327,7 +335,7 @@ def proposals(controller, rounds: int, found) -> list[bool]:
     controller.start(1, 8)
     sure = chain([1.0] * 8)
     draft = lambda r: sure if found(r) else DraftTree.empty()  # noqa: E731
-    return [k is not None for k in play(controller, rounds, draft, 8, draft_s=0.12)]
+    return [k is not None for k in play(controller, rounds, draft, 8, 0.12, lone)]
 
 
 def test_confidence_stops_proposing_where_proposals_cost_more_than_they_earn():
@@ -337,6 +345,10 @@ def test_confidence_stops_proposing_where_proposals_cost_more_than_they_earn():
     assert never[:9] == [False] * 2 + [True] * 5 + [False] * 2
     asking = [i for i in range(1, 120) if never[i] and not never[i - 1]]
     assert np.diff(asking).tolist() == [12, 20, 36]  # windows of 5 asks, idle 7, 15, 31
+    # Rounds that found nothing but ran fast by chance did not pay: the waits still double.
+    noisy = proposals(ConfidenceController(), 120, lambda r: False, lambda r: 0.8 + 0.5 * (r % 2))
+    idle = [len(list(run)) for asked, run in itertools.groupby(noisy[2:]) if not asked]
+    assert idle[:3] == [7, 15, 31]
     # A match every fourth round earns up to 7.4 plain steps, the misses 0.36: it keeps asking.
     often = proposals(ConfidenceController(), 60, found=lambda r: r % 4 == 0)
     assert all(often[2:])
@@ -349,7 +361,11 @@ def test_a_batch_keeps_one_width_and_peers_raise_the_bar():
     controller.sizes(np.array([True, True]))
     controller.sizes(np.array([True, True]))
     short, long = controller.keep([chain([1.0] * 2), chain([1.0] * 6)])
-    assert (len(short), len(long)) == (2, 6)  # the forward is as wide as the longest anyway
+    # A batch ends with its slowest row: nodes past what the short draft offers would widen
+    # every row's forward and not end the batch sooner.
+    assert (len(short), len(long)) == (2, 2)
+    controller.sizes(np.array([True, True]))
+    assert [len(d) for d in controller.keep([chain([1.0] * 6)] * 2)] == [6, 6]
     alone, crowded = ConfidenceController(costs=curve), ConfidenceController(costs=curve)
     for c, peers in ((alone, 0), (crowded, 15)):
         c.start(1, 8)
@@ -357,6 +373,23 @@ def test_a_batch_keeps_one_width_and_peers_raise_the_bar():
         c.sizes(np.array([True]), peers=peers)
     assert len(alone.keep([chain([0.8] * 4)])[0]) == 4
     assert len(crowded.keep([chain([0.8] * 4)])[0]) == 0  # 16 rows wait for its draft
+
+
+@pytest.mark.parametrize("accepted", [(1, 0), (1, 1)])
+def test_a_batch_is_paid_by_the_tokens_its_least_lucky_row_accepted(accepted):
+    controller = ConfidenceController()
+    controller.start(2, 8)
+    both = np.array([True, True])
+    controller.idled(controller.idle_rounds(both), 4, 1.0)  # the plain first rounds
+    controller.sizes(both)
+    kept = controller.keep([chain([1.0] * 8)] * 2)
+    assert [len(d) for d in kept] == [1, 1]  # no wider than the widths timed allow
+    for row, count in enumerate(accepted):
+        controller.observe(row, 1, list(range(count)))
+    # The two-row forward costs 1.6 plain steps: one row's token does not pay for it (the
+    # other row still needs its next round), both rows' do.
+    controller.timed(2, 1.6, 0.02)
+    assert (controller.idle_rounds(both) > 0) == (min(accepted) == 0)
 
 
 def test_a_sampled_draft_is_never_trimmed_by_its_own_tokens():

@@ -18,8 +18,9 @@ _global_threads: int | None = None
 def configure_threads(threads: int | None = None) -> int:
     """Creates ONNX Runtime's global thread pool once per process; returns its size.
 
-    Every specx session shares this pool: draft and target sessions alternating on
-    per-session spinning pools were measured about 2x slower per round.
+    Every specx session shares this pool: draft and target sessions alternate every round,
+    and on per-session spinning pools they were measured markedly slower per round than on
+    one shared pool (benchmarks/README.md, "Decisions in `specx/sessions.py`").
     """
     global _global_threads
     wanted = threads or os.cpu_count() or 1

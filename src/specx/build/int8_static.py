@@ -490,9 +490,10 @@ def _private_qdq_parameters(model: onnx.ModelProto) -> None:
     the same tensor share their scale and zero-point initializers. ONNX Runtime's
     common-subexpression elimination then merges those pairs back into one DQ feeding
     q/k/v (or gate/up), and it fuses DQ -> MatMul into an integer MatMul only when the DQ
-    has one consumer: on pyref-7m 25 of 36 MatMuls stayed float, dequantizing their
-    weights on every call (a decode step 39 ms instead of 3.5 ms). Private copies of the
-    (scalar) parameters keep the pairs apart; the graph computes the same values.
+    has one consumer: on pyref-7m most MatMuls stayed float, dequantizing their weights on
+    every call, and a decode step ran many times slower (benchmarks/README.md, "Decisions
+    in `specx/build/int8_static.py`"). Private copies of the (scalar) parameters keep the
+    pairs apart; the graph computes the same values.
     """
     import onnx
 

@@ -254,11 +254,11 @@ def _needs_row_invariance(name: str, record: dict) -> str | None:
 
 
 # Targets with at least this many MatMul weights stream them from memory on any CPU (at 4
-# bits, more than most last-level caches hold): blocks of 128 there, 32 below. Measured
-# against onnxruntime-genai int4 (benchmarks/real_size.py, benchmarks/peers.py): a 1.5B
-# model went 0.89x -> 1.07x from blocks of 32 to 128 with its padding row; pyref-7m (7M),
-# bench-27m and pyref-deep (40M) went 0.71x -> 0.63x, 0.79x -> 0.77x, 0.86x -> 0.77x: the
-# padding row doubles rows that cost compute, not bytes, while their weights sit in cache.
+# bits, more than most last-level caches hold): blocks of 128 there, 32 below. Against
+# onnxruntime-genai int4, blocks of 128 with their padding row made a 1.5B model faster and
+# every small target (7M to 40M) slower: the padding row doubles rows that cost compute, not
+# bytes, while their weights sit in cache (benchmarks/README.md, "Decisions in
+# `specx/build/ort.py`").
 STREAMED_WEIGHTS = 200_000_000
 
 

@@ -7,8 +7,9 @@ Each prompt (or batch of prompts) is decoded plainly and then speculatively, bac
 machine only ever adds time, so the minimum is the least disturbed run, and decoding the
 pair back to back keeps slow drifts (thermal, background load) out of the ratio. Greedy
 decoding emits the same tokens in both modes, so the two times are per the same tokens.
-On this project's 2-core machine single runs of the same candidate moved by 20% (0.59x to
-0.86x for one tree); the fastest of three moved by a few percent.
+On this project's 2-core machine single runs of the same candidate moved widely; the
+fastest of three moved far less (benchmarks/README.md, "Decisions in
+`specx/calibration/timing.py`").
 """
 
 from __future__ import annotations

@@ -90,8 +90,9 @@ def lint(artifact_dir: Path, lint_target: str, precision: str, as_json: bool) ->
     default="auto",
     show_default=True,
     help="int4/int8: weights per quantization block (along the input dimension). 128 streams "
-    "about 15% fewer bytes per token than 32; its int8 kernels compute rows in pairs, so the "
-    "target runs one padding row to keep greedy speculation identical to plain decoding "
+    "about 15% fewer bytes per token than 32 (a float scale per block); its int8 kernels "
+    "compute rows in pairs, so the target runs one padding row to keep greedy speculation "
+    "identical to plain decoding "
     "(the build measures which remedy this CPU needs and records it). auto: 128 for targets "
     "of 200M MatMul weights or more (memory-bound), else 32.",
 )

@@ -39,8 +39,9 @@ _TILE = 128
 class Scratch:
     """One float32 buffer reused for every block written.
 
-    Fresh arrays per block cost more in page faults than the conversion itself (measured:
-    0.33 s to widen a fresh 8192 x 2048 bf16 matrix, 0.02 s into a reused buffer).
+    Fresh arrays per block cost more in page faults than the conversion itself (measured
+    widening a bf16 matrix: benchmarks/README.md, "Decisions in
+    `specx/export/streamed_weights.py`").
     """
 
     def __init__(self) -> None:
@@ -75,8 +76,8 @@ def _widen_into(out: np.ndarray, source: np.ndarray, dtype: str) -> None:
     """Writes `source` (stored dtype) into float32 `out` without temporaries.
 
     A transposed source (a view whose rows are columns in memory) is copied in 128 x 128
-    tiles that fit the cache: 3x faster than numpy's strided copy (measured on a
-    2048 x 8192 bf16 weight: 0.05 s vs 0.15 s).
+    tiles that fit the cache: measured faster than numpy's strided copy on a transposed bf16
+    weight (benchmarks/README.md, "Decisions in `specx/export/streamed_weights.py`").
     """
     if source.ndim != 2 or source.strides[0] >= source.strides[1]:
         _widen(out, source, dtype)

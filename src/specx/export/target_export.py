@@ -230,7 +230,9 @@ def export_target(
     progress(f"[1/5] loading {checkpoint_dir}")
     checkpoint = load_checkpoint(checkpoint_dir)
     _check_capacity(checkpoint, max_context, max_tree_tokens, beyond_trained_positions)
-    # Hashed while the graph is traced (hashlib releases the GIL): 2 s of a 1.5B export.
+    # Hashed while the graph is traced (hashlib releases the GIL), off the export's path: its
+    # time on a 1.5B export in benchmarks/README.md, "Decisions in
+    # `specx/export/target_export.py`".
     hashing = ThreadPoolExecutor(1)
     digests = hashing.submit(lambda: {p.name: sha256_file(p) for p in checkpoint.files})
     hashing.shutdown(wait=False)

@@ -3,8 +3,8 @@
 Tracing is CPU-bound Python; writing the weights is CPU-bound too on a small machine
 (widening, tiled transposes, sha256 and the kernel's page-cache copies). As two threads
 they shared one GIL and each waited for the other. Measured on the 1.5B export with 2
-cores: trace alone 19 s, writer alone 25 s (30 s of CPU), both as threads of one process
-48 s, in two processes 35 s.
+cores: as threads of one process the two took longer than running one after the other, and
+as two processes less (benchmarks/README.md, "Decisions in `specx/export/weight_writer.py`").
 
 `WeightWriter` is the parent's handle: a `specx.graphs.model_io.TensorSink` whose
 `DataFile` lives in the child. The child starts on the weights the graph will most likely

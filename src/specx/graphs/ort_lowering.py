@@ -1,10 +1,11 @@
 """The ONNX Runtime form of a target: attention, RoPE and residual norms as contrib kernels.
 
 The exported graph spends more on small nodes than on arithmetic on a CPU: profiled on
-pyref-7m's decode step (ORT profiler, 384 runs), it ran 186 nodes where onnxruntime-genai's
-builder emits 67 for the same weights, and took 1.9x genai's node time outside MatMul.
-Two passes, each one concern, bring it to 70 nodes and the step's run from 0.99 to 0.78 ms
-(genai's own graph ran as fast as the lowered one in a bare loop, measured in one process):
+pyref-7m's decode step, it runs many more nodes than onnxruntime-genai's builder emits for
+the same weights, and spends more node time outside MatMul than genai's graph. Two passes,
+each one concern, bring it to about genai's node count and its step to the speed of
+genai's own graph in a bare loop (benchmarks/README.md, "Decisions in
+`specx/graphs/ort_lowering.py`"):
 
 `GroupQueryAttentionPass`: each TreeAttention (TensorScatter x2, Slice x2, Attention, and
 the head transposes around it) becomes one com.microsoft GroupQueryAttention (GQA), which
@@ -511,9 +512,10 @@ class SkipRmsNormPass(InPlacePass):
     """Fuses each residual Add feeding an RMSNormalization into SkipSimplifiedLayerNormalization.
 
     `h = a + b; y = RMSNorm(h)` becomes one node with outputs y and h (the residual stream
-    the next layer adds to). Measured on pyref-7m's decode step: the 10 Add + 10 RMSNorm
-    pairs took 107 us per run, genai's 10 fused nodes 57 us. Row by row the same math as
-    before (no row depends on another), so a row-invariant build stays row-invariant.
+    the next layer adds to): on a decode step one fused kernel runs faster than the Add and
+    RMSNorm pair it replaces (benchmarks/README.md, "Decisions in
+    `specx/graphs/ort_lowering.py`"). Row by row the same math as before (no row depends on
+    another), so a row-invariant build stays row-invariant.
     """
 
     def call(self, model: ir.Model) -> PassResult:  # noqa: D102

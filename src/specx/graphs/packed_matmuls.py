@@ -4,9 +4,9 @@ MatMuls that read the same activation with constant weights of their own become 
 over the weights concatenated along the output axis, followed by a Split into the original
 outputs. Each output column is the same dot product over the same inputs, so values do not
 change; ONNX Runtime runs one GEMM per group instead of two or three. Measured on pyref-7m,
-plain decoding on 2 CPU threads, 24 prompts x 96 tokens, fastest of 3, in either order:
-7-9% faster (1.30-1.38 -> 1.21-1.26 ms/token), identical tokens. The exported graphs carry
-the packed form (`specx.export.onnx_graph.export_module`).
+plain decoding on 2 CPU threads, fastest of 3, in either order: faster, identical tokens
+(benchmarks/README.md, "Decisions in `specx/graphs/packed_matmuls.py`"). The exported graphs
+carry the packed form (`specx.export.onnx_graph.export_module`).
 """
 
 from __future__ import annotations

@@ -9,7 +9,8 @@ fused from QDQ) with one row. In a float graph such a difference moves a logit b
 1e-6. After static INT8 quantization it does not stay small: one activation that sits on
 a rounding boundary of its QuantizeLinear flips by a whole quantization step, and the
 logits move by ~1e-2, enough to swap a near-tie and make speculative output differ from
-plain decoding of the same INT8 target (measured on pyref-7m: 1 prompt in 24).
+plain decoding of the same INT8 target, as it did on pyref-7m (benchmarks/README.md,
+"Decisions in `specx/graphs/row_invariance.py`").
 
 `RowInvariantPass` makes every such kernel see at least two rows: TreeAttention's
 fallback body attends with one extra query row (`tree_attention.function_proto(
@@ -28,11 +29,12 @@ whole graph runs one row more than the step has (a copy of the last token at the
 position): a decode step becomes a pair, a verify chunk's real rows always fall in pairs,
 and only the padding row, whose outputs are dropped, may be computed alone. Its key and
 value land in the slot after the step (one spare cache slot, `kv_spare_slots`), which no
-real row's mask shows and the next step overwrites. At 1B scale a pair of rows costs 7%
-(one 2048x8192 MatMul) to 15% (a whole step's MatMuls) more than one row, while blocks of
-128 stream ~22% fewer bytes than blocks of 32 (the blocks that are row-invariant alone), so
-pairs win there; on targets whose weights sit in cache they lose, and the build uses blocks
-of 32 (`specx.build.ort.STREAMED_WEIGHTS`).
+real row's mask shows and the next step overwrites. Where a step streams its weights (1B
+scale), the bytes blocks of 128 save over blocks of 32 (the blocks that are row-invariant
+alone) outweigh the pair's extra row, so pairs win there; on targets whose weights sit in
+cache the extra row is compute and bytes matter little, so they lose, and the build uses
+blocks of 32 (`specx.build.ort.STREAMED_WEIGHTS`). The costs as measured: the
+benchmarks/README.md section named above.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Weight-only block quantization: each constant-weight MatMul becomes com.microsoft MatMulNBits.
 
-A CPU decode step is bound by the bytes of weights it streams (design notes, section 10:
-a 1.5B model decodes 4.3x faster from onnxruntime-genai's int4 build than from fp32), so the
-weights are stored in 4 or 8 bits while activations stay float. Rule, per MatMul weight W
+A CPU decode step is bound by the bytes of weights it streams (a 1.5B model decodes
+several times faster from onnxruntime-genai's int4 build than from fp32), so the weights
+are stored in 4 or 8 bits while activations stay float. Rule, per MatMul weight W
 [K, N]: each column is cut into blocks of `block_size` along K; a block's values are
 stored as integers q times one float scale, value = (q - z) * scale. Symmetric (the
 default): z = 2^(bits-1) and scale = v / -2^(bits-1) for the block's value v of largest
@@ -21,22 +21,22 @@ static INT8 builds: `specx.graphs.row_invariance`).
 The output projection (the MatMul whose result is a graph output: the target's lm_head, a
 head's logits) has its own bit width: top-1 agreement is most sensitive there. A 4-bit one
 can have its top `output_rescore` logits recomputed from an 8-bit copy of the weight
-(`_rescore_top_k`): on a 1B model the 4-bit lm_head streams half the bytes of an 8-bit one
-(7.1 vs 12.8 ms of a ~45 ms step at 2 rows, measured here), while TopK, gathering k rows of
-the 8-bit table and k dot products cost ~0.1 ms, and the top-1 token is the 8-bit one's
-whenever that token is among the 4-bit top k.
+(`_rescore_top_k`): on a 1B model the 4-bit lm_head streams half the bytes of an 8-bit one,
+a large share of a step, while TopK, gathering k rows of the 8-bit table and k dot products
+cost little next to it, and the top-1 token is the 8-bit one's whenever that token is among
+the 4-bit top k.
 
 Quantized weights are computed when the graph is saved, one MatMul at a time, and the source
 weight's memory map is released after it, so building a model larger than memory works.
 
-Kept rather than onnxruntime's `MatMulNBitsQuantizer` (benchmarks/weight_only_quantizers.py;
-a bench-27m target, 120 MB of float32 weights, 4 bits, blocks of 32, symmetric, ORT 1.32):
-its default (C++) RTN writes the same scales and the same codes but for 13 of 27.4M (one
-step apart, where w / scale is within 1e-6 of a half), but it loads the whole float model
-first (`onnx.load`): 167 MB above its imports at peak against 41 MB here, and 0.94 s against
-0.40 s on a busy 2-core machine. Its RTN config (the Neural Compressor port) is another rule:
-0.095 relative RMS weight error against 0.086, 232 MB above its imports. Neither has the
-rescored 4-bit lm_head above.
+Kept rather than onnxruntime's `MatMulNBitsQuantizer` (benchmarks/weight_only_quantizers.py):
+its default (C++) RTN writes the same scales and the same codes but for a handful (one step
+apart, where w / scale is within 1e-6 of a half), but it loads the whole float model first
+(`onnx.load`), so its peak memory grows with the model and it takes longer, where this pass
+holds one weight at a time. Its RTN config (the Neural Compressor port) is another rule,
+with a larger weight error and more memory still. Neither has the rescored 4-bit lm_head
+above. The figures behind these choices: benchmarks/README.md, "Decisions in
+`specx/graphs/weight_only.py`".
 """
 
 from __future__ import annotations
@@ -66,8 +66,9 @@ __all__ = [
 
 MS_DOMAIN = "com.microsoft"
 # What a build quantizes. "draft": a head's step streams its weights (a one-layer head plus a
-# vocabulary-wide output projection, ~0.4 ms per depth on pyref-deep) while the target stays
-# float, so its verify cost curve stays flat and trees keep greedy identity.
+# vocabulary-wide output projection, a real cost per depth on pyref-deep: benchmarks/README.md,
+# "Decisions in `specx/graphs/weight_only.py`") while the target stays float, so its verify
+# cost curve stays flat and trees keep greedy identity.
 SCOPES = ("all", "draft")
 
 

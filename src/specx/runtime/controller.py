@@ -45,6 +45,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from dataclasses import dataclass, field
+from itertools import accumulate
 from typing import Protocol
 
 import numpy as np
@@ -357,10 +358,11 @@ class ConfidenceController:
     min(1, g_{b,d(j)} c_j), and the batch keeps the first k nodes of each row, the k
     maximizing
 
-        (P + B + Σ_b Σ_{i <= k} π_{b,i}) / T(k),   T(0) = a plain step,
+        (P + B (1 + min_b Σ_{i <= k} π_{b,i})) / T(k),   T(0) = a plain step,
 
-    if that beats a plain step's (P + B) / T(0) by `margin` (B active rows; one k for the
-    batch, since its verify forward is as wide as its widest row; P peers as in
+    if that beats a plain step's (P + B) / T(0) by `margin` (B active rows, and a batch
+    ends with its slowest row, so each counts what the least hopeful one expects; one k
+    for the batch, since its verify forward is as wide as its widest row; P peers as in
     `AdaptiveController`; T(k) the verify forward's time at width 1 + k, learnt from the
     loop's rounds, the proposal being spent either way). g_{b,d} corrects counts learnt
     on other text to what this target accepts at this temperature, per depth d: over the
@@ -426,7 +428,8 @@ class ConfidenceController:
         self.asked = [False] * batch
         self.judged = [[0] * self.max_depth for _ in range(batch)]  # levels judged per depth
         self.loss, self.paid = 0.0, True  # what asking lost since it last paid (`timed`)
-        self._gained = 0  # draft tokens accepted this round
+        self._gained = [0] * batch  # draft tokens each row accepted this round
+        self._rows = [False] * batch  # the rows decoding this round
         self.round = 0
         self._peers = self._active = 0
 
@@ -434,6 +437,7 @@ class ConfidenceController:
         # Python lists, not numpy: per-round work here is what the loop adds to a step.
         self.round += 1
         self._peers, self._active = peers, int(active.sum())
+        self._rows = active.tolist()
         chosen = []
         for b, on in enumerate(active.tolist()):
             asked = on and self.round > 1  # the first round is a plain step: T(0) measured
@@ -494,22 +498,17 @@ class ConfidenceController:
 
     def _best(self, paths: list[list[float] | None]) -> int:
         """The k of the rule; a row without a trimmable draft adds its one token."""
-        gains: list[float] = []  # gains[k - 1]: Σ_b π_{b,k}, what the k-th nodes add
-        for path in paths:
-            for k, p in enumerate(path or ()):
-                if k < len(gains):
-                    gains[k] += p
-                else:
-                    gains.append(p)
-        tokens: float = self._peers + self._active  # plus the expected accepted tokens
+        # sums[b][k]: Σ_{i <= k} π_{b,i}, row b's expected accepted tokens if k are kept
+        sums = [[0.0, *accumulate(p or ())] for p, on in zip(paths, self._rows, strict=True) if on]
+        width = max(map(len, sums), default=1) - 1
         verify = self.costs.verify
+        tokens = self._peers + self._active
         best, best_rate = 0, tokens * (1.0 + self.margin) / verify(1)
         # At most twice the widest draft timed: the cost of a width never seen is a guess,
         # made for one row; a forward of many rows (continuous batching) pays far more.
-        reach = max(1, 2 * (self.costs.widest - 1))
-        for k, gain in enumerate(gains[:reach], start=1):
-            tokens += gain
-            rate = tokens / verify(1 + k)
+        for k in range(1, min(width, max(1, 2 * (self.costs.widest - 1))) + 1):
+            gain = min(s[min(k, len(s) - 1)] for s in sums)
+            rate = (tokens + len(sums) * gain) / verify(1 + k)
             if rate > best_rate:
                 best, best_rate = k, rate
         return best
@@ -541,7 +540,7 @@ class ConfidenceController:
         draft = self.kept[row]
         if depth == 0 or draft is None or draft.confidence is None:
             return  # nothing kept: nothing learnt about the drafter's confidence
-        self._gained += len(accepted)
+        self._gained[row] += len(accepted)
         hits, expected, judged = self.hits[row], self.expected[row], self.judged[row]
         for d, level in enumerate(_judged_levels(draft, accepted)[: self.max_depth]):
             judged[d] += 1
@@ -580,12 +579,15 @@ class ConfidenceController:
         asked = [b for b, a in enumerate(self.asked) if a]
         plain = self.costs.verify(1) if self.costs.plain_timed else None
         self.costs.record(width, verify_s, draft_s)
-        gained, self._gained = self._gained, 0
+        # As in `_best`: a batch gains the tokens its least lucky row accepted, each row.
+        row_gains = [g for g, on in zip(self._gained, self._rows, strict=True) if on]
+        gained = len(row_gains) * min(row_gains, default=0)
+        self._gained = [0] * len(self._gained)
         if not asked or plain is None:
             return
         rows = self._peers + self._active
         net = gained + rows * (1.0 - (draft_s + verify_s) / plain)
-        self.paid |= net >= 0
+        self.paid |= gained > 0 and net >= 0  # a lone round timed fast by chance is no pay
         self.loss = max(0.0, self.loss - net)
         if self.loss <= self.loss_budget * rows:
             return
@@ -712,8 +714,16 @@ class RoundCosts:
             self.draft += step * (draft_s - self.draft)
 
     def record_stretch(self, step_s: float) -> None:
-        """A plain step's time, from a stretch of them: from now on the plain step's price."""
+        """A plain step's time, from a stretch of them: from now on the plain step's price.
+
+        The latest stretch replaces the price rather than moving an average: a request's
+        steps grow faster over its first few dozen, so an earlier stretch overprices a step,
+        and rounds that ask a drafter for nothing would look free against it
+        (benchmarks/README.md, controller.py).
+        """
         self._stretched = False
+        if 1 in self._timed:  # timed before: this timing replaces it, as a first one would
+            self._timed[1] = (0, self._timed[1][1])
         self.record(1, step_s, 0.0)
         self._stretched = True
 

@@ -11,10 +11,9 @@ Given a `tokenizers.Tokenizer` whose decoder is byte-level BPE's (GPT-2, Llama 3
 the text grows by `tokenizers.decoders.DecodeStream` chunks: whenever DecodeStream returns
 one, the chunks so far equal the full decode (checked at all 6.5k steps of
 tests/test_detokenize.py's random streams, split multi-byte characters, invalid bytes and
-special tokens among them, and at 160k steps once). A pushed token then costs 2 to 6 us at
-4096 tokens, where decoding everything again grows with the length: 16 us per token at 256
-tokens, 260 to 590 us at 4096 (demo byte-level BPE, tokenizers 0.23.3, a busy 2-core
-machine). Kept from the hand-written version:
+special tokens among them, and at 160k steps once). A pushed token then costs about the
+same at any length, where decoding everything again grows with it (benchmarks/README.md,
+"Decisions in `specx/runtime/detokenize.py`"). Kept from the hand-written version:
 
 - Other decoders (byte fallback: Llama 2, Mistral, Gemma) decode in full on every step.
   There, DecodeStream raised "Invalid prefix" on 677 of 1500 random-id streams (on none of

@@ -130,10 +130,10 @@ class OrtTarget(DecoderBackend):
 
         Plain decoding is one small run per token, so what surrounds the run counts: through
         `forward` (fresh inputs and outputs bound, mask built, shapes checked) a pyref-7m
-        step spent ~27 us in Python, here ~15 (measured warm with the run stubbed out). A
-        step writes the tokens, positions and mask into bound arrays and rebinds only the
-        mask, whose width grows; the returned logits (and taps) are overwritten by the next
-        step.
+        step spends markedly more time in Python than here (benchmarks/README.md,
+        "Decisions in `specx/runtime/ort_target.py`"). A step writes the tokens, positions
+        and mask into bound arrays and rebinds only the mask, whose width grows; the
+        returned logits (and taps) are overwritten by the next step.
         """
         step = self._step
         if step is None or step.cache is not cache:

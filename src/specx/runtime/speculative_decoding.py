@@ -13,6 +13,7 @@ For every sequence of the batch, each round:
 from __future__ import annotations
 
 import functools
+import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -329,8 +330,9 @@ def _plain_stretch(loop: _Loop, rounds: int, progress: Progress | None) -> tuple
 
     Returns:
         The steps taken, their sum over the rows (a row that ends stops counting), and a
-        plain step's seconds: the mean step past the first (the first after a prefill or
-        a verify forward runs up to twice as slow), or the one step's.
+        plain step's seconds: the median step past the first (the first after a prefill
+        or a verify forward runs up to twice as slow; a median, not a mean, so that one
+        stall does not price the steps after it), or the one step's.
     """
     cache, active, target, sampling = loop.cache, loop.active, loop.target, loop.sampling
     started = np.flatnonzero(active).tolist()
@@ -339,7 +341,7 @@ def _plain_stretch(loop: _Loop, rounds: int, progress: Progress | None) -> tuple
     rows = np.array(started, dtype=np.int64)
     roots = np.array([h[-1] for h in loop.histories], dtype=np.int64)
     taps: np.ndarray | None = None  # [B, rounds, W], when the target exports taps
-    steps, first_s, started_s = 0, 0.0, time.perf_counter()
+    steps, step_s, last_s = 0, [], time.perf_counter()
     while steps < rounds and rows.size:
         output = target.decode_step(cache, roots, np.where(active, cache.lengths, 0))
         roots = next_tokens(output.logits[:, 0], sampling, loop.rng)
@@ -351,8 +353,9 @@ def _plain_stretch(loop: _Loop, rounds: int, progress: Progress | None) -> tuple
         for b in rows.tolist():
             loop.emit(b, [int(roots[b])])
         steps += 1
-        if steps == 1:
-            first_s = time.perf_counter() - started_s
+        now = time.perf_counter()
+        step_s.append(now - last_s)
+        last_s = now
         if progress is not None:
             progress(sum(len(e) for e in loop.emitted), int((~active).sum()))
         rows = np.flatnonzero(active)
@@ -362,8 +365,7 @@ def _plain_stretch(loop: _Loop, rounds: int, progress: Progress | None) -> tuple
         loop.drafter.accept(b, EMPTY_DRAFT, [], None if taps is None else taps[b, :count])
         loop.stats[b].record_plain(count)
         row_steps += count
-    rest_s = time.perf_counter() - started_s - first_s
-    return steps, row_steps, rest_s / (steps - 1) if steps > 1 else first_s
+    return steps, row_steps, statistics.median(step_s[1:] or step_s)
 
 
 EMPTY_DRAFT = DraftTree.empty()

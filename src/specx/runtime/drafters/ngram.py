@@ -72,9 +72,10 @@ class NGramIndex:
 
     Every n-gram (min_n <= n <= max_n) not ending at the last token maps to its start
     positions, ascending; each call first indexes what the history gained since the last one.
-    The rescan it replaces cost ~0.25 ms a round at a few hundred tokens (three sliding-window
-    compares over the whole history), a fifth of a pyref-7m verify round; a lookup is a
-    dict access. A history that is not an extension of the indexed one is indexed afresh.
+    The rescan it replaces (three sliding-window compares over the whole history) grew with
+    the history until it was a sizeable share of a pyref-7m verify round (benchmarks/README.md,
+    "Decisions in `specx/runtime/drafters/ngram.py`"); a lookup is a dict access. A history
+    that is not an extension of the indexed one is indexed afresh.
     """
 
     def __init__(self, min_n: int, max_n: int):

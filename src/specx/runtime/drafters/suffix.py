@@ -46,8 +46,9 @@ class SuffixOptions:
 
     max_nodes: int = 16
     alpha: float = 4.0  # best of 1, 2, 4 on pyref-7m's HumanEval and mt_bench prompts
-    # best of 0.1, 0.2, 0.3, 0.4, 0.5 (0.3-0.5 within noise, 5-8% ahead of 0.1) on the same
-    # prompts, pyref-7m's lowered build: a node below 0.3 adds less than its verify cost.
+    # best of 0.1, 0.2, 0.3, 0.4, 0.5 (0.3-0.5 within noise, all ahead of 0.1) on the same
+    # prompts, pyref-7m's lowered build: a node below 0.3 adds less than its verify cost
+    # (benchmarks/README.md, "Decisions in `specx/runtime/drafters/suffix.py`").
     min_prob: float = 0.3
     max_match: int = 12
     depth: int = 32  # longest substring kept; a match of m leaves depth - m to continue
