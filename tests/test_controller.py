@@ -128,7 +128,7 @@ def test_the_controller_weighs_acceptance_against_cost():
     dear_sizes = rounds(dear, depth, count=40, width_cost=0.6)
     usual = lambda sizes: max(set(sizes[-20:]), key=sizes[-20:].count)  # noqa: E731
     assert usual(cheap_sizes) >= 4 and usual(dear_sizes) <= 2
-    assert cheap.summary()["sizes_chosen"] and dear.summary()["controller"] == "adaptive"
+    assert cheap.summary().sizes_chosen and dear.summary().name == "adaptive"
 
 
 def test_a_row_alone_drafts_until_a_draft_stops_paying():

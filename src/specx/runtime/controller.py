@@ -50,6 +50,7 @@ from typing import Protocol
 
 import numpy as np
 
+from specx.runtime.metrics import ControllerSummary
 from specx.runtime.trees import DraftTree
 
 __all__ = [
@@ -114,7 +115,7 @@ class Controller(Protocol):
         """
         ...
 
-    def summary(self) -> dict:
+    def summary(self) -> ControllerSummary:
         """How often each size was chosen, for the run's stats."""
         ...
 
@@ -169,8 +170,8 @@ class FixedSizes:
     def timed(self, width: int, verify_s: float, draft_s: float) -> None:  # noqa: D102
         pass
 
-    def summary(self) -> dict:  # noqa: D102
-        return {"controller": "fixed", "sizes_chosen": dict(sorted(self._chosen.items()))}
+    def summary(self) -> ControllerSummary:  # noqa: D102
+        return ControllerSummary("fixed", dict(sorted(self._chosen.items())))
 
 
 class AdaptiveController:
@@ -344,8 +345,8 @@ class AdaptiveController:
     def timed(self, width: int, verify_s: float, draft_s: float) -> None:  # noqa: D102
         self.costs.record(width, verify_s, draft_s)
 
-    def summary(self) -> dict:  # noqa: D102
-        return {"controller": "adaptive", "sizes_chosen": dict(sorted(self._chosen.items()))}
+    def summary(self) -> ControllerSummary:  # noqa: D102
+        return ControllerSummary("adaptive", dict(sorted(self._chosen.items())))
 
 
 class ConfidenceController:
@@ -600,8 +601,8 @@ class ConfidenceController:
                 self._idle(b)
         self.loss, self.paid = 0.0, False
 
-    def summary(self) -> dict:  # noqa: D102
-        return {"controller": "confidence", "sizes_chosen": dict(sorted(self._chosen.items()))}
+    def summary(self) -> ControllerSummary:  # noqa: D102
+        return ControllerSummary("confidence", dict(sorted(self._chosen.items())))
 
 
 # A request's first rounds are plain steps that price a plain step (T(0)) unless earlier

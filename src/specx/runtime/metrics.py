@@ -107,11 +107,6 @@ class ControllerSummary:
     name: str  # "fixed" | "adaptive" | "confidence"
     sizes_chosen: Mapping[int, int]  # draft size -> rows given it, summed over rounds
 
-    @classmethod
-    def of(cls, summary: Mapping[str, Any]) -> ControllerSummary:
-        """From a controller's `summary()`: {"controller": name, "sizes_chosen": {...}}."""
-        return cls(summary["controller"], dict(summary["sizes_chosen"]))
-
     def to_json(self) -> dict[str, Any]:
         """JSON-ready: the controller's name and its sizes (keys become strings in JSON)."""
         return {"controller": self.name, "sizes_chosen": dict(self.sizes_chosen)}

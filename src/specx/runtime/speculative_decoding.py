@@ -25,7 +25,7 @@ from specx.runtime.controller import Controller
 from specx.runtime.decoder_backend import DecoderBackend
 from specx.runtime.drafters.base import Drafter
 from specx.runtime.kv_cache import KVCache
-from specx.runtime.metrics import AcceptanceStats, ControllerSummary, RunStats, SpeculativeStats
+from specx.runtime.metrics import AcceptanceStats, RunStats, SpeculativeStats
 from specx.runtime.plain_decoding import (
     GenerationResult,
     Progress,
@@ -220,7 +220,7 @@ def generate_speculative(
         verify_s=verify_s,
         acceptance=AcceptanceStats.merge(stats).summary(),
         # controller.py's summary is a dict: typed here, at the loop's boundary.
-        controller=None if controller is None else ControllerSummary.of(controller.summary()),
+        controller=None if controller is None else controller.summary(),
         per_request=tuple(s.summary() for s in stats),
     )
     run = RunStats.measure(prompts, tokens_out, prefill_s, total_s, forwards, speculative)
