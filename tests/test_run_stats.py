@@ -60,7 +60,7 @@ def test_speculative_run_json_keeps_its_keys_and_order():
         draft_s=0.25,
         verify_s=1.5,
         acceptance=AcceptanceStats.merge(rows).summary(),
-        controller=ControllerSummary.of({"controller": "adaptive", "sizes_chosen": {0: 1, 2: 2}}),
+        controller=ControllerSummary("adaptive", {0: 1, 2: 2}),
         per_request=tuple(r.summary() for r in rows),
     )
     run = RunStats.measure([[1]] * 2, [[2, 3], [4, 5, 6, 7]], 0.25, 2.0, 2, speculative)
