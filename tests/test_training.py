@@ -81,8 +81,6 @@ def test_saved_head_loads_back_identically(kind, teacher_dir, tmp_path):
 
 
 def test_resume_reproduces_an_uninterrupted_run(teacher_dir, tmp_path):
-    straight = train_drafter(teacher_dir, CORPUS, tmp_path / "a", config("medusa", steps=40))
-
     def interrupt(message):
         if message.startswith("medusa step 40/"):
             raise KeyboardInterrupt
@@ -97,7 +95,6 @@ def test_resume_reproduces_an_uninterrupted_run(teacher_dir, tmp_path):
     fresh = train_drafter(teacher_dir, CORPUS, tmp_path / "c", cfg)
     for name, tensor in fresh.model.state_dict().items():
         torch.testing.assert_close(resumed.model.state_dict()[name], tensor)
-    assert straight.report["config"]["steps"] == 40
     # The learning curve survives the interruption: the same steps, the same measures.
     curve = [(c["step"], round(c["acceptance"], 6)) for c in resumed.report["learning_curve"]]
     assert curve == [(c["step"], round(c["acceptance"], 6)) for c in fresh.report["learning_curve"]]
