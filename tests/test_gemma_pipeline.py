@@ -25,8 +25,10 @@ from specx.runtime.speculative_decoding import generate_speculative
 GEMMA = ["gemma2", "gemma3_text"]
 
 
-@pytest.mark.parametrize("family", GEMMA)
-@pytest.mark.parametrize("kind", ["eagle", "eagle3", "medusa"])
+# Each head kind once, each family under at least one: the heads read the taps alike.
+@pytest.mark.parametrize(
+    ("kind", "family"), [("eagle", "gemma3_text"), ("eagle3", "gemma2"), ("medusa", "gemma2")]
+)
 def test_heads_on_a_gemma_target_keep_greedy_identity(kind, family, checkpoints, tmp_path, rng):
     path = checkpoints[family]
     config = json.loads((path / "config.json").read_text())
