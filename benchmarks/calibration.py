@@ -148,7 +148,8 @@ def main() -> None:
         calibration = CalibrationOptions(
             drafter=spec, threads=args.threads, max_new_tokens=args.new_tokens
         )
-        entry = calibrate_artifact(artifact, calibration_prompts, calibration)
+        # as the manifest records it: the report reads its measurements
+        entry = calibrate_artifact(artifact, calibration_prompts, calibration).to_json()
         manifest = load_manifest(artifact)
         target = OrtTarget(manifest, args.threads)
         choice = calibrated_choice(manifest, spec)
@@ -219,7 +220,7 @@ def main() -> None:
             log("[int8] quantizing the eagle artifact on the calibration prompts")
             int8_dir = shutil.copytree(artifact, work / "eagle-int8")
             quantized = quantize_artifact(int8_dir, calibration_prompts, eval_prompts=held)
-            int8_entry = calibrate_artifact(int8_dir, calibration_prompts, calibration)
+            int8_entry = calibrate_artifact(int8_dir, calibration_prompts, calibration).to_json()
             int8_manifest = load_manifest(int8_dir)
             int8_target = OrtTarget(int8_manifest, args.threads)
             int8_choice = calibrated_choice(int8_manifest, spec).shape

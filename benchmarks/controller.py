@@ -151,8 +151,8 @@ def calibrate(artifact, drafter, temperature, prompts, args) -> None:
         threads=args.threads, temperature=temperature,
     )  # fmt: skip
     entry = calibrate_artifact(artifact, prompts, options)
-    log(f"  calibrated {drafter} at T={temperature}: {entry['choice']['label']}, "
-        f"max_batch_spec {entry['max_batch_spec']}")  # fmt: skip
+    log(f"  calibrated {drafter} at T={temperature}: {entry.choice.label}, "
+        f"max_batch_spec {entry.max_batch_spec}")  # fmt: skip
 
 
 def main() -> None:

@@ -42,7 +42,7 @@ def test_ort_fp32_build_records_the_exported_graphs(artifact):
     manifest = load_manifest(artifact)
     assert manifest.default_build == "ort-fp32"
     assert manifest.build.graphs["target"].file == "target.onnx"
-    assert manifest.data["builds"]["ort-fp32"]["onnxruntime_version"]
+    assert manifest.build.onnxruntime_version
     assert _plain(artifact) == before
 
 
@@ -180,14 +180,14 @@ class _CopyBackend:
         if options.precision != "fp32":
             raise BuildError("toy-copy builds fp32 only")
 
-    def build(self, job) -> dict:
+    def build(self, job) -> BuildEntry:
         from specx.build.staging import load_graph, save_graph
 
         graphs = {}
         for name in job.manifest.graphs:
             job.progress(f"[toy] copying {name}")
             graphs[name] = save_graph(load_graph(job.manifest, name), job.output, name)
-        return {"precision": job.options.precision, "graphs": graphs}
+        return BuildEntry(self.runtime, job.options.precision, graphs=graphs)
 
 
 def test_a_new_backend_is_one_class_and_its_registration(artifact, monkeypatch):

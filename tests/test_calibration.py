@@ -27,6 +27,7 @@ from specx.calibration.timing import measure_speedup
 from specx.calibration.tree_selection import best_trees, chain_expected, expected_accepted
 from specx.cli import main
 from specx.errors import CalibrationError
+from specx.manifest_types import CalibrationEntry
 from specx.runtime.backends import open_decoder
 from specx.runtime.calibrated import calibrated_choice
 from specx.runtime.drafters import DrafterOptions, make_drafter
@@ -158,35 +159,38 @@ def test_calibrate_a_draft_model_then_generate_uses_the_choice(artifact, draft_a
         **{**FAST.__dict__, "drafter": f"draft-model:{draft_artifacts['llama']}"}
     )
     entry = calibrate_artifact(artifact, PROMPTS, options)
-    recorded = load_manifest(artifact).data["calibration"]["draft-model"]
-    assert recorded == json.loads(json.dumps(entry))
-    acceptance = np.array(entry["acceptance"]["acceptance_by_depth_and_rank"])
+    manifest = load_manifest(artifact)
+    recorded = manifest.data["calibration"]["draft-model"]
+    assert recorded == json.loads(json.dumps(entry.to_json()))
+    assert manifest.calibration("draft-model").to_json() == recorded  # read back, written alike
+    report, measured = entry.report, entry.choice.measured
+    acceptance = np.array(report["acceptance"]["acceptance_by_depth_and_rank"])
     assert acceptance.shape == (3, 3) and 0 < acceptance[0].sum() <= 1  # drafts were accepted
-    assert len(entry["trees_by_budget"]) > 1 and entry["costs"]["verify_curve"]["ms"][0] > 0
-    assert set(entry["costs"]["chain_draft_ms"]) == {"per_round", "per_depth", "per_node"}
-    assert entry["choice"]["measured_speedup"] > 0 and len(entry["choice"]["candidates"]) >= 3
-    labels = [c["label"] for c in entry["choice"]["candidates"]]
+    assert len(report["trees_by_budget"]) > 1 and report["costs"]["verify_curve"]["ms"][0] > 0
+    assert set(report["costs"]["chain_draft_ms"]) == {"per_round", "per_depth", "per_node"}
+    assert measured["measured_speedup"] > 0 and len(measured["candidates"]) >= 3
+    labels = [c["label"] for c in measured["candidates"]]
     assert any(x.startswith("dynamic") for x in labels) and any(
         x.startswith("chain") for x in labels
     )
-    best = max(c["measured_speedup"] for c in entry["choice"]["candidates"])
-    assert entry["choice"]["measured_speedup"] == best
-    assert [b["batch"] for b in entry["batch_curve"]] == [1, 2]
-    assert entry["max_batch_spec"] in (0, 1, 2)
+    best = max(c["measured_speedup"] for c in measured["candidates"])
+    assert measured["measured_speedup"] == best
+    assert [b["batch"] for b in report["batch_curve"]] == [1, 2]
+    assert entry.max_batch_spec in (0, 1, 2)
 
     drafter = f"draft-model:{draft_artifacts['llama']}"
     args = ["generate", str(artifact), "--drafter", drafter, "--max-batch-spec", "1"]
     _assert_generate_follows(entry, args)
 
 
-def _assert_generate_follows(entry: dict, args: list[str]) -> None:
+def _assert_generate_follows(entry: CalibrationEntry, args: list[str]) -> None:
     """`specx generate ARTIFACT --drafter ... --compare` on a repeating prompt uses `entry`."""
     args = [*args[:2], "--prompt-ids", "5,9,5,9,5,9", "--max-new-tokens", "16", *args[2:]]
     result = CliRunner().invoke(main, [*args, "--ignore-eos", "--compare", "--json"])
     assert result.exit_code == 0, result.output
     stats = json.loads(result.stdout)["stats"]
     assert stats["compare"]["identical_tokens"]
-    assert stats["calibration"]["predicted_speedup"] == entry["expected_speedup"]
+    assert stats["calibration"]["predicted_speedup"] == entry.expected_speedup
 
 
 @pytest.mark.parametrize("family", ["phi3", "smollm3", "gemma2", "gemma3_text"])
@@ -196,7 +200,7 @@ def test_calibration_on_the_newer_families_records_a_choice_generate_follows(
     artifact = shutil.copytree(artifacts[family], tmp_path / "artifact")
     options = CalibrationOptions(**{**FAST.__dict__, "drafter": "ngram"})
     entry = calibrate_artifact(artifact, PROMPTS, options)
-    assert entry["choice"]["tree"] == "chain" and entry["costs"]["verify_curve"]["ms"][0] > 0
+    assert entry.choice.tree == "chain" and entry.report["costs"]["verify_curve"]["ms"][0] > 0
     _assert_generate_follows(entry, ["generate", str(artifact), "--drafter", "ngram"])
 
 
@@ -204,10 +208,10 @@ def test_calibrate_ngram_picks_a_chain_length(artifact):
     entry = calibrate_artifact(
         artifact, PROMPTS, CalibrationOptions(**{**FAST.__dict__, "drafter": "ngram"})
     )
-    assert entry["choice"]["tree"] == "chain"
-    assert 1 <= entry["choice"]["chain_length"] <= 3
-    assert len(entry["choice"]["candidates"]) == 3  # every chain length is measured
-    assert entry["acceptance"]["top_k"] == 1
+    assert entry.choice.tree == "chain"
+    assert 1 <= entry.choice.chain_length <= 3
+    assert len(entry.choice.measured["candidates"]) == 3  # every chain length is measured
+    assert entry.report["acceptance"]["top_k"] == 1
 
 
 def test_bad_calibration_input_leaves_the_manifest_untouched(artifact, monkeypatch):
@@ -260,10 +264,10 @@ def test_on_an_int8_build_only_chains_are_candidates(artifact, draft_artifacts):
     entry = calibrate_artifact(
         artifact, PROMPTS, CalibrationOptions(**{**FAST.__dict__, "drafter": drafter})
     )
-    assert entry["chains_only"] and entry["trees_by_budget"] == []
-    labels = sorted(c["label"] for c in entry["choice"]["candidates"])
+    assert entry.report["chains_only"] and entry.report["trees_by_budget"] == []
+    labels = sorted(c["label"] for c in entry.choice.measured["candidates"])
     assert labels == [f"chain {n}" for n in (1, 2, 3)]  # every chain, no tree
-    assert entry["choice"]["tree"] == "chain"
+    assert entry.choice.tree == "chain"
 
     def generate(*extra: str):
         args = ["generate", str(artifact), "--prompt-ids", "5,9,5,9,5,9", "--max-new-tokens"]
@@ -340,12 +344,13 @@ def test_calibration_at_a_temperature_is_its_own_entry_and_generate_picks_the_ne
     recorded = load_manifest(artifact).data["calibration"]
     key = "draft-model@T=0.7,top_p=0.9"
     assert sorted(recorded) == ["draft-model", key]
-    assert recorded["draft-model"] == json.loads(json.dumps(greedy))  # untouched by the second
-    assert sampled["sampling"] == {"temperature": 0.7, "top_p": 0.9}
-    assert greedy["sampling"] == {"temperature": 0.0, "top_p": 1.0}
-    reached = sampled["acceptance"]["rounds_reaching_depth"]
+    # untouched by the second
+    assert recorded["draft-model"] == json.loads(json.dumps(greedy.to_json()))
+    assert recorded[key]["sampling"] == {"temperature": 0.7, "top_p": 0.9}
+    assert recorded["draft-model"]["sampling"] == {"temperature": 0.0, "top_p": 1.0}
+    reached = sampled.report["acceptance"]["rounds_reaching_depth"]
     assert reached[0] > 0  # the probe was verified under the sampled rule
-    assert np.array(sampled["acceptance"]["acceptance_by_depth_and_rank"]).sum(1).max() <= 1
+    assert np.array(sampled.report["acceptance"]["acceptance_by_depth_and_rank"]).sum(1).max() <= 1
 
     manifest = load_manifest(artifact)
     nearest = {
@@ -392,9 +397,12 @@ def test_suffix_calibration_records_its_batch_threshold_and_generate_uses_it(art
     """Suffix drafting sizes its own trees: calibration measures its node budget per batch."""
     options = CalibrationOptions(**{**FAST.__dict__, "drafter": "suffix"})
     entry = calibrate_artifact(artifact, PROMPTS, options)
-    assert entry["choice"]["tree"] == "budget" and entry["choice"]["nodes"] == 16
-    assert [p["batch"] for p in entry["batch_curve"]] == [1, 2]
-    assert entry["batch_curve"][0]["measured_speedup"] == entry["choice"]["measured_speedup"]
+    assert entry.choice.tree == "budget" and entry.choice.nodes == 16
+    curve = entry.report["batch_curve"]
+    assert [p["batch"] for p in curve] == [1, 2]
+    assert curve[0]["measured_speedup"] == entry.choice.measured["measured_speedup"]
+    recorded = load_manifest(artifact).data["calibration"]["suffix"]
+    assert load_manifest(artifact).calibration("suffix").to_json() == recorded
     choice = calibrated_choice(load_manifest(artifact), "suffix")
     assert choice.shape is None and choice.nodes == 16
     args = ["generate", str(artifact), "--prompt-ids", "5,9,5,9,5,9", "--max-new-tokens", "8"]

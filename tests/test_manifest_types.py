@@ -1,18 +1,25 @@
-"""Typed manifest sections: read once at load, bad fields named, calibration checked when used."""
+"""Typed manifest sections: read once at load, bad fields named, calibration checked when used,
+written back by `to_json` as the writers wrote them."""
 
 from __future__ import annotations
 
+import json
 import shutil
+from dataclasses import replace
 
 import pytest
 
 from specx.artifact import load_manifest, manifest_body, write_manifest
+from specx.build import BuildOptions, build_artifact
 from specx.errors import ArtifactError
 from specx.manifest_types import (
     BuildEntry,
     CalibratedSampling,
     CalibrationEntry,
+    DecoderSpec,
+    DrafterSpec,
     DynamicChoice,
+    GraphEntry,
     ModelSpec,
     TapSpec,
     TensorSpec,
@@ -113,3 +120,160 @@ def test_calibration_entries_are_read_when_used(artifact):
     assert manifest.calibration("eagle").choice.dynamic == DynamicChoice(13, 4, 3)
     with pytest.raises(ArtifactError, match=r"calibration.ngram@T=0.7.sampling is malformed"):
         manifest.calibration("ngram@T=0.7")
+
+
+TAPS = TapSpec("eagle3", 96, (2, 2, 1))
+IDS = TensorSpec("input_ids", "int64", ("batch", "tokens"))
+KEY = TensorSpec("past_key_0", "float32", ("batch", 2, "capacity", 16))
+DECODER = DecoderSpec(num_layers=1, num_kv_heads=2, head_dim=16, hidden_size=32, vocab_size=20)
+HEAD = GraphEntry(
+    "draft_head.onnx",
+    (IDS, KEY),
+    (KEY,),
+    ("draft_head.onnx.data",),
+    opset=24,
+    decoder=DECODER,
+    kv_spare_slots=1,
+    ort_only=True,
+)
+ENGINE = GraphEntry(
+    "builds/trt-fp16.1/target.onnx",
+    (IDS,),
+    engine="builds/trt-fp16.1/target.engine",
+    engine_sha256="ab" * 32,
+    profiles=("decode", "prefill"),
+)
+STATIC = TreeChoice(
+    "static 3 nodes, depth 2",
+    "static",
+    choices=((0,), (1,), (0, 0)),
+    nodes=3,
+    measured={"depth": 2, "measured_speedup": 1.4, "candidates": [{"label": "chain 1"}]},
+)
+
+# Every section with each of its optional fields set, and at its defaults.
+SECTIONS = [
+    TAPS,
+    ModelSpec(100, 32, 2, 4, 2, 8, 128, 64, (1, 2), TAPS, "llama", "float32", 0),
+    ModelSpec(100, 32, 2, 4, 2, 8, 128, 64, (), TapSpec("none", 0, ())),
+    KEY,
+    DECODER,
+    HEAD,
+    ENGINE,
+    GraphEntry("target.onnx"),
+    BuildEntry(
+        "ort",
+        "int4",
+        "builds/ort-int4.1",
+        {"target": HEAD},
+        quantization={"bits": 4, "greedy_identity": "chains", "quantized_matmuls": {"t": 3}},
+        onnxruntime_version="1.22.0",
+        lowering={"target": "gqa"},
+    ),
+    BuildEntry(
+        "trt",
+        "fp16",
+        "builds/trt-fp16.1",
+        {"target": ENGINE},
+        tensorrt_version="10.15.1",
+        compute_capability="9.0",
+        gpu="H200",
+    ),
+    BuildEntry("ort", "fp32"),
+    DrafterSpec(
+        "eagle3",
+        "draft_head",
+        "eagle3",
+        projection="draft_projection",
+        d2t="draft_d2t.npy",
+        source={"spec": "eagle3:/heads", "weights": {"m": "ab"}},
+    ),
+    DrafterSpec("medusa", "draft_head", "last", medusa_heads=4),
+    DynamicChoice(13, 4, 3),
+    STATIC,
+    TreeChoice("dynamic 13,4,3", "dynamic", dynamic=DynamicChoice(13, 4, 3), nodes=9),
+    TreeChoice("chain 3", "chain", chain_length=3),
+    TreeChoice("suffix, 16-node budget", "budget", nodes=16, measured={"measured_speedup": 2.0}),
+    CalibratedSampling(0.7, 0.9),
+]
+
+
+@pytest.mark.parametrize("section", SECTIONS, ids=lambda s: type(s).__name__)
+def test_each_section_reads_back_what_it_writes(section):
+    written = json.loads(json.dumps(section.to_json()))  # through JSON: lists, not tuples
+    assert type(section).from_json(written) == section
+
+
+def test_a_calibration_entry_reads_back_what_it_writes():
+    report = {"drafter": "eagle3", "batch_curve": [{"batch": 1, "measured_speedup": 1.4}]}
+    entry = CalibrationEntry(STATIC, 2, 1.4, CalibratedSampling(0.7, 1.0), report)
+    written = json.loads(json.dumps(entry.to_json()))
+    assert written["drafter"] == "eagle3" and written["sampling"]["temperature"] == 0.7
+    assert CalibrationEntry.from_json("calibration.eagle3", written) == entry
+
+
+def test_optional_fields_at_their_defaults_are_left_out():
+    assert GraphEntry("t.onnx").to_json() == {
+        "file": "t.onnx",
+        "inputs": [],
+        "outputs": [],
+        "data_files": [],
+    }
+    # A build without files of its own records its directory as null.
+    assert BuildEntry("ort", "fp32").to_json() == {
+        "backend": "ort",
+        "precision": "fp32",
+        "directory": None,
+        "graphs": {},
+    }
+    assert TreeChoice("chain 3", "chain", chain_length=3).to_json() == CHAIN_3
+
+
+def test_greedy_identity_is_read_from_the_quantization_record():
+    assert BuildEntry("ort", "fp32").greedy_identity == "all"
+    assert BuildEntry("ort", "int8", quantization={"greedy_identity": "none"}).greedy_identity == (
+        "none"
+    )
+
+
+def _assert_sections_write_what_is_on_disk(root) -> None:
+    """Each typed section of the manifest at `root`, written out, is its JSON on disk."""
+    manifest = load_manifest(root)
+    data = json.loads((root / "manifest.json").read_text())
+    assert manifest.model.to_json() == data["model"]
+    assert {name: g.to_json() for name, g in manifest.graphs.items()} == data["graphs"]
+    assert {name: b.to_json() for name, b in manifest.builds.items()} == data.get("builds", {})
+    drafter = None if manifest.drafter is None else manifest.drafter.to_json()
+    assert drafter == data.get("drafter")
+    for key in manifest.calibration_keys:
+        assert manifest.calibration(key).to_json() == data["calibration"][key]
+
+
+def test_an_export_and_its_builds_write_their_sections_back_unchanged(
+    artifacts, head_artifacts, tmp_path
+):
+    _assert_sections_write_what_is_on_disk(artifacts["llama"])
+    _assert_sections_write_what_is_on_disk(head_artifacts["medusa"])
+    artifact = shutil.copytree(head_artifacts["eagle3"], tmp_path / "eagle3")
+    _assert_sections_write_what_is_on_disk(artifact)
+    assert load_manifest(artifact).graph("draft_chain").ort_only
+    build_artifact(artifact, BuildOptions())  # ort-fp32: lowered, the chain derived again
+    build_artifact(artifact, BuildOptions("ort", "int8"))  # a weight-only record
+    manifest = load_manifest(artifact)
+    assert manifest.builds["ort-fp32"].lowering and manifest.builds["ort-int8"].quantization
+    _assert_sections_write_what_is_on_disk(artifact)
+
+
+def test_typed_writes_replace_a_build_and_a_calibration(artifact):
+    manifest = load_manifest(artifact)
+    build = BuildEntry("ort", "fp32", graphs={"target": manifest.graph("target")})
+    entry = CalibrationEntry(STATIC, 2, 1.4, CalibratedSampling(), {"drafter": "eagle3"})
+    changed = manifest.with_new_build("q", build).with_calibration("eagle3", entry)
+    write_manifest(artifact, manifest_body(changed))
+    manifest = load_manifest(artifact)
+    assert manifest.default_build == "q" and manifest.build == build
+    assert manifest.calibration("eagle3") == entry
+    fp16 = replace(build, precision="fp16")
+    write_manifest(artifact, manifest_body(manifest.with_new_build("q", fp16)))
+    assert load_manifest(artifact).builds == {"q": fp16}
+    _assert_sections_write_what_is_on_disk(artifact)

@@ -48,6 +48,7 @@ __all__ = [
     "apply_umask",
     "check_output_dir",
     "check_parents",
+    "exported_body",
     "is_specx_artifact",
     "load_manifest",
     "manifest_body",
@@ -246,7 +247,8 @@ class Manifest:
     """A loaded, verified manifest: its typed sections, and the JSON body they were read from.
 
     `data` is the body as read, kept for `manifest_body` to write back with a section
-    changed, and for the calibration entries, which are checked when used (`calibration`).
+    changed (`with_build`, `with_new_build`, `with_calibration` change both), and for the
+    calibration entries, which are checked when used (`calibration`).
     """
 
     root: Path  # the artifact directory
@@ -307,6 +309,12 @@ class Manifest:
         data = {**self.data, "default_build": name}
         return dataclasses.replace(self, data=data, default_build=name)
 
+    def with_new_build(self, name: str, entry: BuildEntry) -> Manifest:
+        """This artifact with `entry` as build `name` (replacing any of that name), the default."""
+        data = {**self.data, "builds": {**self.data.get("builds", {}), name: entry.to_json()}}
+        builds = {**self.builds, name: entry}
+        return dataclasses.replace(self, data=data, builds=builds).with_build(name)
+
     def runtime_graph(self, name: str) -> GraphEntry:
         """The entry of graph `name` in the default build, else the exported graph's."""
         build = self.build
@@ -333,6 +341,11 @@ class Manifest:
         where = f"{self.root / MANIFEST_NAME}: calibration.{key}"
         return CalibrationEntry.from_json(where, self.data["calibration"][key])
 
+    def with_calibration(self, key: str, entry: CalibrationEntry) -> Manifest:
+        """This artifact with `entry` as calibration `key` (replacing any of that key)."""
+        calibration = {**(self.data.get("calibration") or {}), key: entry.to_json()}
+        return dataclasses.replace(self, data={**self.data, "calibration": calibration})
+
     @property
     def chat_template_file(self) -> Path | None:
         """The artifact's chat template (`specx.runtime.chat`), or None when it has none."""
@@ -342,6 +355,32 @@ class Manifest:
     def tokenizer_file(self) -> Path | None:
         """The artifact's tokenizer.json, or None when it was exported without one."""
         return None if self.tokenizer is None else self.root / self.tokenizer
+
+
+def exported_body(
+    source: Mapping[str, Any],
+    model: ModelSpec,
+    graphs: Mapping[str, GraphEntry],
+    drafter: DrafterSpec | None,
+    tokenizer: str | None,
+    chat_template: str | None,
+) -> dict[str, Any]:
+    """The body of a new artifact's manifest (`write_manifest` adds the format and files).
+
+    `source` records the checkpoint for people (path, config, weight sha256s).
+    """
+    body = {
+        "source": dict(source),
+        "model": model.to_json(),
+        "graphs": {name: graph.to_json() for name, graph in graphs.items()},
+        "tokenizer": tokenizer,
+    }
+    # Absent rather than null, as exports have always left them.
+    if drafter is not None:
+        body["drafter"] = drafter.to_json()
+    if chat_template is not None:
+        body["chat_template"] = chat_template
+    return body
 
 
 def manifest_body(manifest: Manifest) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""The manifest's sections as frozen, typed values: what the library reads of an artifact.
+"""The manifest's sections as frozen, typed values, which the library reads and writes.
 
 `specx.artifact.load_manifest` builds them once, after `specx.artifact_schema` has checked
 every field they read, so `from_json` only converts (lists to tuples, absent optional
@@ -9,15 +9,21 @@ them at load: a stale or hand-broken entry must not keep the artifact from loadi
 from being calibrated again. `CalibrationEntry.from_json` checks what it reads when the
 entry is used, and names the entry.
 
-Writers (export, build, calibrate) still build JSON dicts: a build record holds whatever
-its backend records besides these fields (versions, lowering, quantization details).
+Writers (export, build, calibrate) build these values and write them with `to_json`, the
+inverse of `from_json`: `X.from_json(x.to_json()) == x`, and a section as a writer wrote it
+reads back and writes out unchanged (older forms, e.g. an entry without its sampling
+setting, are written in the current one). Optional fields at their defaults are left out,
+as the writers always left them. What only people and reports read stays a JSON mapping in
+the value that records it: a build's `quantization` (its keys differ by backend), the
+drafter's `source`, a calibration's `report` and its choice's `measured` numbers.
 
 Standard library only: the runtime imports this module.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import dataclasses
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -53,6 +59,9 @@ class TapSpec:
     def from_json(cls, data: Json) -> TapSpec:  # noqa: D102
         return cls(data["kind"], data["width"], tuple(data["layers"]))
 
+    def to_json(self) -> dict[str, Any]:  # noqa: D102
+        return {"kind": self.kind, "width": self.width, "layers": list(self.layers)}
+
 
 @dataclass(frozen=True)
 class ModelSpec:
@@ -68,6 +77,10 @@ class ModelSpec:
     max_tree_tokens: int  # most tokens one verify forward takes (root + draft)
     eos_token_ids: tuple[int, ...]
     taps: TapSpec
+    # What the export records for people (no code reads them); None where not recorded.
+    family: str | None = None  # the checkpoint's architecture family, e.g. "llama"
+    kv_dtype: str | None = None  # the caches' numpy dtype
+    bos_token_id: int | None = None  # None also when the checkpoint has none
 
     @classmethod
     def from_json(cls, data: Json) -> ModelSpec:  # noqa: D102
@@ -82,7 +95,17 @@ class ModelSpec:
             max_tree_tokens=data["max_tree_tokens"],
             eos_token_ids=tuple(data["eos_token_ids"]),
             taps=TapSpec.from_json(data["taps"]),
+            family=data.get("family"),
+            kv_dtype=data.get("kv_dtype"),
+            bos_token_id=data.get("bos_token_id"),
         )
+
+    def to_json(self) -> dict[str, Any]:  # noqa: D102
+        return {
+            **dataclasses.asdict(self),
+            "eos_token_ids": list(self.eos_token_ids),
+            "taps": self.taps.to_json(),
+        }
 
 
 @dataclass(frozen=True)
@@ -96,6 +119,9 @@ class TensorSpec:
     @classmethod
     def from_json(cls, data: Json) -> TensorSpec:  # noqa: D102
         return cls(data["name"], data["dtype"], tuple(data["shape"]))
+
+    def to_json(self) -> dict[str, Any]:  # noqa: D102
+        return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape)}
 
 
 @dataclass(frozen=True)
@@ -118,6 +144,9 @@ class DecoderSpec:
             data["vocab_size"],
         )
 
+    def to_json(self) -> dict[str, Any]:  # noqa: D102
+        return dataclasses.asdict(self)
+
 
 @dataclass(frozen=True)
 class GraphEntry:
@@ -127,7 +156,9 @@ class GraphEntry:
     inputs: tuple[TensorSpec, ...] = ()
     outputs: tuple[TensorSpec, ...] = ()
     data_files: tuple[str, ...] = ()  # external weights
+    opset: int | None = None  # the default domain's, recorded by the export (builds do not)
     engine: str | None = None  # a TensorRT build's serialized engine
+    engine_sha256: str | None = None  # recorded when it was built
     profiles: tuple[str, ...] = ()  # the engine's optimization profiles, in engine order
     kv_spare_slots: int = 0  # cache rows past the capacity a row-invariant graph writes
     decoder: DecoderSpec | None = None  # a draft head's shapes (the target's: ModelSpec)
@@ -141,11 +172,29 @@ class GraphEntry:
             inputs=tuple(TensorSpec.from_json(v) for v in data["inputs"]),
             outputs=tuple(TensorSpec.from_json(v) for v in data["outputs"]),
             data_files=tuple(data.get("data_files", ())),
+            opset=data.get("opset"),
             engine=data.get("engine"),
+            engine_sha256=data.get("engine_sha256"),
             profiles=tuple(data.get("profiles", ())),
             kv_spare_slots=data.get("kv_spare_slots", 0),
             decoder=None if decoder is None else DecoderSpec.from_json(decoder),
             ort_only=data.get("ort_only", False),
+        )
+
+    def to_json(self) -> dict[str, Any]:  # noqa: D102
+        return {
+            "file": self.file,
+            "inputs": [v.to_json() for v in self.inputs],
+            "outputs": [v.to_json() for v in self.outputs],
+            "data_files": list(self.data_files),
+        } | _present(
+            opset=self.opset,
+            engine=self.engine,
+            engine_sha256=self.engine_sha256,
+            profiles=list(self.profiles) or None,
+            kv_spare_slots=self.kv_spare_slots or None,
+            decoder=None if self.decoder is None else self.decoder.to_json(),
+            ort_only=self.ort_only or None,
         )
 
 
@@ -155,8 +204,7 @@ class BuildEntry:
 
     `quantization` stays the backend's JSON record (a weight-only configuration, a static
     INT8 accuracy report: its keys differ by backend and only reports read them), except
-    `greedy_identity`, which the runtime reads: what of greedy speculation the build keeps
-    identical to its plain decoding ("all", "chains" or "none").
+    `greedy_identity`, which the runtime reads (the property of that name).
     """
 
     backend: str  # the opener in `specx.runtime.backends.OPENERS`
@@ -164,24 +212,48 @@ class BuildEntry:
     directory: str | None = None  # builds/<name>.<id>; None: it reuses the exported files
     graphs: Mapping[str, GraphEntry] = field(default_factory=dict)
     quantization: Json = field(default_factory=dict)  # {} for a float build
-    greedy_identity: str = "all"
+    onnxruntime_version: str | None = None  # an ONNX Runtime build's, for reports
+    lowering: Mapping[str, str] = field(default_factory=dict)  # graph -> "gqa" where lowered
     tensorrt_version: str | None = None  # a TensorRT build's: what its engines need here
     compute_capability: str | None = None
     gpu: str | None = None
 
+    @property
+    def greedy_identity(self) -> str:
+        """What of greedy speculation the build keeps identical to its plain decoding.
+
+        "all", "chains" or "none", as `quantization` records it (a float build: "all").
+        """
+        return str(self.quantization.get("greedy_identity", "all"))
+
     @classmethod
     def from_json(cls, data: Json) -> BuildEntry:  # noqa: D102
-        quantization = data.get("quantization") or {}
         return cls(
             backend=data["backend"],
             precision=data["precision"],
             directory=data.get("directory"),
             graphs={name: GraphEntry.from_json(g) for name, g in data["graphs"].items()},
-            quantization=quantization,
-            greedy_identity=quantization.get("greedy_identity", "all"),
+            quantization=data.get("quantization") or {},
+            onnxruntime_version=data.get("onnxruntime_version"),
+            lowering=data.get("lowering") or {},
             tensorrt_version=data.get("tensorrt_version"),
             compute_capability=data.get("compute_capability"),
             gpu=data.get("gpu"),
+        )
+
+    def to_json(self) -> dict[str, Any]:  # noqa: D102
+        return {
+            "backend": self.backend,
+            "precision": self.precision,
+            "directory": self.directory,  # null, not absent: the build has no files of its own
+            "graphs": {name: g.to_json() for name, g in self.graphs.items()},
+        } | _present(
+            quantization=dict(self.quantization) or None,
+            onnxruntime_version=self.onnxruntime_version,
+            lowering=dict(self.lowering) or None,
+            tensorrt_version=self.tensorrt_version,
+            compute_capability=self.compute_capability,
+            gpu=self.gpu,
         )
 
 
@@ -195,16 +267,26 @@ class DrafterSpec:
     medusa_heads: int | None = None  # Medusa: the number of heads, the deepest tree + 1
     projection: str | None = None  # EAGLE-3: the graph projecting taps to features
     d2t: str | None = None  # a .npy of draft id -> target id offsets (a smaller draft vocab)
+    source: Json = field(default_factory=dict)  # for people: its spec, directory, weight sha256s
 
     @classmethod
     def from_json(cls, data: Json) -> DrafterSpec:  # noqa: D102
         return cls(
-            data["kind"],
-            data["graph"],
-            data["taps"],
-            data.get("medusa_heads"),
-            data.get("projection"),
-            data.get("d2t"),
+            kind=data["kind"],
+            graph=data["graph"],
+            taps=data["taps"],
+            medusa_heads=data.get("medusa_heads"),
+            projection=data.get("projection"),
+            d2t=data.get("d2t"),
+            source=data.get("source") or {},
+        )
+
+    def to_json(self) -> dict[str, Any]:  # noqa: D102
+        return {"kind": self.kind, "graph": self.graph, "taps": self.taps} | _present(
+            medusa_heads=self.medusa_heads,
+            projection=self.projection,
+            d2t=self.d2t,
+            source=dict(self.source) or None,
         )
 
 
@@ -223,6 +305,13 @@ class DynamicChoice:
             return cls(int(data["total_tokens"]) + 1, int(data["depth"]) - 1, int(data["top_k"]))
         return cls(int(data["total_token"]), int(data["depth"]), int(data["top_k"]))
 
+    def to_json(self) -> dict[str, Any]:
+        """In EAGLE's meaning, whichever form it was read from."""
+        return dataclasses.asdict(self)
+
+
+_NOT_CHAINS = ("static", "dynamic", "budget")
+
 
 @dataclass(frozen=True)
 class TreeChoice:
@@ -236,20 +325,44 @@ class TreeChoice:
     tree: str
     choices: tuple[tuple[int, ...], ...] = ()  # Medusa-style rank paths
     dynamic: DynamicChoice | None = None
-    nodes: int = 0  # a budget's node count (a shape's is its tree's size)
+    nodes: int = 0  # its draft nodes; all a budget records (0: not recorded)
     chain_length: int = 0
+    # What calibrate recorded besides, for people and reports: its depth, the predicted
+    # and measured speedups, and the chosen shape's list of candidates.
+    measured: Json = field(default_factory=dict)
 
     @classmethod
     def from_json(cls, data: Json) -> TreeChoice:
-        """The shape's own fields only; raises KeyError, TypeError or ValueError if absent."""
-        label, tree = str(data["label"]), str(data["tree"])
-        if tree == "static":
-            return cls(label, tree, choices=tuple(tuple(map(int, c)) for c in data["choices"]))
-        if tree == "dynamic":
-            return cls(label, tree, dynamic=DynamicChoice.from_json(data["dynamic"]))
-        if tree == "budget":
-            return cls(label, tree, nodes=int(data["nodes"]))
-        return cls(label, tree, chain_length=int(data["chain_length"]))
+        """The shape's own fields; the rest of `data` becomes `measured`.
+
+        Raises KeyError, TypeError or ValueError if a field of the shape is absent or malformed.
+        """
+        tree = str(data["tree"])
+        choice = cls(
+            str(data["label"]),
+            tree,
+            choices=tuple(tuple(map(int, c)) for c in data["choices"]) if tree == "static" else (),
+            dynamic=DynamicChoice.from_json(data["dynamic"]) if tree == "dynamic" else None,
+            nodes=int(data["nodes"] if tree == "budget" else data.get("nodes", 0)),
+            chain_length=0 if tree in _NOT_CHAINS else int(data["chain_length"]),
+        )
+        return dataclasses.replace(choice, measured=_rest(data, choice._shape_json()))
+
+    def to_json(self) -> dict[str, Any]:  # noqa: D102
+        return {**self.measured, **self._shape_json()}
+
+    def _shape_json(self) -> dict[str, Any]:
+        """The label and the fields `tree` says describe the shape."""
+        out: dict[str, Any] = {"label": self.label, "tree": self.tree}
+        if self.tree == "static":
+            out["choices"] = [list(c) for c in self.choices]
+        elif self.tree == "dynamic":
+            out["dynamic"] = None if self.dynamic is None else self.dynamic.to_json()
+        elif self.tree != "budget":
+            out["chain_length"] = self.chain_length
+        if self.nodes or self.tree == "budget":
+            out["nodes"] = self.nodes
+        return out
 
 
 @dataclass(frozen=True)
@@ -263,6 +376,12 @@ class CalibratedSampling:
     def from_json(cls, data: Json) -> CalibratedSampling:  # noqa: D102
         return cls(float(data["temperature"]), float(data["top_p"]))
 
+    def to_json(self) -> dict[str, Any]:  # noqa: D102
+        return dataclasses.asdict(self)
+
+
+_ENTRY_FIELDS = ("choice", "max_batch_spec", "expected_speedup", "sampling")
+
 
 @dataclass(frozen=True)
 class CalibrationEntry:
@@ -272,6 +391,9 @@ class CalibrationEntry:
     max_batch_spec: int  # the largest batch speculation pays at; 0: it never does
     expected_speedup: float  # measured on the calibration prompts; 1.0 when off
     sampling: CalibratedSampling  # greedy for entries recorded before settings were
+    # The measurements behind the choice, for people and reports: the drafter spec, how and
+    # where it was measured, acceptance, costs, the trees and chains ranked, batch curve.
+    report: Json = field(default_factory=dict)
 
     @classmethod
     def from_json(cls, where: str, data: Any) -> CalibrationEntry:
@@ -289,9 +411,30 @@ class CalibrationEntry:
                 int(d["max_batch_spec"]),
                 float(d["expected_speedup"]),
                 sampling,
+                _rest(d, _ENTRY_FIELDS),  # last: `d` is an object once the fields above read
             ),
             data,
         )
+
+    def to_json(self) -> dict[str, Any]:  # noqa: D102
+        return {
+            **self.report,
+            "choice": self.choice.to_json(),
+            "max_batch_spec": self.max_batch_spec,
+            "expected_speedup": self.expected_speedup,
+            "sampling": self.sampling.to_json(),
+        }
+
+
+def _present(**fields: Any) -> dict[str, Any]:
+    """The optional fields given (None: at its default, left out of the JSON)."""
+    return {name: value for name, value in fields.items() if value is not None}
+
+
+def _rest(data: Json, typed: Iterable[str]) -> dict[str, Any]:
+    """The fields of `data` besides `typed`: kept, so that a value writes back what it read."""
+    typed = set(typed)
+    return {name: value for name, value in data.items() if name not in typed}
 
 
 def _sampling(entry: Any) -> Any:

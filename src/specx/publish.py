@@ -16,12 +16,14 @@ import hashlib
 import os
 import tarfile
 import tempfile
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
 from specx import __version__
 from specx.artifact import (
     MANIFEST_NAME,
+    Manifest,
     apply_umask,
     check_parents,
     load_manifest,
@@ -123,17 +125,19 @@ def verify_artifact(source: str | os.PathLike[str]) -> VerifyReport:
     """
     source = Path(source)
     if source.is_dir():
-        data = load_manifest(source).data
-        report = VerifyReport(str(source), data.get("specx_version", "?"), len(data["files"]))
+        manifest = load_manifest(source)
     elif source.is_file():
-        data, report = _verify_tar(source)
+        manifest = _verify_tar(source)
     else:
         raise ArtifactError(f"{source} is neither an artifact directory nor a packed tar")
-    _check_builds(data, report)
+    version = manifest.data.get("specx_version", "?")
+    report = VerifyReport(str(source), version, len(manifest.files))
+    _check_builds(version, manifest.builds, report)
     return report
 
 
-def _verify_tar(path: Path) -> tuple[dict, VerifyReport]:
+def _verify_tar(path: Path) -> Manifest:
+    """The manifest of a packed artifact whose every file matched it (its root: the tar)."""
     try:
         tar = tarfile.open(path, mode="r:*")
     except (tarfile.TarError, OSError) as e:
@@ -171,7 +175,7 @@ def _verify_tar(path: Path) -> tuple[dict, VerifyReport]:
                     f"{path}: {top}/{name} does not match the manifest: sha256 {actual} != "
                     f"{expected} (modified or truncated after packing)"
                 )
-    return data, VerifyReport(str(path), data.get("specx_version", "?"), len(data["files"]))
+    return Manifest.from_json(path, data)
 
 
 def _read(tar: tarfile.TarFile, member: tarfile.TarInfo, path: Path) -> bytes:
@@ -195,15 +199,13 @@ def _sha256_member(tar: tarfile.TarFile, member: tarfile.TarInfo, path: Path) ->
     return digest.hexdigest()
 
 
-def _check_builds(data: dict, report: VerifyReport) -> None:
-    newer = _version_tuple(data.get("specx_version", "0")) > _version_tuple(__version__)
-    if newer:
+def _check_builds(version: str, builds: Mapping[str, BuildEntry], report: VerifyReport) -> None:
+    if _version_tuple(version) > _version_tuple(__version__):
         report.notes.append(
-            f"written by specx {data['specx_version']}, newer than this {__version__} "
+            f"written by specx {version}, newer than this {__version__} "
             "(same artifact format, so it loads)"
         )
-    for name, record in data.get("builds", {}).items():
-        build = BuildEntry.from_json(record)  # `data` passed parse_manifest's checks
+    for name, build in builds.items():
         report.builds[name] = f"{build.backend}/{build.precision}"
         if build.backend != "trt":
             continue

@@ -84,8 +84,8 @@ def build_artifact(
     staging = Path(tempfile.mkdtemp(prefix=".build-", dir=manifest.root))
     output = fresh_output(name, staging)
     try:
-        record = builder.build(BuildJob(manifest, options, output, progress, prompts))
-        publish_build(manifest, name, output, {"backend": builder.runtime, **record})
+        entry = builder.build(BuildJob(manifest, options, output, progress, prompts))
+        publish_build(manifest, name, output, entry)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     progress(f"built {name} in {time.perf_counter() - started:.1f}s")

@@ -39,7 +39,7 @@ from specx.artifact import Manifest, load_manifest
 from specx.build.registry import BuildJob, BuildOptions, BuildOutput, Progress
 from specx.build.staging import exported_entries, graph_entry
 from specx.errors import BuildError
-from specx.manifest_types import TensorSpec
+from specx.manifest_types import BuildEntry, TensorSpec
 from specx.runtime.masks import causal_mask
 
 if TYPE_CHECKING:
@@ -107,7 +107,7 @@ class Int8Static:
         if self.eval_prompts is not None:
             _check_prompts(self.eval_prompts, manifest, "evaluation")
 
-    def build(self, job: BuildJob) -> dict[str, Any]:
+    def build(self, job: BuildJob) -> BuildEntry:
         """Calibrates, quantizes and scores the target; the other graphs stay as exported."""
         manifest, staging, prompts = job.manifest, job.output.staging, job.prompts
         eval_prompts = prompts if self.eval_prompts is None else self.eval_prompts
@@ -144,7 +144,7 @@ class Int8Static:
             # drafts (specx.graphs.row_invariance); trees are not covered.
             "greedy_identity": "chains",
         }
-        return _record(manifest, job.output, quantization)
+        return _entry(manifest, job.output, quantization)
 
 
 BACKEND = Int8Static()
@@ -535,14 +535,14 @@ def _count_quantized_matmuls(path: Path) -> dict[str, int]:
     return {"quantized": len(quantized), "total": len(matmuls)}
 
 
-def _record(manifest: Manifest, output: BuildOutput, quantization: dict[str, Any]) -> dict:
+def _entry(manifest: Manifest, output: BuildOutput, quantization: dict[str, Any]) -> BuildEntry:
     """The build's manifest entry: the quantized target, every other graph as exported."""
     import onnxruntime as ort
 
-    graphs = {**exported_entries(manifest), "target": graph_entry(output, "target")}
-    return {
-        "precision": "int8",
-        "onnxruntime_version": ort.__version__,
-        "graphs": graphs,
-        "quantization": quantization,
-    }
+    return BuildEntry(
+        Int8Static.runtime,
+        "int8",
+        graphs={**exported_entries(manifest), "target": graph_entry(output, "target")},
+        quantization=quantization,
+        onnxruntime_version=ort.__version__,
+    )

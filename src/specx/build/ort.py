@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -38,6 +38,7 @@ from specx.graphs.weight_only import (
     quantized_matmuls,
     rtn,
 )
+from specx.manifest_types import BuildEntry, GraphEntry
 
 __all__ = ["BACKEND", "OnnxRuntime", "matmulnbits_row_invariance", "weight_only_config"]
 
@@ -82,7 +83,7 @@ class OnnxRuntime:
                 "model is an artifact of its own: build it with --quantize all"
             )
 
-    def build(self, job: BuildJob) -> dict[str, Any]:
+    def build(self, job: BuildJob) -> BuildEntry:
         """Converts, quantizes and lowers each graph; the draft chain is derived last."""
         return _build_ort(job.manifest, job.options, job.output, job.progress, job.prompts)
 
@@ -93,14 +94,17 @@ def _build_ort(
     output: BuildOutput,
     progress: Progress,
     prompts: Sequence[Sequence[int]],
-):
+) -> BuildEntry:
     import onnxruntime as ort
 
     from specx.sessions import load_session
 
-    record: dict[str, Any] = {}
+    quantization: dict[str, Any] = {}  # a weight-only build's record, completed per graph
+    lowering: dict[str, str] = {}
     if options.precision in WEIGHT_ONLY:
-        options = dataclasses.replace(options, weight_only=weight_only_config(manifest, options))
+        config = weight_only_config(manifest, options)
+        options = dataclasses.replace(options, weight_only=config)
+        quantization = config.record()
     lower = options.lowering == "gqa" and options.precision != "fp16" and gqa_available()
     if options.lowering == "gqa" and not lower:
         progress("[ort] no GroupQueryAttention lowering (fp16, or this ONNX Runtime lacks it)")
@@ -113,15 +117,16 @@ def _build_ort(
                 continue  # derived from the built head below
             progress(f"[ort] converting {name} to {options.precision}")
             quantizer = _quantizer(manifest, name, options, prompts, progress)
-            model = _convert(load_graph(manifest, name), name, options, record, quantizer)
-            padded = _needs_row_invariance(name, record)
+            model = _convert(load_graph(manifest, name), name, options, quantization, quantizer)
+            padded = _needs_row_invariance(name, quantization)
             if lower and _lower(manifest, model, padded == "attention"):
-                record.setdefault("lowering", {})[name] = "gqa"
+                lowering[name] = "gqa"
             if padded == "graph":  # after the lowering, which reads the graph's own inputs
                 PadRowPass()(model)
-            graphs[name] = save_graph(model, output, name, progress)
+            entry = save_graph(model, output, name, progress)
             if padded == "graph" or (lower and padded == "attention"):
-                graphs[name]["kv_spare_slots"] = 1  # the padding row's key and value
+                entry = dataclasses.replace(entry, kv_spare_slots=1)  # the padding row's K, V
+            graphs[name] = entry
         if "draft_chain" in manifest.graphs:
             graphs["draft_chain"] = _derive_chain(manifest, graphs["draft_head"], output)
         for name in graphs:
@@ -131,12 +136,14 @@ def _build_ort(
                 raise BuildError(
                     f"ONNX Runtime cannot load the {options.precision} {name}: {e}"
                 ) from e
-    return {
-        "precision": options.precision,
-        "onnxruntime_version": ort.__version__,
-        "graphs": graphs,
-        **record,
-    }
+    return BuildEntry(
+        OnnxRuntime.runtime,
+        options.precision,
+        graphs=graphs,
+        quantization=quantization,
+        onnxruntime_version=ort.__version__,
+        lowering=lowering,
+    )
 
 
 def _quantizer(
@@ -212,7 +219,7 @@ def _single_matmul(weight: np.ndarray) -> ir.Model:
     return ir.Model(graph, ir_version=10)
 
 
-def _derive_chain(manifest: Manifest, head: dict[str, Any], output: BuildOutput) -> dict:
+def _derive_chain(manifest: Manifest, head: GraphEntry, output: BuildOutput) -> GraphEntry:
     """The one-call chain graph of the built head (`specx.graphs.draft_chain`)."""
     from specx.export.head_export import save_draft_chain
 
@@ -222,11 +229,11 @@ def _derive_chain(manifest: Manifest, head: dict[str, Any], output: BuildOutput)
         offsets = np.load(manifest.path(d2t))
         to_target = np.arange(len(offsets)) + offsets
     entry = save_draft_chain(output.staging, head, to_target)
-    return {
-        **entry,
-        "file": f"{output.directory}/{entry['file']}",
-        "data_files": [f"{output.directory}/{f}" for f in entry["data_files"]],
-    }
+    return dataclasses.replace(
+        entry,
+        file=f"{output.directory}/{entry.file}",
+        data_files=tuple(f"{output.directory}/{f}" for f in entry.data_files),
+    )
 
 
 def _lower(manifest: Manifest, model: ir.Model, pad_single_rows: bool) -> bool:
@@ -241,13 +248,12 @@ def _lower(manifest: Manifest, model: ir.Model, pad_single_rows: bool) -> bool:
     return norms or attention
 
 
-def _needs_row_invariance(name: str, record: dict) -> str | None:
+def _needs_row_invariance(name: str, quantization: Mapping[str, Any]) -> str | None:
     """Where a graph that keeps greedy identity by row invariance (int8 activations) pads.
 
     "graph": the whole graph already runs a padding row (`PadRowPass`); "attention": its
     GroupQueryAttention must get one, never to see a lone query row; None: no need.
     """
-    quantization = record.get("quantization") or {}
     if name != "target" or quantization.get("greedy_identity") != "chains":
         return None
     return "graph" if quantization.get("padding_row") else "attention"
@@ -273,16 +279,19 @@ def weight_only_config(manifest: Manifest, options: BuildOptions) -> WeightOnlyC
 
 
 def _convert(
-    model: ir.Model, name: str, options: BuildOptions, record: dict, quantizer: Quantizer
+    model: ir.Model,
+    name: str,
+    options: BuildOptions,
+    quantization: dict[str, Any],
+    quantizer: Quantizer,
 ) -> ir.Model:
-    """The graph at the build's precision; weight-only builds add `quantization` to `record`."""
+    """The graph at the build's precision; weight-only builds add to their `quantization`."""
     if options.precision == "fp32":
         return model
     if options.precision in PRECISIONS:
         return ConvertPrecisionPass(PRECISIONS[options.precision])(model).model
     config = options.weight_only
     assert config is not None, "a weight-only precision has its config (weight_only_config)"
-    quantization = record.setdefault("quantization", config.record())
     if not config.quantizes(name):
         return model
     WeightOnlyQuantizePass(config, quantizer)(model)

@@ -2,7 +2,7 @@
 
 A backend turns an artifact's exported graphs into the graphs (or engines) one runtime
 runs. It names the graph passes it may apply, checks its options before any work, writes
-its files into a staging directory and returns the build's manifest record; `specx.build.
+its files into a staging directory and returns the build's manifest entry; `specx.build.
 build_artifact` does the rest (staging, publishing, the default build) for every backend
 alike. Its `runtime` names the opener in `specx.runtime.backends.OPENERS` that runs what it
 built, and the manifest records that name as the build's `backend`, so an artifact opens
@@ -17,11 +17,12 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 from specx.artifact import Manifest
 from specx.errors import BuildError
 from specx.graphs.weight_only import WeightOnlyConfig
+from specx.manifest_types import BuildEntry
 
 __all__ = ["BACKENDS", "Backend", "BuildJob", "BuildOptions", "BuildOutput", "backend", "register"]
 
@@ -80,12 +81,12 @@ class Backend(Protocol):
         """Raises `BuildError` for options or an artifact it cannot build, before any work."""
         ...
 
-    def build(self, job: BuildJob) -> dict[str, Any]:
-        """Writes the build's files into `job.output.staging`; returns its manifest record.
+    def build(self, job: BuildJob) -> BuildEntry:
+        """Writes the build's files into `job.output.staging`; returns its manifest entry.
 
-        The record holds `precision` and `graphs` (each graph's file under
-        `job.output.directory`, its data files and signature) and whatever else the
-        backend records; `backend` is filled in from `runtime`.
+        The entry's `backend` is this backend's `runtime`; it holds `precision`, `graphs`
+        (each graph's file under `job.output.directory`, its data files and signature) and
+        whatever else the backend records. Its `directory` is set when it is published.
         """
         ...
 

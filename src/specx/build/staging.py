@@ -7,11 +7,11 @@ A build is assembled in a hidden staging directory inside the artifact, moved to
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import uuid
 from pathlib import Path
-from typing import Any
 
 import onnx
 import onnx_ir as ir
@@ -20,6 +20,7 @@ from specx.artifact import Manifest, apply_umask, manifest_body, write_manifest
 from specx.build.registry import BuildOutput, Progress
 from specx.graphs.model_io import save_streamed
 from specx.graphs.signature import graph_signature
+from specx.manifest_types import BuildEntry, GraphEntry
 
 __all__ = [
     "exported_entries",
@@ -36,41 +37,38 @@ def fresh_output(name: str, staging: Path) -> BuildOutput:
     return BuildOutput(staging, f"builds/{name}.{uuid.uuid4().hex[:8]}")
 
 
-def exported_entries(manifest: Manifest) -> dict[str, dict[str, Any]]:
-    """The manifest entries of the exported graphs, as a build that keeps them records them."""
-    keys = ("file", "data_files", "inputs", "outputs")
+def exported_entries(manifest: Manifest) -> dict[str, GraphEntry]:
+    """The exported graphs as a build that keeps them records them: files and signature."""
     return {
-        name: {k: entry[k] for k in keys if k in entry}
-        for name, entry in manifest.data["graphs"].items()
+        name: GraphEntry(entry.file, entry.inputs, entry.outputs, entry.data_files)
+        for name, entry in manifest.graphs.items()
     }
 
 
-def publish_build(manifest: Manifest, name: str, output: BuildOutput, record: dict) -> None:
-    """Moves the staged files into place, then points the manifest at them as `default_build`.
+def publish_build(manifest: Manifest, name: str, output: BuildOutput, entry: BuildEntry) -> None:
+    """Moves the staged files into place, then records `entry` as build `name`, the default.
 
     The build is referenced only once the new manifest is written; if writing fails, the
     moved directory is removed again. A previous build of the same name is deleted last.
     """
     root = manifest.root
-    body = manifest_body(manifest)
-    previous = body.get("builds", {}).get(name, {}).get("directory")
-    record["directory"] = None
+    previous = manifest.builds[name].directory if name in manifest.builds else None
+    directory = None
     if any(output.staging.iterdir()):
         (root / "builds").mkdir(exist_ok=True)
         apply_umask(output.staging)
         os.replace(output.staging, root / output.directory)
-        record["directory"] = output.directory
-    body.setdefault("builds", {})[name] = record
-    body["default_build"] = name
-    retired = (previous,) if previous and previous != record["directory"] else ()
+        directory = output.directory
+    entry = dataclasses.replace(entry, directory=directory)
+    retired = (previous,) if previous is not None and previous != directory else ()
     try:
-        write_manifest(root, body, exclude=retired)
+        write_manifest(root, manifest_body(manifest.with_new_build(name, entry)), exclude=retired)
     except BaseException:
-        if record["directory"]:
-            shutil.rmtree(root / record["directory"], ignore_errors=True)
+        if directory:
+            shutil.rmtree(root / directory, ignore_errors=True)
         raise
-    if retired:
-        shutil.rmtree(root / previous, ignore_errors=True)
+    for old in retired:
+        shutil.rmtree(root / old, ignore_errors=True)
 
 
 def load_graph(manifest: Manifest, name: str) -> ir.Model:
@@ -80,7 +78,7 @@ def load_graph(manifest: Manifest, name: str) -> ir.Model:
 
 def save_graph(
     model: ir.Model, output: BuildOutput, name: str, progress: Progress = lambda m: None
-) -> dict[str, Any]:
+) -> GraphEntry:
     """Saves `name.onnx` (+ `.data`) to the staging directory; returns its manifest entry.
 
     Weights are written one at a time (lazy ones, e.g. quantized, computed as they go).
@@ -89,12 +87,14 @@ def save_graph(
     return graph_entry(output, name)
 
 
-def graph_entry(output: BuildOutput, name: str) -> dict[str, Any]:
+def graph_entry(output: BuildOutput, name: str) -> GraphEntry:
     """The manifest entry of `name.onnx` (and its `.data`, if any) staged in `output`."""
     path = output.staging / f"{name}.onnx"
     data = [f"{name}.onnx.data"] if (output.staging / f"{name}.onnx.data").is_file() else []
-    return {
-        "file": f"{output.directory}/{name}.onnx",
-        "data_files": [f"{output.directory}/{file}" for file in data],
-        **graph_signature(onnx.load(path, load_external_data=False)),
-    }
+    inputs, outputs = graph_signature(onnx.load(path, load_external_data=False))
+    return GraphEntry(
+        f"{output.directory}/{name}.onnx",
+        inputs,
+        outputs,
+        tuple(f"{output.directory}/{file}" for file in data),
+    )

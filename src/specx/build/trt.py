@@ -8,7 +8,7 @@ imported only here, with optimization profiles covering the artifact's shapes.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from dataclasses import replace
 
 from specx.artifact import Manifest
 from specx.build.registry import BuildJob, BuildOptions
@@ -17,7 +17,7 @@ from specx.errors import BuildError
 from specx.graphs.precision import PRECISIONS
 from specx.graphs.trt_lint import lint_for_tensorrt
 from specx.graphs.trt_lowering import lower_for_tensorrt
-from specx.manifest_types import GraphEntry
+from specx.manifest_types import BuildEntry
 
 __all__ = ["BACKEND", "TensorRT"]
 
@@ -44,7 +44,7 @@ class TensorRT:
         if options.precision not in PRECISIONS:
             raise BuildError(f"--precision must be one of {sorted(PRECISIONS)} for TensorRT")
 
-    def build(self, job: BuildJob) -> dict[str, Any]:
+    def build(self, job: BuildJob) -> BuildEntry:
         """Lowers and lints every graph, then builds each engine."""
         from specx.tensorrt.profiles import ProfileLimits, optimization_profiles
 
@@ -63,7 +63,7 @@ class TensorRT:
             lowered[name] = model
         from specx.tensorrt.engine import build_engine, device_summary
 
-        device = device_summary()  # raises BuildError naming what is missing
+        version, capability, gpu = device_summary()  # raises BuildError naming what is missing
         limits = ProfileLimits(
             kv_capacity=capacity,
             max_tree_tokens=manifest.model.max_tree_tokens,
@@ -72,17 +72,29 @@ class TensorRT:
         graphs = {}
         for name, model in lowered.items():
             entry = save_graph(model, output, name)
-            profiles = optimization_profiles(GraphEntry.from_json(entry).inputs, limits)
+            profiles = optimization_profiles(entry.inputs, limits)
             job.progress(f"[trt] building the {name} engine ({len(profiles)} profiles)")
-            engine = build_engine(
+            digest = build_engine(
                 output.staging / f"{name}.onnx",
                 output.staging / f"{name}.engine",
                 profiles,
                 optimization_level=options.optimization_level,
                 timing_cache=options.timing_cache,
             )
-            graphs[name] = {**entry, "engine": f"{output.directory}/{name}.engine", **engine}
-        return {"precision": options.precision, **device, "graphs": graphs}
+            graphs[name] = replace(
+                entry,
+                engine=f"{output.directory}/{name}.engine",
+                engine_sha256=digest,
+                profiles=tuple(profiles),
+            )
+        return BuildEntry(
+            self.runtime,
+            options.precision,
+            graphs=graphs,
+            tensorrt_version=version,
+            compute_capability=capability,
+            gpu=gpu,
+        )
 
 
 BACKEND = TensorRT()

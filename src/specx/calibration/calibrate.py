@@ -44,7 +44,7 @@ import hashlib
 import json
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -56,7 +56,7 @@ from specx.calibration.costs import DraftCost, fit_draft_cost, measure_verify_cu
 from specx.calibration.timing import measure_speedup
 from specx.calibration.tree_selection import RankedTree, best_trees, chain_expected
 from specx.errors import CalibrationError, SpecxError
-from specx.manifest_types import TreeChoice
+from specx.manifest_types import CalibratedSampling, CalibrationEntry, DynamicChoice, TreeChoice
 from specx.runtime.backends import build_name, open_decoder
 from specx.runtime.calibrated import calibration_key, chains_only, choice_shape
 from specx.runtime.decoder_backend import DecoderBackend
@@ -111,7 +111,7 @@ def calibrate_artifact(
     prompts: Sequence[Sequence[int]],
     options: CalibrationOptions = CalibrationOptions(),
     progress: Progress = lambda message: None,
-) -> dict[str, Any]:
+) -> CalibrationEntry:
     """Measures, chooses and records; returns the calibration entry written to the manifest.
 
     Raises:
@@ -205,20 +205,28 @@ def calibrate_artifact(
     ]
     candidates = _candidates(scored, chains, p, spec, every_chain=restricted)
     progress(f"[5/5] measuring {len(candidates)} candidates, then the batch curve")
+    measured = []
     for candidate in candidates:
         drafter = _drafter(spec, target, _candidate_shape(candidate), options)
         timing = measure_speedup(
             target, drafter, prompts, options.max_new_tokens, options.repeats, 1, sampling
         )
-        candidate["measured_speedup"] = timing.speedup
-    choice = dict(max(candidates, key=lambda c: c["measured_speedup"]))
-    choice["candidates"] = [
-        {k: c[k] for k in ("label", "model_speedup", "measured_speedup")} for c in candidates
-    ]
+        measured.append(_with(candidate, measured_speedup=timing.speedup))
+    choice = _with(
+        max(measured, key=_speedup),
+        candidates=[
+            {
+                "label": c.label,
+                "model_speedup": c.measured["model_speedup"],
+                "measured_speedup": _speedup(c),
+            }
+            for c in measured
+        ],
+    )
     batch_curve = _batch_curve(target, spec, choice, prompts, options)
-    max_batch_spec = _max_batch_spec(batch_curve)
-    entry = {
-        **_header(manifest, spec, prompts, options, sampling),
+    seconds = time.perf_counter() - started
+    report = {
+        **_header(manifest, spec, prompts, options, seconds),
         "acceptance": counts.summary(),
         "costs": {
             "plain_ms_per_token": 1e3 * plain_s,
@@ -227,7 +235,7 @@ def calibrate_artifact(
             "draft_ms": _milliseconds(cost),
             "chain_draft_ms": _milliseconds(chain_cost),
             "draft_cost_c": _draft_cost_c(
-                chain_cost if choice["tree"] == "chain" else cost, choice, curve
+                chain_cost if choice.tree == "chain" else cost, choice, curve
             ),
         },
         "trees_by_budget": [
@@ -241,20 +249,14 @@ def calibrate_artifact(
         ],
         "chains": [{"length": n, "predicted_speedup": s} for s, n in chains],
         "chains_only": restricted,
-        "choice": choice,
-        "expected_speedup": choice["measured_speedup"] if max_batch_spec else 1.0,
-        "batch_curve": batch_curve,
-        "max_batch_spec": max_batch_spec,
     }
-    entry["measured_on"]["seconds"] = time.perf_counter() - started
-    body = manifest_body(manifest)
+    entry = _entry(choice, batch_curve, sampling, report)
     key = calibration_key(spec.partition(":")[0], sampling)
-    body.setdefault("calibration", {})[key] = entry
-    write_manifest(manifest.root, body)
+    write_manifest(manifest.root, manifest_body(manifest.with_calibration(key, entry)))
     progress(
-        f"calibrated {spec} ({setting}): {choice['label']} "
-        f"({choice['measured_speedup']:.2f}x on the calibration prompts), "
-        f"{batch_summary(max_batch_spec)}, in {entry['measured_on']['seconds']:.0f}s"
+        f"calibrated {spec} ({setting}): {choice.label} "
+        f"({_speedup(choice):.2f}x on the calibration prompts), "
+        f"{batch_summary(entry.max_batch_spec)}, in {seconds:.0f}s"
     )
     return entry
 
@@ -287,31 +289,46 @@ def _calibrate_budget(manifest, target, spec, prompts, options, sampling, progre
                       "speculative_ms_per_token": timing.speculative_ms_per_token,
                       "measured_speedup": timing.speedup,
                       "acceptance_length": timing.acceptance_length})  # fmt: skip
-    max_batch_spec = _max_batch_spec(curve)
     first = curve[0]["measured_speedup"]
-    choice = {"label": f"{spec}, {nodes}-node budget", "tree": "budget", "nodes": nodes,
-              "measured_speedup": first}  # fmt: skip
-    entry = {
-        **_header(manifest, spec, prompts, options, sampling),
-        "choice": choice,
-        "expected_speedup": first if max_batch_spec else 1.0,
-        "batch_curve": curve,
-        "max_batch_spec": max_batch_spec,
-    }
-    entry["measured_on"]["seconds"] = time.perf_counter() - started
-    body = manifest_body(manifest)
-    body.setdefault("calibration", {})[calibration_key(spec, sampling)] = entry
-    write_manifest(manifest.root, body)
+    choice = TreeChoice(f"{spec}, {nodes}-node budget", "budget", nodes=nodes,
+                        measured={"measured_speedup": first})  # fmt: skip
+    header = _header(manifest, spec, prompts, options, time.perf_counter() - started)
+    entry = _entry(choice, curve, sampling, header)
+    key = calibration_key(spec, sampling)
+    write_manifest(manifest.root, manifest_body(manifest.with_calibration(key, entry)))
     progress(f"calibrated {spec} ({setting}): {first:.2f}x at batch 1, "
-             f"{batch_summary(max_batch_spec)}")  # fmt: skip
+             f"{batch_summary(entry.max_batch_spec)}")  # fmt: skip
     return entry
 
 
-def _header(manifest, spec: str, prompts, options, sampling: SamplingParams) -> dict[str, Any]:
-    """What every calibration entry records about how it was measured ("seconds" filled last)."""
+def _entry(
+    choice: TreeChoice, batch_curve: list[dict[str, Any]], sampling: SamplingParams, report: dict
+) -> CalibrationEntry:
+    """The manifest entry: the choice, the largest batch it pays at, what was measured."""
+    max_batch_spec = _max_batch_spec(batch_curve)
+    return CalibrationEntry(
+        choice,
+        max_batch_spec,
+        _speedup(choice) if max_batch_spec else 1.0,  # speculation off: plain decoding's speed
+        CalibratedSampling(sampling.temperature, sampling.top_p),
+        {**report, "batch_curve": batch_curve},
+    )
+
+
+def _with(choice: TreeChoice, **numbers: Any) -> TreeChoice:
+    """`choice` with `numbers` added to what calibration recorded of it."""
+    return replace(choice, measured={**choice.measured, **numbers})
+
+
+def _speedup(choice: TreeChoice) -> float:
+    """A measured shape's speedup over plain decoding on the calibration prompts."""
+    return float(choice.measured["measured_speedup"])
+
+
+def _header(manifest, spec: str, prompts, options, seconds: float) -> dict[str, Any]:
+    """What every calibration entry records about how it was measured, in `seconds`."""
     return {
         "drafter": spec,
-        "sampling": {"temperature": sampling.temperature, "top_p": sampling.top_p},
         "measured_on": {
             "build": build_name(manifest),
             "prompts": len(prompts),
@@ -320,7 +337,7 @@ def _header(manifest, spec: str, prompts, options, sampling: SamplingParams) -> 
             "repeats": options.repeats,
             "seed": options.seed,
             "threads": options.threads,
-            "seconds": None,
+            "seconds": seconds,
         },
     }
 
@@ -367,9 +384,9 @@ def _probe_depth(
     return depth
 
 
-def _candidate_shape(candidate: dict) -> StaticTree | DynamicTree:
+def _candidate_shape(candidate: TreeChoice) -> StaticTree | DynamicTree:
     """A candidate's tree: `_candidates` makes static, chain and dynamic ones, no budget."""
-    shape = choice_shape(TreeChoice.from_json(candidate))
+    shape = choice_shape(candidate)
     assert shape is not None, f"a calibration candidate without a tree: {candidate}"
     return shape
 
@@ -433,7 +450,7 @@ def _candidates(
     p: np.ndarray,
     spec: str,
     every_chain: bool = False,
-) -> list[dict[str, Any]]:
+) -> list[TreeChoice]:
     """The shapes the model ranks best, to be measured.
 
     The three best static trees, the two best chains (every chain for n-gram or
@@ -448,29 +465,25 @@ def _candidates(
             lengths.add(tree.nodes)
             continue
         candidates.append(
-            {
-                "label": f"static {tree.nodes} nodes, depth {tree.depth}",
-                "tree": "static",
-                "choices": [list(c) for c in tree.choices],
-                "nodes": tree.nodes,
-                "depth": tree.depth,
-                "expected_accepted": tree.expected_accepted,
-                "model_speedup": speedup,
-            }
+            TreeChoice(
+                f"static {tree.nodes} nodes, depth {tree.depth}",
+                "static",
+                choices=tree.choices,
+                nodes=tree.nodes,
+                measured=_predicted(tree.depth, tree.expected_accepted, speedup),
+            )
         )
     for speedup, length in sorted(chains, reverse=True):
         if length not in lengths:
             continue
         candidates.append(
-            {
-                "label": f"chain {length}",
-                "tree": "chain",
-                "chain_length": length,
-                "nodes": length,
-                "depth": length,
-                "expected_accepted": chain_expected(p, length),
-                "model_speedup": speedup,
-            }
+            TreeChoice(
+                f"chain {length}",
+                "chain",
+                chain_length=length,
+                nodes=length,
+                measured=_predicted(length, chain_expected(p, length), speedup),
+            )
         )
     if scored and spec.partition(":")[0] in DYNAMIC_DRAFTERS:
         speedup, tree = max(scored, key=lambda item: item[0])
@@ -478,22 +491,20 @@ def _candidates(
         if top_k > 1:  # top-1 growth is a chain, measured above
             dynamic = DynamicTree.of_nodes(tree.nodes, tree.depth, top_k)
             candidates.append(
-                {
-                    "label": f"dynamic {dynamic.total_token},{dynamic.depth},{top_k}",
-                    "tree": "dynamic",
-                    # EAGLE-2's own parameter names and meaning (total_token counts the root)
-                    "dynamic": {
-                        "total_token": dynamic.total_token,
-                        "depth": dynamic.depth,
-                        "top_k": top_k,
-                    },  # fmt: skip
-                    "nodes": tree.nodes,
-                    "depth": tree.depth,
-                    "expected_accepted": tree.expected_accepted,
-                    "model_speedup": speedup,
-                }
+                TreeChoice(
+                    f"dynamic {dynamic.total_token},{dynamic.depth},{top_k}",
+                    "dynamic",
+                    dynamic=DynamicChoice(dynamic.total_token, dynamic.depth, top_k),
+                    nodes=tree.nodes,
+                    measured=_predicted(tree.depth, tree.expected_accepted, speedup),
+                )
             )
     return candidates
+
+
+def _predicted(depth: int, expected_accepted: float, speedup: float) -> dict[str, Any]:
+    """What the cost model predicts of a candidate, recorded with it."""
+    return {"depth": depth, "expected_accepted": expected_accepted, "model_speedup": speedup}
 
 
 def _batch_curve(target, spec, choice, prompts, options) -> list[dict[str, Any]]:
@@ -505,7 +516,7 @@ def _batch_curve(target, spec, choice, prompts, options) -> list[dict[str, Any]]
     curve = []
     for batch in options.batches:
         if batch == 1:
-            curve.append({"batch": 1, "measured_speedup": choice["measured_speedup"]})
+            curve.append({"batch": 1, "measured_speedup": _speedup(choice)})
             continue
         group = [prompts[i % len(prompts)] for i in range(max(batch, len(prompts)))]
         drafter = _drafter(spec, target, _candidate_shape(choice), options)
@@ -537,6 +548,6 @@ def _milliseconds(cost: DraftCost) -> dict[str, float]:
     }
 
 
-def _draft_cost_c(cost: DraftCost, choice: dict[str, Any], curve) -> float:
+def _draft_cost_c(cost: DraftCost, choice: TreeChoice, curve) -> float:
     """Draft time of the chosen tree in units of one target step (the seed's c)."""
-    return cost(choice["depth"], choice["nodes"]) / curve(1)
+    return cost(choice.measured["depth"], choice.nodes) / curve(1)

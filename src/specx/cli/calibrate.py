@@ -127,7 +127,7 @@ def calibrate(
         raise CalibrationError(str(e)) from e
     entry = calibrate_artifact(artifact_dir, prompts[:max_prompts], options, progress)
     if as_json:
-        click.echo(json.dumps(entry, indent=2))
+        click.echo(json.dumps(entry.to_json(), indent=2))
 
 
 @click.command()

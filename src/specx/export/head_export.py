@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ from specx.export.heads.medusa import MedusaHeads
 from specx.export.heads.mtp import MTPHead
 from specx.export.onnx_graph import export_module, graph_entry, save_graph
 from specx.graphs.draft_chain import build_draft_chain
+from specx.manifest_types import DecoderSpec, DrafterSpec, GraphEntry
 
 __all__ = ["AR_INPUTS", "AR_OUTPUTS", "export_head"]
 
@@ -100,20 +102,16 @@ def _source(spec: str) -> dict[str, Any]:
     }
 
 
-def export_head(head: DraftHead, spec: str, staging: Path) -> tuple[dict, dict]:
+def export_head(
+    head: DraftHead, spec: str, staging: Path
+) -> tuple[DrafterSpec, dict[str, GraphEntry]]:
     """Writes the head's graphs into `staging`.
 
     Returns:
         The manifest's `drafter` entry and the graph entries to add to `graphs`.
     """
     dim = torch.export.Dim
-    graphs: dict[str, Any] = {}
-    drafter: dict[str, Any] = {
-        "kind": head.kind,
-        "taps": head.taps,
-        "source": _source(spec),
-        "graph": "draft_head",
-    }
+    drafter = DrafterSpec(head.kind, "draft_head", head.taps, source=_source(spec))
     if isinstance(head, MedusaHeads):
         width = head.hidden_size
         b, t = dim("batch"), dim("tokens")
@@ -125,23 +123,17 @@ def export_head(head: DraftHead, spec: str, staging: Path) -> tuple[dict, dict]:
             ["logits"],
             "the medusa heads",
         )
-        graphs["draft_head"] = graph_entry(model, *save_graph(model, staging, "draft_head"))
-        drafter["medusa_heads"] = len(head.heads)
-        return drafter, graphs
+        graph = graph_entry(model, *save_graph(model, staging, "draft_head"))
+        return replace(drafter, medusa_heads=len(head.heads)), {"draft_head": graph}
     inputs, shapes = _ar_example(head)
     model = export_module(
         _autoregressive(head), inputs, shapes, AR_INPUTS, AR_OUTPUTS, f"the {head.kind} head"
     )
     entry = graph_entry(model, *save_graph(model, staging, "draft_head"))
     c = head.config
-    entry["decoder"] = {
-        "num_layers": 1,
-        "num_kv_heads": c.num_kv_heads,
-        "head_dim": c.head_dim,
-        "hidden_size": c.hidden_size,
-        "vocab_size": entry["outputs"][0]["shape"][-1],
-    }
-    graphs["draft_head"] = entry
+    vocab = int(entry.outputs[0].shape[-1])  # a draft vocabulary may be smaller than the target's
+    entry = replace(entry, decoder=DecoderSpec(1, c.num_kv_heads, c.head_dim, c.hidden_size, vocab))
+    graphs = {"draft_head": entry}
     if isinstance(head, Eagle3Head):  # the one head with a feature projection
         width = head.fc.in_features
         b, t = dim("batch"), dim("tokens")
@@ -156,11 +148,11 @@ def export_head(head: DraftHead, spec: str, staging: Path) -> tuple[dict, dict]:
         graphs["draft_projection"] = graph_entry(
             projection, *save_graph(projection, staging, "draft_projection")
         )
-        drafter["projection"] = "draft_projection"
+        drafter = replace(drafter, projection="draft_projection")
     d2t = getattr(head, "d2t", None)
     if d2t is not None:
         np.save(staging / "draft_d2t.npy", d2t.numpy())
-        drafter["d2t"] = "draft_d2t.npy"
+        drafter = replace(drafter, d2t="draft_d2t.npy")
     graphs["draft_chain"] = save_draft_chain(staging, entry, drafter_d2t(head))
     return drafter, graphs
 
@@ -171,15 +163,16 @@ def drafter_d2t(head: nn.Module) -> np.ndarray | None:
     return None if d2t is None else np.arange(len(d2t)) + d2t.numpy()
 
 
-def save_draft_chain(directory: Path, head_entry: dict, to_target: np.ndarray | None) -> dict:
+def save_draft_chain(
+    directory: Path, head_entry: GraphEntry, to_target: np.ndarray | None
+) -> GraphEntry:
     """Writes `draft_chain.onnx` from the head graph saved in `directory` (same weights file).
 
     Returns:
         Its manifest entry (`ort_only`: TensorRT builds and lint leave it out).
     """
-    head_file = Path(head_entry["file"]).name
-    head = onnx.load(directory / head_file, load_external_data=False)
+    head = onnx.load(directory / Path(head_entry.file).name, load_external_data=False)
     chain = build_draft_chain(head, to_target)
     onnx.save(chain, directory / "draft_chain.onnx")
-    entry = graph_entry(chain, "draft_chain.onnx", Path(head_entry["data_files"][0]).name)
-    return {**entry, "ort_only": True}
+    entry = graph_entry(chain, "draft_chain.onnx", Path(head_entry.data_files[0]).name)
+    return replace(entry, ort_only=True)

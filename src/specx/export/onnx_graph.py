@@ -21,6 +21,7 @@ from specx.graphs.model_io import TensorSink, save_streamed
 from specx.graphs.packed_matmuls import PackSiblingMatMulsPass
 from specx.graphs.signature import graph_signature
 from specx.graphs.tree_attention import attach_function_ir
+from specx.manifest_types import GraphEntry
 
 __all__ = [
     "EXPORT_OPSET",
@@ -170,11 +171,13 @@ def save_graph(model: onnx.ModelProto, directory: Path, name: str) -> tuple[str,
     return graph_file, data_file
 
 
-def graph_entry(model: onnx.ModelProto, graph_file: str, data_file: str) -> dict[str, Any]:
+def graph_entry(model: onnx.ModelProto, graph_file: str, data_file: str) -> GraphEntry:
     """The manifest entry of a saved graph."""
-    return {
-        "file": graph_file,
-        "data_files": [data_file],
-        "opset": next(o.version for o in model.opset_import if o.domain == ""),
-        **graph_signature(model),
-    }
+    inputs, outputs = graph_signature(model)
+    return GraphEntry(
+        graph_file,
+        inputs,
+        outputs,
+        data_files=(data_file,),
+        opset=next(o.version for o in model.opset_import if o.domain == ""),
+    )

@@ -11,17 +11,23 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-import onnx
 import onnx_ir as ir
 import torch
 
-from specx.artifact import atomic_output_dir, check_output_dir, sha256_file, write_manifest
+from specx.artifact import (
+    atomic_output_dir,
+    check_output_dir,
+    exported_body,
+    sha256_file,
+    write_manifest,
+)
 from specx.errors import ExportError
 from specx.export.checkpoint import Checkpoint, load_checkpoint
 from specx.export.config import TargetConfig, load_target_config
 from specx.export.decoder import TargetDecoder
 from specx.export.onnx_graph import export_streamed, graph_entry, save_graph_streamed
 from specx.export.weight_writer import WeightWriter, planned_weights
+from specx.manifest_types import ModelSpec, TapSpec
 from specx.runtime.chat import CHAT_TEMPLATE_FILE, ChatTemplate, read_checkpoint_template
 
 __all__ = ["DEFAULT_MAX_CONTEXT", "export_target", "io_names"]
@@ -261,62 +267,64 @@ def export_target(
             model, staging, "target", progress, writer, writer.reuse
         )
         del model  # the placeholder parameters' address space goes with it
-        body = _manifest_body(checkpoint, decoder, graph, max_context)
-        body["graphs"]["target"] = graph_entry(graph, graph_file, data_file)
-        body["model"]["max_tree_tokens"] = max_tree_tokens
+        graphs = {"target": graph_entry(graph, graph_file, data_file)}
+        head_spec = None
         if head is not None:
             from specx.export.head_export import export_head
 
             assert drafter is not None  # the head was loaded from it
 
             progress(f"[3/5] tracing and writing the {head.kind} head")
-            body["drafter"], graphs = export_head(head, drafter, staging)
-            body["graphs"].update(graphs)
+            head_spec, head_graphs = export_head(head, drafter, staging)
+            graphs.update(head_graphs)
         tokenizer = checkpoint_dir / "tokenizer.json"
         if tokenizer.is_file():
             shutil.copyfile(tokenizer, staging / "tokenizer.json")
-        body["tokenizer"] = "tokenizer.json" if tokenizer.is_file() else None
         chat = chat_template or read_checkpoint_template(checkpoint_dir)
         if chat is not None:  # for `Engine.chat` and the server's /v1/chat/completions
             (staging / CHAT_TEMPLATE_FILE).write_text(chat.to_json(), encoding="utf-8")
-            body["chat_template"] = CHAT_TEMPLATE_FILE
         progress(f"[4/5] hashing {len(checkpoint.files)} source weight files")
-        body["source"]["weights"] = digests.result()
+        body = exported_body(
+            _source(checkpoint, digests.result()),
+            _model_spec(checkpoint.config, decoder, max_context, max_tree_tokens),
+            graphs,
+            head_spec,
+            "tokenizer.json" if tokenizer.is_file() else None,
+            None if chat is None else CHAT_TEMPLATE_FILE,
+        )
         progress("[5/5] writing manifest.json")
         write_manifest(staging, body, known={data_file: digest})
     progress(f"exported {output_dir} in {time.perf_counter() - started:.1f}s")
     return output_dir
 
 
-def _manifest_body(
-    checkpoint: Checkpoint, decoder: TargetDecoder, model: onnx.ModelProto, max_context: int
-) -> dict[str, Any]:
-    config = checkpoint.config
+def _source(checkpoint: Checkpoint, weights: dict[str, str]) -> dict[str, Any]:
+    """The manifest's record of the checkpoint exported (`weights`: file name -> sha256)."""
     return {
-        "source": {
-            "path": str(checkpoint.directory.absolute()),
-            "family": config.family,
-            "architectures": checkpoint.raw_config.get("architectures"),
-            "config": checkpoint.raw_config,
-            "config_sha256": sha256_file(checkpoint.directory / "config.json"),
-        },
-        "graphs": {},
-        "model": {
-            "family": config.family,
-            "vocab_size": config.vocab_size,
-            "hidden_size": config.hidden_size,
-            "num_layers": config.num_layers,
-            "num_heads": config.num_heads,
-            "num_kv_heads": config.num_kv_heads,
-            "head_dim": config.head_dim,
-            "kv_capacity": max_context,
-            "kv_dtype": "float32",
-            "taps": {
-                "kind": decoder.taps,
-                "layers": list(decoder.tap_layers),
-                "width": decoder.tap_width,
-            },
-            "bos_token_id": config.bos_token_id,
-            "eos_token_ids": list(config.eos_token_ids),
-        },
+        "path": str(checkpoint.directory.absolute()),
+        "family": checkpoint.config.family,
+        "architectures": checkpoint.raw_config.get("architectures"),
+        "config": checkpoint.raw_config,
+        "config_sha256": sha256_file(checkpoint.directory / "config.json"),
+        "weights": weights,
     }
+
+
+def _model_spec(
+    config: TargetConfig, decoder: TargetDecoder, max_context: int, max_tree_tokens: int
+) -> ModelSpec:
+    return ModelSpec(
+        vocab_size=config.vocab_size,
+        hidden_size=config.hidden_size,
+        num_layers=config.num_layers,
+        num_heads=config.num_heads,
+        num_kv_heads=config.num_kv_heads,
+        head_dim=config.head_dim,
+        kv_capacity=max_context,
+        max_tree_tokens=max_tree_tokens,
+        eos_token_ids=tuple(config.eos_token_ids),
+        taps=TapSpec(decoder.taps, decoder.tap_width, tuple(decoder.tap_layers)),
+        family=config.family,
+        kv_dtype="float32",
+        bos_token_id=config.bos_token_id,
+    )

@@ -2,23 +2,25 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import onnx
+
+from specx.manifest_types import TensorSpec
 
 __all__ = ["graph_signature"]
 
 
-def graph_signature(model: onnx.ModelProto) -> dict[str, list[dict[str, Any]]]:
-    """The IO signature of a graph: name, element type and shape (ints or symbolic names)."""
+def graph_signature(
+    model: onnx.ModelProto,
+) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:
+    """The graph's inputs and outputs: name, element type and shape (ints or symbolic names)."""
 
-    def describe(value: onnx.ValueInfoProto) -> dict[str, Any]:
+    def describe(value: onnx.ValueInfoProto) -> TensorSpec:
         tensor = value.type.tensor_type
-        shape = [d.dim_param or d.dim_value for d in tensor.shape.dim]
+        shape = tuple(d.dim_param or d.dim_value for d in tensor.shape.dim)
         dtype = onnx.helper.tensor_dtype_to_np_dtype(tensor.elem_type).name
-        return {"name": value.name, "dtype": dtype, "shape": shape}
+        return TensorSpec(value.name, dtype, shape)
 
-    return {
-        "inputs": [describe(v) for v in model.graph.input],
-        "outputs": [describe(v) for v in model.graph.output],
-    }
+    return (
+        tuple(describe(v) for v in model.graph.input),
+        tuple(describe(v) for v in model.graph.output),
+    )

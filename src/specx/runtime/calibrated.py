@@ -10,6 +10,7 @@ recorded setting is greedy, as every calibration was before settings were record
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from specx.artifact import MANIFEST_NAME, Manifest
 from specx.errors import ArtifactError
@@ -38,6 +39,15 @@ class CalibratedChoice:
     predicted_speedup: float  # measured on the calibration prompts; 1.0 when speculation is off
     description: str
     key: str  # the manifest entry: calibration[key]
+
+    def to_json(self) -> dict[str, Any]:
+        """What `specx generate --json` reports of it, as `stats.calibration`."""
+        return {
+            "entry": self.key,
+            "tree": self.description,
+            "max_batch_spec": self.max_batch_spec,
+            "predicted_speedup": self.predicted_speedup,
+        }
 
 
 def calibration_key(drafter: str, sampling: SamplingParams) -> str:

@@ -190,12 +190,7 @@ class Stats:
         if self.run.speculation_off is not None:
             out["speculation"] = self.speculation  # the calibration's reason, where it decided
         if self.calibrated is not None:
-            out["calibration"] = {
-                "entry": self.calibrated.key,
-                "tree": self.calibrated.description,
-                "max_batch_spec": self.calibrated.max_batch_spec,
-                "predicted_speedup": self.calibrated.predicted_speedup,
-            }
+            out["calibration"] = self.calibrated.to_json()
         return out | {"build": self.build, "backend": self.backend}
 
 

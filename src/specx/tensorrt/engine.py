@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
 
 from specx.artifact import atomic_write_bytes, sha256_file
 from specx.errors import BuildError
@@ -44,8 +43,8 @@ def import_tensorrt():
     return trt
 
 
-def device_summary() -> dict[str, Any]:
-    """TensorRT version and the GPU's name and compute capability, for the manifest.
+def device_summary() -> tuple[str, str, str]:
+    """The TensorRT version, the GPU's compute capability ("major.minor") and its name.
 
     Raises:
         BuildError: TensorRT, torch with CUDA, or a GPU is missing.
@@ -58,11 +57,7 @@ def device_summary() -> dict[str, Any]:
     if not torch.cuda.is_available():
         raise BuildError("no CUDA device is visible: TensorRT engines are built on the GPU")
     major, minor = torch.cuda.get_device_capability()
-    return {
-        "tensorrt_version": trt.__version__,
-        "compute_capability": f"{major}.{minor}",
-        "gpu": torch.cuda.get_device_name(),
-    }
+    return trt.__version__, f"{major}.{minor}", torch.cuda.get_device_name()
 
 
 def build_engine(
@@ -71,11 +66,13 @@ def build_engine(
     profiles: dict[str, dict[str, Shapes]],
     optimization_level: int = 3,
     timing_cache: Path | None = None,
-) -> dict[str, Any]:
+) -> str:
     """Parses `onnx_path` with the plugin registered, builds and writes the engine atomically.
 
+    The engine's optimization profiles are those of `profiles`, in its order.
+
     Returns:
-        The manifest fields of the engine: profiles (in engine order) and sha256.
+        The engine's sha256.
     """
     trt = import_tensorrt()
     from polygraphy.backend.trt import (
@@ -107,4 +104,4 @@ def build_engine(
     except Exception as e:  # Polygraphy raises PolygraphyException with TensorRT's log
         raise BuildError(f"TensorRT could not build {onnx_path.name}: {e}") from e
     atomic_write_bytes(engine_path, bytes(engine))
-    return {"profiles": list(profiles), "engine_sha256": sha256_file(engine_path)}
+    return sha256_file(engine_path)
