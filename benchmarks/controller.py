@@ -21,7 +21,9 @@ suffix drafter would otherwise have seen the same prompt's output in the previou
 
     python benchmarks/controller.py [--prompts 8] [--new-tokens 64] [--repeats 2] [--calibrate]
 
-Writes benchmarks/results/controller.json and prints a markdown table.
+Writes benchmarks/results/controller.json and prints a markdown table: each cell with the 95%
+bootstrap interval of its prompt groups' paired speedups (`bootstrap_interval`), then each
+drafter's pooled speedup over all its groups, with its interval (`pooled`).
 """
 
 from __future__ import annotations
@@ -108,6 +110,7 @@ def measure_cell(engine, drafter, prompts, batch, temperature, args) -> dict:
     if args.control:
         modes["control"] = None  # plain again: the cell's own noise band
     decode = dict.fromkeys(modes, 0.0)
+    ratios: dict[str, list[float]] = {name: [] for name in modes if name != "plain"}
     identical, sizes, calibration = True, {}, None
     for start in range(0, len(prompts), batch):
         group = prompts[start : start + batch]
@@ -123,6 +126,8 @@ def measure_cell(engine, drafter, prompts, batch, temperature, args) -> dict:
                     best[name] = done
         for name, done in best.items():
             decode[name] += done[0].stats.decode_s
+        for name in ratios:  # the group's own speedup: the pairs the interval resamples
+            ratios[name].append(best["plain"][0].stats.decode_s / best[name][0].stats.decode_s)
         if temperature == 0:
             plain = [c.tokens for c in best["plain"]]
             identical &= all([c.tokens for c in best[m]] == plain for m in modes)
@@ -136,11 +141,39 @@ def measure_cell(engine, drafter, prompts, batch, temperature, args) -> dict:
         "fixed_speedup": decode["plain"] / decode["fixed"] if "fixed" in decode else None,
         "default_speedup": decode["plain"] / decode["default"],
         "control_speedup": decode["plain"] / decode["control"] if "control" in decode else None,
+        "default_interval": bootstrap_interval(ratios["default"]),
+        "control_interval": bootstrap_interval(ratios["control"]) if "control" in ratios else None,
+        "group_speedups": {name: [round(r, 4) for r in rs] for name, rs in ratios.items()},
         "identical_to_plain": identical if temperature == 0 else None,
         "default_sizes_chosen": sizes,
         "calibration_entry": calibration,
         "default_speculation": stats.speculation,
     }
+
+
+def bootstrap_interval(ratios: list[float], draws: int = 2000) -> list[float]:
+    """95% interval of the geometric mean of per-group speedups (groups resampled, seed 0).
+
+    One cell's groups are its paired measurements: plain and the mode timed back to back on
+    the same prompts. Their spread, not one total, says whether a cell's 0.97x is a loss.
+    """
+    import numpy as np
+
+    logs = np.log(np.asarray(ratios))
+    picks = np.random.default_rng(0).integers(0, len(logs), (draws, len(logs)))
+    means = np.exp(logs[picks].mean(axis=1))
+    return [round(float(q), 4) for q in np.quantile(means, [0.025, 0.975])]
+
+
+def pooled(results: dict, drafter: str, mode: str = "default") -> tuple[float, list[float]]:
+    """A drafter's geometric-mean speedup over every group of every cell, with its interval."""
+    import numpy as np
+
+    ratios = [r for key, row in results.items() if f" {drafter} " in key
+              for r in row.get("group_speedups", {}).get(mode, [])]  # fmt: skip
+    if not ratios:
+        return float("nan"), []
+    return float(np.exp(np.log(ratios).mean())), bootstrap_interval(ratios)
 
 
 def calibrate(artifact, drafter, temperature, prompts, args) -> None:
@@ -236,18 +269,31 @@ def main() -> None:
         report = earlier
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
-    print("| cell | fixed draft | default (controller) | default / fixed | plain / plain |")
-    print("|---|---|---|---|---|")
+    print("| cell | fixed draft | default (controller) | 95% interval | default / fixed "
+          "| plain / plain | its interval |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|")
     for key, row in report["results"].items():
         fixed, default = row["fixed_speedup"], row["default_speedup"]
         control = row.get("control_speedup")
         cells = [
             f"{fixed:.2f}x" if fixed else "-",
             f"{default:.2f}x",
+            _interval(row.get("default_interval")),
             f"{default / fixed:.0%}" if fixed else "-",
             f"{control:.2f}x" if control else "-",
+            _interval(row.get("control_interval")),
         ]
         print(f"| {key} | " + " | ".join(cells) + " |")
+    drafters = sorted({key.split()[1] for key in report["results"]})
+    for drafter in drafters:
+        for mode in ("default", "control"):
+            mean, interval = pooled(report["results"], drafter, mode)
+            if interval:
+                print(f"pooled {drafter} {mode}: {mean:.3f}x, 95% {_interval(interval)}")
+
+
+def _interval(interval: list[float] | None) -> str:
+    return f"{interval[0]:.2f}-{interval[1]:.2f}" if interval else "-"
 
 
 def _name(drafter: str) -> str:
