@@ -18,5 +18,5 @@ class FixedCurve:
     def record(self, width: int, verify_s: float, draft_s: float) -> None:
         pass
 
-    def record_stretch(self, step_s: float, warmup: bool = False) -> None:
+    def record_stretch(self, step_s: float) -> None:
         pass

@@ -206,30 +206,6 @@ def test_a_stretch_of_plain_steps_prices_the_plain_step_from_then_on():
     assert costs.verify(1) == pytest.approx(0.7)
 
 
-def test_a_requests_opening_stretch_prices_the_step_only_where_nothing_has():
-    """A request's first steps are its slowest: they must not overprice a known step."""
-    costs = RoundCosts()
-    costs.record_stretch(1.3, warmup=True)  # a fresh engine: the only price there is
-    assert costs.verify(1) == pytest.approx(1.3)
-    costs.record_stretch(0.9)
-    costs.record_stretch(1.3, warmup=True)  # the next request opens: the price stays
-    assert costs.verify(1) == pytest.approx(0.9)
-    costs.record(1, 1.2, 0.0)  # nor does a lone round move it
-    assert costs.verify(1) == pytest.approx(0.9)
-
-
-@pytest.mark.parametrize("rule", [ConfidenceController, AdaptiveController])
-def test_a_requests_first_stretch_is_its_warmup(rule):
-    costs = RoundCosts()
-    costs.record_stretch(0.9)
-    controller = rule(costs=costs)
-    controller.start(1, 4)
-    controller.idled(2, 2, 1.3)  # round 0: the request's opening steps
-    assert costs.verify(1) == pytest.approx(0.9)
-    controller.idled(8, 8, 0.8)  # a later stretch prices the step
-    assert costs.verify(1) == pytest.approx(0.8)
-
-
 def test_an_engine_shares_round_costs_per_plan_and_batch(artifacts):
     engine = load(artifacts["llama"], threads=2)
     prompt = [5, 9, 5, 9, 5, 9, 13]
@@ -428,9 +404,6 @@ def test_a_sampled_draft_is_never_trimmed_by_its_own_tokens():
 def test_each_drafter_gets_its_controller(artifacts):
     target = OrtTarget(load_manifest(artifacts["llama"]), threads=2)
     assert isinstance(controller_for(SuffixDrafter()), ConfidenceController)
-    shared = RoundCosts()  # an engine's requests share the machine's costs, either rule
-    assert controller_for(SuffixDrafter(), shared).costs is shared
-    assert controller_for(NGramDrafter(4), shared).costs is shared
     assert isinstance(controller_for(NGramDrafter(4)), AdaptiveController)
     assert isinstance(controller_for(make_drafter("ngram", target, DrafterOptions())),
                       AdaptiveController)  # fmt: skip

@@ -263,9 +263,9 @@ class AdaptiveController:
         return _idle_rounds(self.next_probe.tolist(), active, self.round)
 
     def idled(self, rounds: int, row_rounds: int, step_s: float) -> None:  # noqa: D102
-        self.costs.record_stretch(step_s, warmup=self.round == 0)
         self.round += rounds
         self._chosen[0] += row_rounds
+        self.costs.record_stretch(step_s)
 
     def keep(self, proposed: list[DraftTree]) -> list[DraftTree]:  # noqa: D102
         return list(map(truncated, proposed, self._sizes.tolist()))
@@ -373,8 +373,7 @@ class ConfidenceController:
     first node of a copied span holds, the rest mostly do (one moving average over every
     level judged made deep nodes look as unsure as first ones, and cut greedy drafts short).
     The counts' own word weighs one level, then the moving average takes over.
-    A request's first rounds are plain steps: they price T(0) where no earlier request of
-    the engine has (`RoundCosts.record_stretch`).
+    The first round is a plain step, so T(0) is measured.
 
     Trimming after drafting rather than sizing before it keeps matches that
     `AdaptiveController`, idle between matches, misses (benchmarks/README.md,
@@ -457,10 +456,10 @@ class ConfidenceController:
         return _idle_rounds(self.idle_until, active, self.round)
 
     def idled(self, rounds: int, row_rounds: int, step_s: float) -> None:  # noqa: D102
-        self.costs.record_stretch(step_s, warmup=self.round == 0)
         self.round += rounds
         self._chosen[0] += row_rounds
         self.asked = [False] * len(self.asked)  # the last round that asked is accounted for
+        self.costs.record_stretch(step_s)
 
     def keep(self, proposed: list[DraftTree]) -> list[DraftTree]:  # noqa: D102
         paths = [
@@ -653,11 +652,11 @@ def _judged_levels(draft: DraftTree, accepted: list[int]) -> list[float]:
 def controller_for(drafter, costs: RoundCosts | None = None) -> Controller:
     """A fresh per-round controller suited to `drafter` (see the two rules above).
 
-    `costs`: round costs earlier requests timed, which either rule starts from and goes on
-    updating.
+    `costs`: round costs earlier requests timed, which `AdaptiveController` starts from and
+    goes on updating (suffix drafting's rule learns its own).
     """
     if getattr(drafter, "sizes_own_drafts", False):  # absent on drafters written before it
-        return ConfidenceController(costs=costs)
+        return ConfidenceController()
     return AdaptiveController(costs=costs)
 
 
@@ -715,20 +714,14 @@ class RoundCosts:
             step = 1.0 if not self.draft else self.smoothing
             self.draft += step * (draft_s - self.draft)
 
-    def record_stretch(self, step_s: float, warmup: bool = False) -> None:
+    def record_stretch(self, step_s: float) -> None:
         """A plain step's time, from a stretch of them: from now on the plain step's price.
 
         The latest stretch replaces the price rather than moving an average: a request's
         steps grow faster over its first few dozen, so an earlier stretch overprices a step,
         and rounds that ask a drafter for nothing would look free against it
         (benchmarks/README.md, controller.py).
-
-        `warmup`: the stretch opens a request (its first steps after the prefill, the
-        slowest it takes: ~1.3x its later steps on pyref-7m); it prices the plain step only
-        where nothing has, so an engine's later requests keep an earlier request's price.
         """
-        if warmup and self._stretched and self.plain_timed:
-            return
         self._stretched = False
         if 1 in self._timed:  # timed before: this timing replaces it, as a first one would
             self._timed[1] = (0, self._timed[1][1])
