@@ -112,11 +112,14 @@ def measure_cell(engine, drafter, prompts, batch, temperature, args) -> dict:
     decode = dict.fromkeys(modes, 0.0)
     ratios: dict[str, list[float]] = {name: [] for name in modes if name != "plain"}
     identical, sizes, calibration = True, {}, None
-    for start in range(0, len(prompts), batch):
-        group = prompts[start : start + batch]
-        best: dict[str, list] = {}
-        for r in range(args.repeats):
-            names = list(modes)[r % len(modes) :] + list(modes)[: r % len(modes)]
+    groups = [prompts[start : start + batch] for start in range(0, len(prompts), batch)]
+    bests: list[dict[str, list]] = [{} for _ in groups]
+    # Repeats outside groups: what the engine learnt across requests (round costs, when to
+    # ask a drafter) comes from the other prompts' runs, as on a server, never from this
+    # prompt's previous repeat.
+    for r in range(args.repeats):
+        names = list(modes)[r % len(modes) :] + list(modes)[: r % len(modes)]
+        for group, best in zip(groups, bests, strict=True):
             for name in names:
                 # Every run starts cold: a pooled suffix drafter would otherwise have seen
                 # this very prompt's output in the previous repeat.
@@ -124,6 +127,7 @@ def measure_cell(engine, drafter, prompts, batch, temperature, args) -> dict:
                 done = engine.generate_batch(group, **options, speculation=modes[name])
                 if name not in best or done[0].stats.decode_s < best[name][0].stats.decode_s:
                     best[name] = done
+    for best in bests:
         for name, done in best.items():
             decode[name] += done[0].stats.decode_s
         for name in ratios:  # the group's own speedup: the pairs the interval resamples

@@ -13,6 +13,7 @@ from cost_curves import FixedCurve
 from specx.artifact import load_manifest
 from specx.runtime.controller import (
     AdaptiveController,
+    AskingMemory,
     ConfidenceController,
     FixedSizes,
     RoundCosts,
@@ -222,6 +223,21 @@ def test_an_engine_shares_round_costs_per_plan_and_batch(artifacts):
     assert [d.tokens for d in done] == [plain, plain]
 
 
+def test_an_engine_remembers_when_asking_pays_per_plan_batch_and_setting(artifacts):
+    engine = load(artifacts["llama"], threads=2)
+    plan = engine.plan(Speculation("suffix"), SamplingParams())
+    hot = engine.asking_memory(plan, 1, SamplingParams(1.0, seed=1))
+    assert hot is engine.asking_memory(plan, 1, SamplingParams(1.0, seed=2))  # seeds aside
+    assert hot is not engine.asking_memory(plan, 1, SamplingParams(0.0))
+    assert hot is not engine.asking_memory(plan, 4, SamplingParams(1.0))
+    hot.wait = 64  # earlier requests at T = 1 found that asking lost
+    engine.reset_drafters()  # learnt from the target's verdicts: it stays
+    options = {"max_new_tokens": 24, "temperature": 1.0, "seed": 3, "ignore_eos": True}
+    done = engine.generate([5, 9, 5, 9, 5, 9, 13], **options, speculation="suffix")
+    assert done.stats.run.speculative.controller.sizes_chosen == {0: 23}  # never asked
+    assert done.tokens == engine.generate([5, 9, 5, 9, 5, 9, 13], **options).tokens
+
+
 def test_peers_that_wait_for_a_draft_raise_the_bar_for_it():
     """In a continuous batch a row's draft delays every peer: it must pay for the forward."""
     alone, crowded = AdaptiveController(), AdaptiveController()
@@ -352,6 +368,22 @@ def test_confidence_stops_proposing_where_proposals_cost_more_than_they_earn():
     # A match every fourth round earns up to 7.4 plain steps, the misses 0.36: it keeps asking.
     often = proposals(ConfidenceController(), 60, found=lambda r: r % 4 == 0)
     assert all(often[2:])
+
+
+def test_requests_after_losing_ones_ask_later_and_a_paying_one_resets_that():
+    memory = AskingMemory()  # an engine's, shared by its requests of one plan and setting
+    nothing = lambda r: False  # noqa: E731
+    first = proposals(ConfidenceController(memory=memory), 60, nothing)
+    assert first[2] and memory.wait == 32  # asked from round 3; its windows doubled the wait
+    second = proposals(ConfidenceController(memory=memory), 60, nothing)
+    assert second.index(True) == 31 and memory.wait == 64  # its first probe: round 32
+    assert not any(proposals(ConfidenceController(memory=memory), 60, nothing))
+    # A longer request probes at round 64; its match pays, and the next asks at once.
+    late = proposals(ConfidenceController(memory=memory), 100, found=lambda r: r >= 64)
+    assert late.index(True) == 63 and memory.wait == 0
+    assert proposals(ConfidenceController(memory=memory), 10, nothing)[2]
+    # Without an engine's memory every request starts afresh.
+    assert proposals(ConfidenceController(), 60, nothing)[2]
 
 
 def test_a_batch_keeps_one_width_and_peers_raise_the_bar():

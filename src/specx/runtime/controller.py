@@ -34,7 +34,9 @@ Never losing without calibration is the controllers' job, from a request's first
 what they assume before measuring is cheap to be wrong about (a plain first round, one-node
 first drafts, a weak prior that the first misses overrule, a batch's first probe only once
 it is affordable), and rounds in which no row drafts are played by plain decoding's own
-loop (`idle_rounds`), so an idle speculative request costs what a plain one does.
+loop (`idle_rounds`), so an idle speculative request costs what a plain one does. Suffix
+drafting's rule also remembers across an engine's requests when asking last paid
+(`AskingMemory`), so that a setting where it loses stops paying for windows of asking.
 Calibration adds the batch threshold and the tree. Starting from a calibration's recorded
 acceptance and costs instead was measured worse (benchmarks/README.md, controller.py): its
 prompts misjudge a given request more than a measured plain round and a one-node probe.
@@ -55,6 +57,7 @@ from specx.runtime.trees import DraftTree
 
 __all__ = [
     "AdaptiveController",
+    "AskingMemory",
     "ConfidenceController",
     "Controller",
     "FixedSizes",
@@ -349,6 +352,23 @@ class AdaptiveController:
         return ControllerSummary("adaptive", dict(sorted(self._chosen.items())))
 
 
+@dataclass
+class AskingMemory:
+    """When a request first asks its drafter, learnt from the requests before it.
+
+    An engine keeps one per drafting plan, batch size and sampling setting
+    (`Engine.asking_memory`). Where drafts do not pay (suffix drafting at T > 0 on a small
+    target), each window of asking costs a few plain steps, and a request that starts
+    afresh pays them again (benchmarks/README.md, controller.py). A round that had a draft
+    accepted and paid sets `wait` to 0: the next request asks after its first plain rounds.
+    A window that ended without paying sets it to the interval its rows moved to (doubled,
+    up to `max_probe_every`): the next request plays that many rounds plain before its
+    first probe, so after a run of losing requests a short one does not ask at all.
+    """
+
+    wait: int = 0  # the round of a request's first probe (0: it asks from the start)
+
+
 class ConfidenceController:
     """Trims each round's draft by its own confidence (drafters with `sizes_own_drafts`).
 
@@ -404,6 +424,7 @@ class ConfidenceController:
         probe_budget: float = 0.02,
         loss_budget: float = 0.5,
         costs: RoundCosts | None = None,
+        memory: AskingMemory | None = None,
     ):
         self.smoothing, self.margin, self.max_depth = smoothing, margin, max_depth
         self.patience = patience  # rounds keeping nothing before the row stops proposing
@@ -412,6 +433,7 @@ class ConfidenceController:
         self.probe_budget = probe_budget  # the share of time probes may cost
         # T(k); tests pass a fixed curve so that what is kept does not depend on the host
         self.costs = costs or RoundCosts()
+        self.memory = memory or AskingMemory()  # earlier requests' (an engine's), or none
         self._chosen: Counter = Counter()
 
     def start(self, batch: int, max_nodes: int) -> None:  # noqa: D102
@@ -423,12 +445,16 @@ class ConfidenceController:
         self.g = [[1.0] * self.max_depth for _ in range(batch)]
         self.kept: list[DraftTree | None] = [None] * batch  # this round's kept drafts
         self.misses = [0] * batch  # drafts in a row trimmed to nothing
-        self.idle_until = [0] * batch  # the round the row proposes again (0: it proposes)
-        self.interval = [self.probe_every] * batch
+        # The round each row proposes again (0: it proposes); the first as earlier learnt.
+        wait = min(self.memory.wait, self.max_probe_every)
+        self.idle_until = [wait] * batch
+        self.interval = [max(self.probe_every, wait)] * batch
         self.probing = [False] * batch
         self.asked = [False] * batch
         self.judged = [[0] * self.max_depth for _ in range(batch)]  # levels judged per depth
-        self.loss, self.paid = 0.0, True  # what asking lost since it last paid (`timed`)
+        # What asking lost since it last paid (`timed`); a request whose predecessors'
+        # windows did not pay goes on doubling their wait.
+        self.loss, self.paid = 0.0, wait == 0
         self._gained = [0] * batch  # draft tokens each row accepted this round
         self._rows = [False] * batch  # the rows decoding this round
         self.round = 0
@@ -588,7 +614,8 @@ class ConfidenceController:
             return
         rows = self._peers + self._active
         net = gained + rows * (1.0 - (draft_s + verify_s) / plain)
-        self.paid |= gained > 0 and net >= 0  # a lone round timed fast by chance is no pay
+        if gained > 0 and net >= 0:  # a lone round timed fast by chance is no pay
+            self.paid, self.memory.wait = True, 0
         self.loss = max(0.0, self.loss - net)
         if self.loss <= self.loss_budget * rows:
             return
@@ -599,6 +626,8 @@ class ConfidenceController:
                 self.interval[b] = min(2 * self.interval[b], self.max_probe_every)
             if not self.idle_until[b]:
                 self._idle(b)
+        if not self.paid:
+            self.memory.wait = min(self.interval[b] for b in asked)
         self.loss, self.paid = 0.0, False
 
     def summary(self) -> ControllerSummary:  # noqa: D102
@@ -649,14 +678,17 @@ def _judged_levels(draft: DraftTree, accepted: list[int]) -> list[float]:
     return [min(1.0, sums[p]) for p in (-1, *accepted) if p in sums]
 
 
-def controller_for(drafter, costs: RoundCosts | None = None) -> Controller:
+def controller_for(
+    drafter, costs: RoundCosts | None = None, memory: AskingMemory | None = None
+) -> Controller:
     """A fresh per-round controller suited to `drafter` (see the two rules above).
 
     `costs`: round costs earlier requests timed, which `AdaptiveController` starts from and
-    goes on updating (suffix drafting's rule learns its own).
+    goes on updating (suffix drafting's rule learns its own). `memory`: when earlier
+    requests' windows of asking paid (`ConfidenceController`'s).
     """
     if getattr(drafter, "sizes_own_drafts", False):  # absent on drafters written before it
-        return ConfidenceController()
+        return ConfidenceController(memory=memory)
     return AdaptiveController(costs=costs)
 
 

@@ -35,7 +35,7 @@ from specx.errors import GenerationError
 from specx.runtime.backends import backend_name, build_name, open_decoder, select_build
 from specx.runtime.calibrated import CalibratedChoice, calibrated_choice, greedy_identity
 from specx.runtime.chat import ChatTemplate
-from specx.runtime.controller import Controller, RoundCosts, controller_for
+from specx.runtime.controller import AskingMemory, Controller, RoundCosts, controller_for
 from specx.runtime.detokenize import TextStream
 from specx.runtime.drafters import DrafterOptions, make_drafter
 from specx.runtime.drafters.tree_search import parse_tree_spec
@@ -95,12 +95,14 @@ class DraftPlan:
         """Equal for plans that build the same drafter."""
         return (self.drafter, repr(self.options))
 
-    def controller(self, drafter, costs: RoundCosts | None = None) -> Controller | None:
+    def controller(
+        self, drafter, costs: RoundCosts | None = None, memory: AskingMemory | None = None
+    ) -> Controller | None:
         """A fresh per-round controller for `drafter` (None when drafts are kept whole).
 
-        `costs`: what earlier requests timed (`controller_for`).
+        `costs`, `memory`: what earlier requests timed and learnt (`controller_for`).
         """
-        return controller_for(drafter, costs) if self.adaptive else None
+        return controller_for(drafter, costs, memory) if self.adaptive else None
 
 
 @dataclass(frozen=True)
@@ -241,6 +243,8 @@ class Engine:
         # (plan key, batch) -> round costs timed by earlier requests: the machine's, not a
         # request's, so they outlive `reset_drafters`.
         self._round_costs: dict[tuple, RoundCosts] = {}
+        # (plan key, batch, sampling setting) -> when its requests start asking the drafter
+        self._asking: dict[tuple, AskingMemory] = {}
 
     @property
     def name(self) -> str:
@@ -481,7 +485,11 @@ class Engine:
                 request.eos,
                 plan.max_batch_spec,
                 progress=progress,
-                controller=plan.controller(drafter, self.round_costs(plan, len(request.prompts))),
+                controller=plan.controller(
+                    drafter,
+                    self.round_costs(plan, len(request.prompts)),
+                    self.asking_memory(plan, len(request.prompts), request.sampling),
+                ),
                 sink=sink,
             )
         finally:
@@ -508,6 +516,16 @@ class Engine:
         """The round costs `plan`'s requests of `batch` sequences time and share."""
         with self._pool_lock:
             return self._round_costs.setdefault((plan.key, batch), RoundCosts())
+
+    def asking_memory(self, plan: DraftPlan, batch: int, sampling: SamplingParams) -> AskingMemory:
+        """When `plan`'s requests of `batch` sequences at this sampling setting start asking.
+
+        Per sampling setting (the seed aside): whether drafts pay depends on it. Outlives
+        `reset_drafters`, like the round costs: it is learnt from the target's verdicts.
+        """
+        key = (plan.key, batch, sampling.temperature, sampling.top_k, sampling.top_p)
+        with self._pool_lock:
+            return self._asking.setdefault(key, AskingMemory())
 
     def reset_drafters(self) -> None:
         """Drops the pooled drafters and what they learnt across requests.
