@@ -230,6 +230,10 @@ class Scheduler:
             job.deliver(TokensEvent(text.tokens[before:], delta))
             return not (text.stopped or job.cancelled.is_set())
 
+        controller = None
+        if job.plan is not None:  # each sequence of the batch is sized as a batch of 1
+            memory = self.engine.asking_memory(job.plan, 1, job.sampling)
+            controller = job.plan.controller(drafter, memory=memory)
         sequence = BatchSequence(
             job.prompt,
             job.max_new_tokens,
@@ -237,7 +241,7 @@ class Scheduler:
             job.eos,
             sink,
             drafter,
-            None if job.plan is None else job.plan.controller(drafter),
+            controller,
             None if job.plan is None else job.plan.max_batch_spec,
         )
         try:
