@@ -118,6 +118,19 @@ def test_the_controller_backs_off_probes_and_comes_back():
     assert chosen[-4:] == [8] * 4
 
 
+def test_sized_drafts_also_start_late_after_losing_requests():
+    memory = AskingMemory()
+    losing = AdaptiveController(probe_every=4, max_probe_every=16, memory=memory)
+    losing.start(1, 8)
+    rounds(losing, accepted_at=0, count=60)
+    assert memory.wait == 16  # its probes found nothing
+    late = AdaptiveController(probe_every=4, max_probe_every=16, memory=memory)
+    late.start(1, 8)
+    chosen = rounds(late, accepted_at=8, count=30)
+    assert chosen.index(1) == 15  # plain until its probe at round 16, which brings drafts back
+    assert chosen[-4:] == [8] * 4 and memory.wait == 0
+
+
 def test_the_controller_weighs_acceptance_against_cost():
     cheap, dear = AdaptiveController(), AdaptiveController()
     for controller in (cheap, dear):
@@ -378,9 +391,10 @@ def test_requests_after_losing_ones_ask_later_and_a_paying_one_resets_that():
     second = proposals(ConfidenceController(memory=memory), 60, nothing)
     assert second.index(True) == 31 and memory.wait == 64  # its first probe: round 32
     assert not any(proposals(ConfidenceController(memory=memory), 60, nothing))
-    # A longer request probes at round 64; its match pays, and the next asks at once.
-    late = proposals(ConfidenceController(memory=memory), 100, found=lambda r: r >= 64)
-    assert late.index(True) == 63 and memory.wait == 0
+    assert memory.wait == 32  # it ended before its probe: the next one probes sooner
+    # Its probe finds a match that pays: the next request asks at once.
+    paying = proposals(ConfidenceController(memory=memory), 60, found=lambda r: r >= 32)
+    assert paying.index(True) == 31 and memory.wait == 0
     assert proposals(ConfidenceController(memory=memory), 10, nothing)[2]
     # Without an engine's memory every request starts afresh.
     assert proposals(ConfidenceController(), 60, nothing)[2]

@@ -199,6 +199,8 @@ class AdaptiveController:
       and is never shorter than keeps probes within `probe_budget` of the time;
     - probes fall on multiples of the interval, so the idle rows of a batch probe together
       and the rounds between are plain decoding's steps for all of them (`idle_rounds`);
+    - given an engine's `memory`, a request after ones whose probes found nothing waits
+      as long for its first probe (`AskingMemory`);
     - a row alone stops drafting only where a draft no longer beats a plain step: stopping
       leaves it blind until its probe, and a margin made the moving average's dips idle
       rows whose drafts paid.
@@ -214,6 +216,7 @@ class AdaptiveController:
         batch_margin: float = 0.5,
         probe_budget: float = 0.02,
         costs: RoundCosts | None = None,
+        memory: AskingMemory | None = None,
     ):
         self.prior, self.smoothing, self.max_depth = prior, smoothing, max_depth
         # In a batch a draft must beat a plain step by this many tokens a row: the rows'
@@ -223,6 +226,7 @@ class AdaptiveController:
         self.probe_budget = probe_budget  # the share of time probes may cost
         self.probe_every, self.max_probe_every = probe_every, max_probe_every
         self.costs = costs or RoundCosts()
+        self.memory = memory or AskingMemory()  # earlier requests' (an engine's), or none
         self._chosen: Counter = Counter()
 
     def start(self, batch: int, max_nodes: int) -> None:  # noqa: D102
@@ -231,10 +235,12 @@ class AdaptiveController:
         self.accept = np.full((batch, self.max_depth), self.prior)  # p_d per row
         self.judged = np.zeros((batch, self.max_depth), dtype=np.int64)  # rounds that tested d
         self.round = int(self.costs.known)  # known costs: no plain first round to time them
-        # 0: the row drafts; else the round of its next probe (a batch waits for its first).
-        first = 0 if batch == 1 else max(self.probe_every, self._affordable(batch))
+        # 0: the row drafts; else the round of its next probe (a batch waits for its first,
+        # and a request after losing ones as long as they learnt: `AskingMemory`).
+        wait = self.memory.start(self.max_probe_every)
+        first = wait if batch == 1 else max(self.probe_every, self._affordable(batch), wait)
         self.next_probe = np.full(batch, first, dtype=np.int64)
-        self.interval = np.full(batch, self.probe_every)
+        self.interval = np.full(batch, max(self.probe_every, wait))
         self.probing = np.zeros(batch, dtype=bool)
         self.hit = np.zeros(batch, dtype=bool)  # the row's last round accepted a draft token
         self._floor: list[float] | None = None
@@ -284,9 +290,11 @@ class AdaptiveController:
             size = self.candidates[1]  # what a draft costs is unknown: learn it cheaply first
         if size and self.probing[b]:
             self.interval[b] = self.probe_every  # the probe brought speculation back
+            self.memory.wait = 0
         elif not size:
             if self.probing[b] and not self.hit[b]:  # a probe that found nothing: wait longer
                 self.interval[b] = min(2 * self.interval[b], self.max_probe_every)
+                self.memory.wait = int(self.interval[b])
             elif self.probing[b]:  # it found something: probe again soon
                 self.interval[b] = self.probe_every
             step = max(int(self.interval[b]), self._affordable(len(self.interval)))
@@ -363,10 +371,19 @@ class AskingMemory:
     accepted and paid sets `wait` to 0: the next request asks after its first plain rounds.
     A window that ended without paying sets it to the interval its rows moved to (doubled,
     up to `max_probe_every`): the next request plays that many rounds plain before its
-    first probe, so after a run of losing requests a short one does not ask at all.
+    first probe, so after a run of losing requests a short one does not ask at all. Each
+    request halves the wait it starts from, so that short requests, which end before
+    their probe, still bring a probe back every few requests (one that fails doubles the
+    wait again).
     """
 
     wait: int = 0  # the round of a request's first probe (0: it asks from the start)
+
+    def start(self, longest: int) -> int:
+        """A request starts: the round of its first probe (at most `longest`)."""
+        wait = min(self.wait, longest)
+        self.wait = wait // 2
+        return wait
 
 
 class ConfidenceController:
@@ -446,7 +463,7 @@ class ConfidenceController:
         self.kept: list[DraftTree | None] = [None] * batch  # this round's kept drafts
         self.misses = [0] * batch  # drafts in a row trimmed to nothing
         # The round each row proposes again (0: it proposes); the first as earlier learnt.
-        wait = min(self.memory.wait, self.max_probe_every)
+        wait = self.memory.start(self.max_probe_every)
         self.idle_until = [wait] * batch
         self.interval = [max(self.probe_every, wait)] * batch
         self.probing = [False] * batch
@@ -685,11 +702,11 @@ def controller_for(
 
     `costs`: round costs earlier requests timed, which `AdaptiveController` starts from and
     goes on updating (suffix drafting's rule learns its own). `memory`: when earlier
-    requests' windows of asking paid (`ConfidenceController`'s).
+    requests' drafts last paid.
     """
     if getattr(drafter, "sizes_own_drafts", False):  # absent on drafters written before it
         return ConfidenceController(memory=memory)
-    return AdaptiveController(costs=costs)
+    return AdaptiveController(costs=costs, memory=memory)
 
 
 class RoundCosts:
