@@ -129,6 +129,13 @@ def test_sized_drafts_also_start_late_after_losing_requests():
     chosen = rounds(late, accepted_at=8, count=30)
     assert chosen.index(1) == 15  # plain until its probe at round 16, which brings drafts back
     assert chosen[-4:] == [8] * 4 and memory.wait == 0
+    # A request whose drafts held early keeps the next asking, though its probes then fail.
+    memory = AskingMemory()
+    early = AdaptiveController(probe_every=4, max_probe_every=16, memory=memory)
+    early.start(1, 8)
+    rounds(early, accepted_at=2, count=4)
+    rounds(early, accepted_at=0, count=60)
+    assert memory.wait == 0
 
 
 def test_the_controller_weighs_acceptance_against_cost():
@@ -398,6 +405,10 @@ def test_requests_after_losing_ones_ask_later_and_a_paying_one_resets_that():
     assert proposals(ConfidenceController(memory=memory), 10, nothing)[2]
     # Without an engine's memory every request starts afresh.
     assert proposals(ConfidenceController(), 60, nothing)[2]
+    # A request that paid keeps the next one asking at once, whatever its later windows did.
+    memory = AskingMemory()
+    early = proposals(ConfidenceController(memory=memory), 60, found=lambda r: r < 8)
+    assert early[2] and not all(early[8:]) and memory.wait == 0
 
 
 def test_a_batch_keeps_one_width_and_peers_raise_the_bar():

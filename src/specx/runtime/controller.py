@@ -243,6 +243,7 @@ class AdaptiveController:
         self.interval = np.full(batch, max(self.probe_every, wait))
         self.probing = np.zeros(batch, dtype=bool)
         self.hit = np.zeros(batch, dtype=bool)  # the row's last round accepted a draft token
+        self.request_hit = False  # a draft token of this request was accepted
         self._floor: list[float] | None = None
         self._peers = 0
         self._sizes = np.zeros(batch, dtype=np.int64)
@@ -290,11 +291,11 @@ class AdaptiveController:
             size = self.candidates[1]  # what a draft costs is unknown: learn it cheaply first
         if size and self.probing[b]:
             self.interval[b] = self.probe_every  # the probe brought speculation back
-            self.memory.wait = 0
         elif not size:
             if self.probing[b] and not self.hit[b]:  # a probe that found nothing: wait longer
                 self.interval[b] = min(2 * self.interval[b], self.max_probe_every)
-                self.memory.wait = int(self.interval[b])
+                if not self.request_hit:  # one request that paid keeps the next asking
+                    self.memory.wait = int(self.interval[b])
             elif self.probing[b]:  # it found something: probe again soon
                 self.interval[b] = self.probe_every
             step = max(int(self.interval[b]), self._affordable(len(self.interval)))
@@ -344,6 +345,8 @@ class AdaptiveController:
     def observe(self, row: int, depth: int, accepted: list[int]) -> None:  # noqa: D102
         count = len(accepted)
         self.hit[row] = count > 0
+        if count and not self.request_hit:
+            self.request_hit, self.memory.wait = True, 0
         for d in range(min(depth, count + 1, self.max_depth)):  # depths the target judged
             hit = float(d < count)
             self.judged[row, d] += 1
@@ -369,12 +372,12 @@ class AskingMemory:
     target), each window of asking costs a few plain steps, and a request that starts
     afresh pays them again (benchmarks/README.md, controller.py). A round that had a draft
     accepted and paid sets `wait` to 0: the next request asks after its first plain rounds.
-    A window that ended without paying sets it to the interval its rows moved to (doubled,
-    up to `max_probe_every`): the next request plays that many rounds plain before its
-    first probe, so after a run of losing requests a short one does not ask at all. Each
-    request halves the wait it starts from, so that short requests, which end before
-    their probe, still bring a probe back every few requests (one that fails doubles the
-    wait again).
+    In a request that never paid, a window that ended sets it to the interval its rows
+    moved to (doubled, up to `max_probe_every`): the next request plays that many rounds
+    plain before its first probe, so after a run of losing requests a short one does not
+    ask at all. Each request halves the wait it starts from, so that short requests, which
+    end before their probe, still bring a probe back every few requests (one that fails
+    doubles the wait again).
     """
 
     wait: int = 0  # the round of a request's first probe (0: it asks from the start)
@@ -472,6 +475,7 @@ class ConfidenceController:
         # What asking lost since it last paid (`timed`); a request whose predecessors'
         # windows did not pay goes on doubling their wait.
         self.loss, self.paid = 0.0, wait == 0
+        self.request_paid = False
         self._gained = [0] * batch  # draft tokens each row accepted this round
         self._rows = [False] * batch  # the rows decoding this round
         self.round = 0
@@ -632,7 +636,8 @@ class ConfidenceController:
         rows = self._peers + self._active
         net = gained + rows * (1.0 - (draft_s + verify_s) / plain)
         if gained > 0 and net >= 0:  # a lone round timed fast by chance is no pay
-            self.paid, self.memory.wait = True, 0
+            self.paid = self.request_paid = True
+            self.memory.wait = 0
         self.loss = max(0.0, self.loss - net)
         if self.loss <= self.loss_budget * rows:
             return
@@ -643,7 +648,7 @@ class ConfidenceController:
                 self.interval[b] = min(2 * self.interval[b], self.max_probe_every)
             if not self.idle_until[b]:
                 self._idle(b)
-        if not self.paid:
+        if not self.request_paid:  # one request that paid keeps the next asking at once
             self.memory.wait = min(self.interval[b] for b in asked)
         self.loss, self.paid = 0.0, False
 
