@@ -243,7 +243,10 @@ class AdaptiveController:
         self.interval = np.full(batch, max(self.probe_every, wait))
         self.probing = np.zeros(batch, dtype=bool)
         self.hit = np.zeros(batch, dtype=bool)  # the row's last round accepted a draft token
-        self.request_hit = False  # a draft token of this request was accepted
+        # The request's rows' rounds that drafted, and the draft tokens they had accepted:
+        # at least one a round, its drafts paid (a probe that finds nothing after that
+        # leaves `memory` as it is).
+        self._drafted = self._accepted = 0
         self._floor: list[float] | None = None
         self._peers = 0
         self._sizes = np.zeros(batch, dtype=np.int64)
@@ -291,10 +294,11 @@ class AdaptiveController:
             size = self.candidates[1]  # what a draft costs is unknown: learn it cheaply first
         if size and self.probing[b]:
             self.interval[b] = self.probe_every  # the probe brought speculation back
+            self.memory.wait = 0
         elif not size:
             if self.probing[b] and not self.hit[b]:  # a probe that found nothing: wait longer
                 self.interval[b] = min(2 * self.interval[b], self.max_probe_every)
-                if not self.request_hit:  # one request that paid keeps the next asking
+                if self._accepted < self._drafted:  # a request that paid keeps the next asking
                     self.memory.wait = int(self.interval[b])
             elif self.probing[b]:  # it found something: probe again soon
                 self.interval[b] = self.probe_every
@@ -345,8 +349,8 @@ class AdaptiveController:
     def observe(self, row: int, depth: int, accepted: list[int]) -> None:  # noqa: D102
         count = len(accepted)
         self.hit[row] = count > 0
-        if count and not self.request_hit:
-            self.request_hit, self.memory.wait = True, 0
+        self._drafted += depth > 0
+        self._accepted += count
         for d in range(min(depth, count + 1, self.max_depth)):  # depths the target judged
             hit = float(d < count)
             self.judged[row, d] += 1
@@ -370,14 +374,16 @@ class AskingMemory:
     An engine keeps one per drafting plan, batch size and sampling setting
     (`Engine.asking_memory`). Where drafts do not pay (suffix drafting at T > 0 on a small
     target), each window of asking costs a few plain steps, and a request that starts
-    afresh pays them again (benchmarks/README.md, controller.py). A round that had a draft
-    accepted and paid sets `wait` to 0: the next request asks after its first plain rounds.
-    In a request that never paid, a window that ended sets it to the interval its rows
-    moved to (doubled, up to `max_probe_every`): the next request plays that many rounds
-    plain before its first probe, so after a run of losing requests a short one does not
-    ask at all. Each request halves the wait it starts from, so that short requests, which
-    end before their probe, still bring a probe back every few requests (one that fails
-    doubles the wait again).
+    afresh pays them again (benchmarks/README.md, controller.py). Drafting that pays sets
+    `wait` to 0, and the next request asks after its first plain rounds: for
+    `ConfidenceController` a round whose accepted tokens beat its time, for
+    `AdaptiveController` a probe that brings drafting back. Where a request's drafting has
+    not paid (no such round; fewer draft tokens accepted than rounds drafted), a failed
+    window or probe sets it to the interval the rows moved to (doubled, up to
+    `max_probe_every`): the next request plays that many rounds plain before its first
+    probe, so after a run of losing requests a short one does not ask at all. Each request
+    halves the wait it starts from, so that short requests, which end before their probe,
+    still bring a probe back every few requests.
     """
 
     wait: int = 0  # the round of a request's first probe (0: it asks from the start)
