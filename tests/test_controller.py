@@ -118,33 +118,6 @@ def test_the_controller_backs_off_probes_and_comes_back():
     assert chosen[-4:] == [8] * 4
 
 
-def test_sized_drafts_also_start_late_after_losing_requests():
-    rng = np.random.default_rng(0)
-    memory = AskingMemory()
-    losing = AdaptiveController(probe_every=4, max_probe_every=16, memory=memory)
-    losing.start(1, 8)
-    rounds(losing, accepted_at=0, count=60)
-    assert memory.wait == 16  # its probes found nothing
-    late = AdaptiveController(probe_every=4, max_probe_every=16, memory=memory)
-    late.start(1, 8)
-    chosen = rounds(late, accepted_at=8, count=30)
-    assert chosen.index(1) == 15  # plain until its probe at round 16, which brings drafts back
-    assert chosen[-4:] == [8] * 4 and memory.wait == 0
-    # Drafts that held for a while keep the next request asking, though later probes fail:
-    # the request's drafting rounds had more than one token each accepted.
-    memory = AskingMemory()
-    early = AdaptiveController(probe_every=4, max_probe_every=16, memory=memory)
-    early.start(1, 8)
-    rounds(early, accepted_at=8, count=10)
-    assert rounds(early, accepted_at=0, count=60)[-20:].count(0) >= 18
-    assert memory.wait == 0
-    # Single tokens now and then, drafting rounds mostly missing: the wait rises.
-    sparse = AdaptiveController(probe_every=4, max_probe_every=16, memory=memory)
-    sparse.start(1, 8)
-    rounds(sparse, accepted_at=lambda: int(rng.random() < 0.2), count=80)
-    assert memory.wait == 16
-
-
 def test_the_controller_weighs_acceptance_against_cost():
     cheap, dear = AdaptiveController(), AdaptiveController()
     for controller in (cheap, dear):

@@ -199,8 +199,6 @@ class AdaptiveController:
       and is never shorter than keeps probes within `probe_budget` of the time;
     - probes fall on multiples of the interval, so the idle rows of a batch probe together
       and the rounds between are plain decoding's steps for all of them (`idle_rounds`);
-    - given an engine's `memory`, a request after ones whose probes found nothing waits
-      as long for its first probe (`AskingMemory`);
     - a row alone stops drafting only where a draft no longer beats a plain step: stopping
       leaves it blind until its probe, and a margin made the moving average's dips idle
       rows whose drafts paid.
@@ -216,7 +214,6 @@ class AdaptiveController:
         batch_margin: float = 0.5,
         probe_budget: float = 0.02,
         costs: RoundCosts | None = None,
-        memory: AskingMemory | None = None,
     ):
         self.prior, self.smoothing, self.max_depth = prior, smoothing, max_depth
         # In a batch a draft must beat a plain step by this many tokens a row: the rows'
@@ -226,7 +223,6 @@ class AdaptiveController:
         self.probe_budget = probe_budget  # the share of time probes may cost
         self.probe_every, self.max_probe_every = probe_every, max_probe_every
         self.costs = costs or RoundCosts()
-        self.memory = memory or AskingMemory()  # earlier requests' (an engine's), or none
         self._chosen: Counter = Counter()
 
     def start(self, batch: int, max_nodes: int) -> None:  # noqa: D102
@@ -235,18 +231,12 @@ class AdaptiveController:
         self.accept = np.full((batch, self.max_depth), self.prior)  # p_d per row
         self.judged = np.zeros((batch, self.max_depth), dtype=np.int64)  # rounds that tested d
         self.round = int(self.costs.known)  # known costs: no plain first round to time them
-        # 0: the row drafts; else the round of its next probe (a batch waits for its first,
-        # and a request after losing ones as long as they learnt: `AskingMemory`).
-        wait = self.memory.start(self.max_probe_every)
-        first = wait if batch == 1 else max(self.probe_every, self._affordable(batch), wait)
+        # 0: the row drafts; else the round of its next probe (a batch waits for its first).
+        first = 0 if batch == 1 else max(self.probe_every, self._affordable(batch))
         self.next_probe = np.full(batch, first, dtype=np.int64)
-        self.interval = np.full(batch, max(self.probe_every, wait))
+        self.interval = np.full(batch, self.probe_every)
         self.probing = np.zeros(batch, dtype=bool)
         self.hit = np.zeros(batch, dtype=bool)  # the row's last round accepted a draft token
-        # The request's rows' rounds that drafted, and the draft tokens they had accepted:
-        # at least one a round, its drafts paid (a probe that finds nothing after that
-        # leaves `memory` as it is).
-        self._drafted = self._accepted = 0
         self._floor: list[float] | None = None
         self._peers = 0
         self._sizes = np.zeros(batch, dtype=np.int64)
@@ -294,12 +284,9 @@ class AdaptiveController:
             size = self.candidates[1]  # what a draft costs is unknown: learn it cheaply first
         if size and self.probing[b]:
             self.interval[b] = self.probe_every  # the probe brought speculation back
-            self.memory.wait = 0
         elif not size:
             if self.probing[b] and not self.hit[b]:  # a probe that found nothing: wait longer
                 self.interval[b] = min(2 * self.interval[b], self.max_probe_every)
-                if self._accepted < self._drafted:  # a request that paid keeps the next asking
-                    self.memory.wait = int(self.interval[b])
             elif self.probing[b]:  # it found something: probe again soon
                 self.interval[b] = self.probe_every
             step = max(int(self.interval[b]), self._affordable(len(self.interval)))
@@ -349,8 +336,6 @@ class AdaptiveController:
     def observe(self, row: int, depth: int, accepted: list[int]) -> None:  # noqa: D102
         count = len(accepted)
         self.hit[row] = count > 0
-        self._drafted += depth > 0
-        self._accepted += count
         for d in range(min(depth, count + 1, self.max_depth)):  # depths the target judged
             hit = float(d < count)
             self.judged[row, d] += 1
@@ -374,16 +359,14 @@ class AskingMemory:
     An engine keeps one per drafting plan, batch size and sampling setting
     (`Engine.asking_memory`). Where drafts do not pay (suffix drafting at T > 0 on a small
     target), each window of asking costs a few plain steps, and a request that starts
-    afresh pays them again (benchmarks/README.md, controller.py). Drafting that pays sets
-    `wait` to 0, and the next request asks after its first plain rounds: for
-    `ConfidenceController` a round whose accepted tokens beat its time, for
-    `AdaptiveController` a probe that brings drafting back. Where a request's drafting has
-    not paid (no such round; fewer draft tokens accepted than rounds drafted), a failed
-    window or probe sets it to the interval the rows moved to (doubled, up to
-    `max_probe_every`): the next request plays that many rounds plain before its first
-    probe, so after a run of losing requests a short one does not ask at all. Each request
-    halves the wait it starts from, so that short requests, which end before their probe,
-    still bring a probe back every few requests.
+    afresh pays them again (benchmarks/README.md, controller.py). A round whose accepted
+    tokens beat its time sets `wait` to 0: the next request asks after its first plain
+    rounds. In a request that had no such round, a window that ended sets it to the
+    interval its rows moved to (doubled, up to `max_probe_every`): the next request plays
+    that many rounds plain before its first probe, so after a run of losing requests a
+    short one does not ask at all. Each request halves the wait it starts from, so that
+    short requests, which end before their probe, still bring a probe back every few
+    requests.
     """
 
     wait: int = 0  # the round of a request's first probe (0: it asks from the start)
@@ -713,11 +696,12 @@ def controller_for(
 
     `costs`: round costs earlier requests timed, which `AdaptiveController` starts from and
     goes on updating (suffix drafting's rule learns its own). `memory`: when earlier
-    requests' drafts last paid.
+    requests' windows of asking last paid (suffix drafting's rule; the other rule's
+    measured no gain from it: benchmarks/README.md, controller.py).
     """
     if getattr(drafter, "sizes_own_drafts", False):  # absent on drafters written before it
         return ConfidenceController(memory=memory)
-    return AdaptiveController(costs=costs, memory=memory)
+    return AdaptiveController(costs=costs)
 
 
 class RoundCosts:
