@@ -25,7 +25,7 @@ from specx.runtime.drafters.draft_model import DraftModelDrafter
 from specx.runtime.drafters.ngram import NGramDrafter
 from specx.runtime.drafters.suffix import SuffixDrafter, SuffixOptions
 from specx.runtime.drafters.tree_search import DynamicTree, StaticTree, parse_tree_spec
-from specx.runtime.engine import Speculation, load
+from specx.runtime.engine import ASKING_SETTINGS, Speculation, load
 from specx.runtime.ort_target import OrtTarget
 from specx.runtime.plain_decoding import generate_plain
 from specx.runtime.sampling import SamplingParams
@@ -236,6 +236,9 @@ def test_an_engine_remembers_when_asking_pays_per_plan_batch_and_setting(artifac
     done = engine.generate([5, 9, 5, 9, 5, 9, 13], **options, speculation="suffix")
     assert done.stats.run.speculative.controller.sizes_chosen == {0: 23}  # never asked
     assert done.tokens == engine.generate([5, 9, 5, 9, 5, 9, 13], **options).tokens
+    for i in range(ASKING_SETTINGS):  # as many other settings as it keeps: it starts over
+        engine.asking_memory(plan, 1, SamplingParams(0.5 + i / 1000))
+    assert engine.asking_memory(plan, 1, SamplingParams(1.0)).wait == 0
 
 
 def test_peers_that_wait_for_a_draft_raise_the_bar_for_it():

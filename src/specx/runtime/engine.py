@@ -76,6 +76,11 @@ class Speculation:
     adaptive: bool = True
 
 
+# Sampling settings an engine remembers `AskingMemory` for at once (a server's clients may
+# send any temperature); past it the engine starts over.
+ASKING_SETTINGS = 256
+
+
 @dataclass(frozen=True)
 class DraftPlan:
     """A request's drafting, resolved: drafter options, batch threshold, controller.
@@ -525,6 +530,8 @@ class Engine:
         """
         key = (plan.key, batch, sampling.temperature, sampling.top_k, sampling.top_p)
         with self._pool_lock:
+            if key not in self._asking and len(self._asking) >= ASKING_SETTINGS:
+                self._asking.clear()  # bounded, whatever settings clients send: start over
             return self._asking.setdefault(key, AskingMemory())
 
     def reset_drafters(self) -> None:
