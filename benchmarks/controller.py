@@ -9,7 +9,8 @@ layer is renumbered for pyref-deep, `pyref_heads.for_deep`), temperature (0, 0.7
 (`--fixed-draft`: chains of 4, suffix's 16 nodes, Medusa's default tree), and the default
 `specx generate` (what `specx.load(...).generate_batch(..., speculation=DRAFTER)` does: the
 calibration entry nearest the temperature when there is one, and the per-round controller),
-on the ORT-lowered build; groups of prompts run interleaved, fastest of --repeats per group;
+on the ORT-lowered build; each repeat runs every group of prompts in turn (an untimed plain
+run, then the modes in an order rotated by repeat), fastest of --repeats per group;
 decode time only. All three go through one `Engine`.
 
 With --calibrate, every drafter is first calibrated at each temperature (`specx calibrate
