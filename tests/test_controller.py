@@ -236,6 +236,13 @@ def test_an_engine_remembers_when_asking_pays_per_plan_batch_and_setting(artifac
     done = engine.generate([5, 9, 5, 9, 5, 9, 13], **options, speculation="suffix")
     assert done.stats.run.speculative.controller.sizes_chosen == {0: 23}  # never asked
     assert done.tokens == engine.generate([5, 9, 5, 9, 5, 9, 13], **options).tokens
+    # Greedy, a remembered wait of 8: plain rounds, then a probe and drafts; plain's tokens.
+    engine.asking_memory(plan, 1, SamplingParams()).wait = 8
+    greedy = {"max_new_tokens": 40, "ignore_eos": True}
+    done = engine.generate([5, 9, 5, 9, 5, 9, 13], **greedy, speculation="suffix")
+    chosen = done.stats.run.speculative.controller.sizes_chosen
+    assert chosen[0] >= 7 and max(chosen) > 0  # its probe keeps a node of the match
+    assert done.tokens == engine.generate([5, 9, 5, 9, 5, 9, 13], **greedy).tokens
     for i in range(ASKING_SETTINGS):  # as many other settings as it keeps: it starts over
         engine.asking_memory(plan, 1, SamplingParams(0.5 + i / 1000))
     assert engine.asking_memory(plan, 1, SamplingParams(1.0)).wait == 0

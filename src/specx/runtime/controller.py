@@ -696,8 +696,8 @@ def controller_for(
 
     `costs`: round costs earlier requests timed, which `AdaptiveController` starts from and
     goes on updating (suffix drafting's rule learns its own). `memory`: when earlier
-    requests' windows of asking last paid (suffix drafting's rule; the other rule's
-    measured no gain from it: benchmarks/README.md, controller.py).
+    requests' windows of asking last paid, for suffix drafting's rule only
+    (`AdaptiveController` with it lost n-gram's greedy gains: benchmarks/README.md).
     """
     if getattr(drafter, "sizes_own_drafts", False):  # absent on drafters written before it
         return ConfidenceController(memory=memory)
