@@ -1,5 +1,6 @@
 """What each part of the EAGLE-3 recipe buys on pyref-7m: taps, draft vocabulary, TTT depth,
-training data, bf16, one change at a time against a base recipe, same steps and seed.
+training data, bf16, how fc starts, tap scaling; one change at a time against a base recipe,
+same steps and seed.
 
 Every run trains `--steps` steps of 8 x 256 tokens (lr 2e-3, seed 0) and is measured on the
 same held-out target-generated windows (pyref_heads.py's data: the target continuing
@@ -44,6 +45,16 @@ VARIANTS: dict[str, tuple[str, dict, bool]] = {
     "ttt-7": ("training-time test 7 steps (the paper's depth)", {"ttt_steps": 7}, False),
     "stdlib-text": ("the stdlib text itself instead of the target's continuations", {}, True),
     "bf16": ("bf16 autocast", {"bf16": True}, False),
+    "fc-deepest-tap": (
+        "fc starts as the identity on the deepest tap (the base: torch's random init)",
+        {"fc_from_deepest_tap": True},
+        False,
+    ),
+    "normalised-taps": (
+        "taps scaled to unit RMS per channel while training (folded into fc when saved)",
+        {"normalise_taps": True},
+        False,
+    ),
 }
 
 

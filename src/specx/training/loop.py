@@ -66,6 +66,8 @@ class TrainConfig:
     eval_every: int = 0  # held-out acceptance every this many steps (0: before and after)
     bf16: bool = False  # bf16 autocast (fast where the CPU has AVX-512 BF16 or AMX)
     mask_unreachable: bool = True  # EAGLE-3: skip positions whose target argmax is off-vocab
+    fc_from_deepest_tap: bool = False  # EAGLE-3: fc starts as the identity on the deepest tap
+    normalise_taps: bool = False  # EAGLE-3: taps scaled to unit RMS per channel (folded into fc)
 
 
 @dataclass(frozen=True)
@@ -328,7 +330,20 @@ def _coverage(windows: np.ndarray, ids: np.ndarray, vocab: int) -> float:
     return float(inside[windows].mean())
 
 
-def _new_model(cfg: TrainConfig, checkpoint, windows: Windows):
+def _tap_scale(teacher: Teacher, windows: np.ndarray, count: int = 16) -> torch.Tensor:
+    """1 / the RMS of each tap channel over the first `count` training windows.
+
+    The raw residual streams EAGLE-3 reads are large (pyref-7m: RMS 6-11 a channel, up to
+    34) and uneven, so `fc`'s output swamps the draft layer's own updates at first and Adam
+    moves the weights of loud channels as far as quiet ones. Training on unit-RMS taps is
+    a preconditioner only: the scale is folded into `fc` when the head is saved.
+    """
+    taps = teacher(torch.from_numpy(windows[:count].astype(np.int64))).eagle3
+    assert taps is not None
+    return 1.0 / taps.pow(2).mean((0, 1)).sqrt().clamp_min(1e-6)
+
+
+def _new_model(cfg: TrainConfig, checkpoint, windows: Windows, teacher: Teacher):
     """The fresh drafter, and EAGLE-3's draft vocabulary with its measured coverage."""
     config = checkpoint.config
     if cfg.kind == "draft-model":
@@ -343,8 +358,16 @@ def _new_model(cfg: TrainConfig, checkpoint, windows: Windows):
             "coverage_held_out": _coverage(windows.held_out, draft_ids, config.vocab_size),
         }
     model = new_head(
-        cfg.kind, config, checkpoint.state_dict, draft_ids, cfg.medusa_heads, cfg.tap_layers
+        cfg.kind,
+        config,
+        checkpoint.state_dict,
+        draft_ids,
+        cfg.medusa_heads,
+        cfg.tap_layers,
+        cfg.fc_from_deepest_tap,
     )
+    if cfg.kind == "eagle3" and cfg.normalise_taps:
+        model.tap_scale = _tap_scale(teacher, windows.train)
     return model, vocab
 
 
@@ -388,7 +411,7 @@ def train_drafter(
         )
     teacher = Teacher(checkpoint.config, checkpoint.state_dict, cfg.tap_layers)
     torch.manual_seed(cfg.seed)
-    model, vocab = _new_model(cfg, checkpoint, windows)
+    model, vocab = _new_model(cfg, checkpoint, windows, teacher)
     if vocab:
         progress(
             f"draft vocabulary {vocab['draft_vocab']}: covers {vocab['coverage_train']:.4f} of "
