@@ -40,7 +40,7 @@ HEADS = Path(__file__).resolve().parent / "heads" / "pyref-7m"
 TRAIN = Path.home() / ".cache" / "specx" / "pyref-heads-train"
 DATA = Path.home() / ".cache" / "specx" / "pyref-data"
 COMMON = {"batch": 8, "seq_len": 256, "lr": 2e-3, "seed": 0, "save_every": 100, "bf16": True}
-# kind -> TrainConfig fields besides COMMON.
+# kind -> TrainConfig fields besides COMMON (`more_data`: train on MORE_DATA too).
 RECIPES: dict[str, dict] = {
     "eagle3": {"steps": 1000, "ttt_steps": 7, "tap_layers": (2, 3, 5), "eval_every": 100},
     "eagle": {"steps": 1200, "eval_every": 100},
@@ -49,6 +49,8 @@ RECIPES: dict[str, dict] = {
     "draft-model": {"steps": 400, "eval_every": 100},
 }
 TRAIN_DATA = {"windows": 8192, "batch": 64, "shard_windows": 512, "seed": 0}
+# More of the same (other prompts: another seed), for the recipes that name it.
+MORE_DATA = {"windows": 16384, "batch": 64, "shard_windows": 512, "seed": 2}
 HELD_OUT_DATA = {"windows": 256, "batch": 64, "shard_windows": 256, "seed": 1}
 # pyref-7m's residual stream entering layer i (0..5) is pyref-deep's entering DEEP_LAYER[i].
 DEEP_LAYER = (0, 1, 2, 16, 29, 32)
@@ -61,29 +63,31 @@ def log(message: str) -> None:
 @dataclass(frozen=True)
 class Data:
     train: Path
+    more: Path  # MORE_DATA, written only when a recipe asks for it
     held_out: Path
 
 
-def ensure_data() -> Data:
+def ensure_data(more: bool = False) -> Data:
     """The regenerated training and held-out windows, written (or completed) when missing."""
     from specx.training.regenerate import RegenerateConfig, regenerate
 
     target = SHARED / "models" / "pyref-7m"
     train_files, held_files = stdlib_split()
-    for name, files, settings in (
-        ("held-out", held_files, HELD_OUT_DATA),
-        ("train", train_files, TRAIN_DATA),
-    ):
+    sets = [("held-out", held_files, HELD_OUT_DATA), ("train", train_files, TRAIN_DATA)]
+    if more:
+        sets.append(("train-2", train_files, MORE_DATA))
+    for name, files, settings in sets:
         regenerate(target, [str(p) for p in files], DATA / name, RegenerateConfig(**settings), log)
-    return Data(DATA / "train", DATA / "held-out")
+    return Data(DATA / "train", DATA / "train-2", DATA / "held-out")
 
 
 def train(kind: str, steps: int | None = None) -> Path:
     """Trains `kind` with its recipe into TRAIN/kind (resuming); returns that directory."""
     from specx.training.loop import TrainConfig, train_drafter
 
-    data = ensure_data()
     recipe = {**COMMON, **RECIPES[kind], **({"steps": steps} if steps else {})}
+    more = recipe.pop("more_data", False)
+    data = ensure_data(more)
     out = TRAIN / kind
     if (out / "train_report.json").is_file() and not (out / "train_state.pt").is_file():
         shutil.rmtree(out)  # an earlier finished run: train afresh
@@ -95,7 +99,7 @@ def train(kind: str, steps: int | None = None) -> Path:
         out,
         config,
         log,
-        data=[data.train],
+        data=[data.train, data.more] if more else [data.train],
         held_out=data.held_out,
     )
     return out
@@ -147,7 +151,8 @@ def write_readme(heads: Path = HEADS) -> None:
         report = json.loads(report_path.read_text())
         cfg, last = report["config"], report["learning_curve"][-1]
         recipe = {k: cfg[k] for k in ("steps", "batch", "seq_len", "lr", "seed", "bf16")}
-        for key in ("ttt_steps", "tap_layers", "draft_vocab"):
+        recipe["windows"] = report["train_windows"]
+        for key in ("ttt_steps", "tap_layers", "draft_vocab", "normalise_taps"):
             if kind in ("eagle3", "mtp") and cfg.get(key) is not None:
                 recipe[key] = cfg[key]
         depth = ", ".join(f"{a:.2f}" for a in last["acceptance_by_depth"])
@@ -175,8 +180,8 @@ NOTES = {
 README_HEAD = """# Trained drafters for pyref-7m
 
 Written by `python benchmarks/pyref_heads.py` (see its docstring for the data and recipes):
-distilled against `shared/models/pyref-7m` on 8192 windows of its own continuations of
-stdlib prompts, each in the public format its loader reads (`specx export --drafter
+distilled against `shared/models/pyref-7m` on windows (256 tokens; the row's count) of its
+own continuations of stdlib prompts, each in the public format its loader reads (`specx export --drafter
 KIND:DIR`; the draft model is an HF Llama checkpoint), weights in fp16. Held-out
 acceptance is `sum min(p, q)` by draft depth on 256 windows of the target continuing
 prompts from the files the reference split holds out (never trained on), and the chain-5

@@ -158,6 +158,14 @@ def test_cli_train_and_bad_input(teacher_dir, tmp_path):
         train_drafter(teacher_dir, [str(tmp_path / "nope")], tmp_path / "x", config("eagle"))
     with pytest.raises(SpecxError, match="unknown drafter"):
         train_drafter(teacher_dir, CORPUS, tmp_path / "x", config("hydra"))
+    refused = CliRunner().invoke(
+        main,
+        ["train", "eagle", str(teacher_dir), "--corpus", CORPUS[0], "-o", str(tmp_path / "e"),
+         "--normalise-taps"],
+    )  # fmt: skip
+    assert refused.exit_code != 0
+    assert "--normalise-taps applies only to eagle3 training" in refused.output
+    assert not (tmp_path / "e").exists()
 
 
 def test_on_policy_windows_are_added(teacher_dir, tmp_path):

@@ -97,6 +97,7 @@ def regenerate(
 _TRAIN_ONLY = {
     "draft_vocab": ("eagle3",),
     "tap_layers": ("eagle3",),
+    "normalise_taps": ("eagle3",),
     "ttt_steps": ("eagle3", "mtp"),
     "medusa_heads": ("medusa",),
 }
@@ -162,6 +163,11 @@ def _tap_layers(text: str | None) -> tuple[int, ...] | None:
     "last layer's output) [default: 2, N//2, N-3]; saved with the head.",
 )
 @click.option(
+    "--normalise-taps",
+    is_flag=True,
+    help="EAGLE-3: train on taps scaled to unit RMS per channel (folded into fc when saved).",
+)
+@click.option(
     "--on-policy",
     "on_policy",
     type=NATURAL,
@@ -197,6 +203,7 @@ def train(
     draft_vocab: int | None,
     medusa_heads: int,
     tap_layers: str | None,
+    normalise_taps: bool,
     on_policy: int,
     eval_every: int,
     save_every: int,
@@ -224,6 +231,7 @@ def train(
         medusa_heads=medusa_heads,
         on_policy_windows=on_policy,
         tap_layers=_tap_layers(tap_layers),
+        normalise_taps=normalise_taps,
         eval_every=eval_every,
         save_every=save_every,
         bf16=bf16,
