@@ -29,7 +29,11 @@ from suite import SHARED, stdlib_split  # noqa: E402
 BASE = {"tap_layers": (2, 3, 5), "ttt_steps": 3, "draft_vocab": None}
 # name -> (what changes, the TrainConfig fields it changes, train on the stdlib text instead)
 VARIANTS: dict[str, tuple[str, dict, bool]] = {
-    "base": ("taps 2,3,5 (low, mid, last output), full vocabulary, TTT 3", {}, False),
+    "base": (
+        "taps 2,3,5 (low, mid, last output), full vocabulary, TTT 3, bf16, fc from torch's init",
+        {},
+        False,
+    ),
     "taps-234": (
         "taps 2,3,4 (pyref-deep's default taps: misses the last layer)",
         {"tap_layers": (2, 3, 4)},
@@ -44,7 +48,7 @@ VARIANTS: dict[str, tuple[str, dict, bool]] = {
     "vocab-2048": ("draft vocabulary 2048 (most frequent tokens)", {"draft_vocab": 2048}, False),
     "ttt-7": ("training-time test 7 steps (the paper's depth)", {"ttt_steps": 7}, False),
     "stdlib-text": ("the stdlib text itself instead of the target's continuations", {}, True),
-    "bf16": ("bf16 autocast", {"bf16": True}, False),
+    "fp32": ("fp32 (the base trains under bf16 autocast)", {"bf16": False}, False),
     "fc-deepest-tap": (
         "fc starts as the identity on the deepest tap (the base: torch's random init)",
         {"fc_from_deepest_tap": True},

@@ -42,7 +42,13 @@ DATA = Path.home() / ".cache" / "specx" / "pyref-data"
 COMMON = {"batch": 8, "seq_len": 256, "lr": 2e-3, "seed": 0, "save_every": 100, "bf16": True}
 # kind -> TrainConfig fields besides COMMON (`more_data`: train on MORE_DATA too).
 RECIPES: dict[str, dict] = {
-    "eagle3": {"steps": 1000, "ttt_steps": 7, "tap_layers": (2, 3, 5), "eval_every": 100},
+    "eagle3": {
+        "steps": 1500,
+        "ttt_steps": 7,
+        "tap_layers": (2, 3, 5),
+        "normalise_taps": True,
+        "eval_every": 200,
+    },
     "eagle": {"steps": 1200, "eval_every": 100},
     "mtp": {"steps": 300, "ttt_steps": 3, "eval_every": 100},
     "medusa": {"steps": 400, "eval_every": 100},
