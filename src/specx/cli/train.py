@@ -163,9 +163,11 @@ def _tap_layers(text: str | None) -> tuple[int, ...] | None:
     "last layer's output) [default: 2, N//2, N-3]; saved with the head.",
 )
 @click.option(
-    "--normalise-taps",
-    is_flag=True,
-    help="EAGLE-3: train on taps scaled to unit RMS per channel (folded into fc when saved).",
+    "--normalise-taps/--raw-taps",
+    default=True,
+    show_default=True,
+    help="EAGLE-3: train on taps scaled to unit RMS per channel (a preconditioner, folded "
+    "into fc when saved) or on the raw residual streams.",
 )
 @click.option(
     "--on-policy",

@@ -67,7 +67,7 @@ class TrainConfig:
     bf16: bool = False  # bf16 autocast (fast where the CPU has AVX-512 BF16 or AMX)
     mask_unreachable: bool = True  # EAGLE-3: skip positions whose target argmax is off-vocab
     fc_from_deepest_tap: bool = False  # EAGLE-3: fc starts as the identity on the deepest tap
-    normalise_taps: bool = False  # EAGLE-3: taps scaled to unit RMS per channel (folded into fc)
+    normalise_taps: bool = True  # EAGLE-3: taps scaled to unit RMS per channel (folded into fc)
 
 
 @dataclass(frozen=True)
