@@ -1,5 +1,5 @@
 """What each part of the EAGLE-3 recipe buys on pyref-7m: taps, draft vocabulary, TTT depth,
-training data, bf16, how fc starts, tap scaling; one change at a time against a base recipe,
+training data, bf16, tap scaling; one change at a time against a base recipe,
 same steps and seed.
 
 Every run trains `--steps` steps of 8 x 256 tokens (lr 2e-3, seed 0) and is measured on the
@@ -26,11 +26,11 @@ sys.path.insert(0, str(Path(__file__).parent))
 import pyref_heads  # noqa: E402
 from suite import SHARED, stdlib_split  # noqa: E402
 
-BASE = {"tap_layers": (2, 3, 5), "ttt_steps": 3, "draft_vocab": None}
+BASE = {"tap_layers": (2, 3, 5), "ttt_steps": 3, "draft_vocab": None, "normalise_taps": False}
 # name -> (what changes, the TrainConfig fields it changes, train on the stdlib text instead)
 VARIANTS: dict[str, tuple[str, dict, bool]] = {
     "base": (
-        "taps 2,3,5 (low, mid, last output), full vocabulary, TTT 3, bf16, fc from torch's init",
+        "taps 2,3,5 (low, mid, last output), full vocabulary, TTT 3, bf16, raw taps",
         {},
         False,
     ),
@@ -49,11 +49,6 @@ VARIANTS: dict[str, tuple[str, dict, bool]] = {
     "ttt-7": ("training-time test 7 steps (the paper's depth)", {"ttt_steps": 7}, False),
     "stdlib-text": ("the stdlib text itself instead of the target's continuations", {}, True),
     "fp32": ("fp32 (the base trains under bf16 autocast)", {"bf16": False}, False),
-    "fc-deepest-tap": (
-        "fc starts as the identity on the deepest tap (the base: torch's random init)",
-        {"fc_from_deepest_tap": True},
-        False,
-    ),
     "normalised-taps": (
         "taps scaled to unit RMS per channel while training (folded into fc when saved)",
         {"normalise_taps": True},

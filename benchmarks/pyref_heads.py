@@ -187,8 +187,8 @@ README_HEAD = """# Trained drafters for pyref-7m
 
 Written by `python benchmarks/pyref_heads.py` (see its docstring for the data and recipes):
 distilled against `shared/models/pyref-7m` on windows (256 tokens; the row's count) of its
-own continuations of stdlib prompts, each in the public format its loader reads (`specx export --drafter
-KIND:DIR`; the draft model is an HF Llama checkpoint), weights in fp16. Held-out
+own continuations of stdlib prompts, each in the public format its loader reads (`specx
+export --drafter KIND:DIR`; the draft model is an HF Llama checkpoint), weights in fp16. Held-out
 acceptance is `sum min(p, q)` by draft depth on 256 windows of the target continuing
 prompts from the files the reference split holds out (never trained on), and the chain-5
 acceptance length (bonus counted) those rates imply. Training ran on this 2-core machine,

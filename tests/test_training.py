@@ -186,26 +186,6 @@ def test_bf16_autocast_trains_every_kind(kind, teacher_dir, tmp_path):
     assert report["held_out_acceptance_after"] > report["held_out_acceptance_before"]
 
 
-@pytest.mark.parametrize("from_deepest", [True, False])
-def test_eagle3_fc_starts_as_the_deepest_tap(teacher_dir, from_deepest):
-    from specx.training.heads import new_head
-    from specx.training.teacher import Teacher
-
-    checkpoint = load_checkpoint(teacher_dir)
-    taps = (1, 4, 2)  # the deepest (the last layer's output) in the middle
-    torch.manual_seed(0)
-    head = new_head(
-        "eagle3", checkpoint.config, checkpoint.state_dict, tap_layers=taps,
-        fc_from_deepest_tap=from_deepest,
-    )  # fmt: skip
-    teacher = Teacher(checkpoint.config, checkpoint.state_dict, taps)(torch.arange(12)[None] % 256)
-    d = checkpoint.config.hidden_size
-    deepest = teacher.eagle3[..., d : 2 * d]
-    with torch.no_grad():
-        features = head.project(teacher.eagle3)
-    assert torch.allclose(features, deepest) is from_deepest
-
-
 def test_normalised_taps_fold_into_the_saved_fc(teacher_dir, tmp_path):
     """A head trained on unit-RMS taps saves the scale inside `fc`: the loaded head (no scale)
     projects the raw taps exactly as the trained one did."""

@@ -16,7 +16,6 @@ import torch
 from safetensors.torch import save_file
 
 from specx.export.config import TargetConfig
-from specx.export.decoder import tap_layers as tap_layers_of
 from specx.export.heads.eagle import EagleHead
 from specx.export.heads.eagle3 import Eagle3Head
 from specx.export.heads.medusa import MedusaHeads
@@ -36,21 +35,6 @@ def _frozen(param: torch.Tensor, value: torch.Tensor) -> None:
     param.requires_grad_(False)
 
 
-def _fc_from_deepest_tap(head: Eagle3Head, taps: tuple[int, ...]) -> None:
-    """`fc` = the identity on the deepest tap, zero on the others.
-
-    With taps ending at the last layer's output, the untrained head then predicts what the
-    target predicts at the root (its norm and lm_head are the target's), the start EAGLE-1
-    gets from its post-norm features; from torch's random init the head must first learn
-    to rebuild that state, which is why EAGLE-3 trailed EAGLE-1 at equal steps.
-    """
-    d = head.fc.weight.shape[0]  # the head's width is the target's here (`new_head`)
-    deepest = max(range(len(taps)), key=taps.__getitem__)
-    weight = torch.zeros_like(head.fc.weight)
-    weight[:, deepest * d : (deepest + 1) * d] = torch.eye(d)
-    head.fc.weight.data.copy_(weight)
-
-
 def new_head(
     kind: str,
     config: TargetConfig,
@@ -58,13 +42,11 @@ def new_head(
     draft_ids: np.ndarray | None = None,
     medusa_heads: int = 4,
     tap_layers: tuple[int, ...] | None = None,
-    fc_from_deepest_tap: bool = False,
 ) -> torch.nn.Module:
     """A freshly initialised head of `kind` for the target.
 
     EAGLE-3: `draft_ids` is its vocabulary, `tap_layers` the states it reads (None: 2, N//2,
-    N-3); `fc_from_deepest_tap` starts `fc` as the identity on the deepest tap (see
-    `_fc_from_deepest_tap`).
+    N-3).
     """
     embed, lm_head = target["model.embed_tokens.weight"], target["lm_head.weight"]
     head: torch.nn.Module
@@ -78,8 +60,6 @@ def new_head(
         _frozen(head.embed_tokens.weight, embed)
         head.lm_head.weight.data.copy_(lm_head[torch.from_numpy(ids)])
         head.d2t.copy_(torch.from_numpy(ids) - torch.arange(len(ids)))
-        if fc_from_deepest_tap:
-            _fc_from_deepest_tap(head, tap_layers_of("eagle3", config.num_layers, tap_layers))
     elif kind == "eagle":
         head = EagleHead(_one_layer(config), fc_bias=True)
         _frozen(head.embed_tokens.weight, embed)

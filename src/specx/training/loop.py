@@ -66,7 +66,6 @@ class TrainConfig:
     eval_every: int = 0  # held-out acceptance every this many steps (0: before and after)
     bf16: bool = False  # bf16 autocast (fast where the CPU has AVX-512 BF16 or AMX)
     mask_unreachable: bool = True  # EAGLE-3: skip positions whose target argmax is off-vocab
-    fc_from_deepest_tap: bool = False  # EAGLE-3: fc starts as the identity on the deepest tap
     normalise_taps: bool = True  # EAGLE-3: taps scaled to unit RMS per channel (folded into fc)
 
 
@@ -358,13 +357,7 @@ def _new_model(cfg: TrainConfig, checkpoint, windows: Windows, teacher: Teacher)
             "coverage_held_out": _coverage(windows.held_out, draft_ids, config.vocab_size),
         }
     model = new_head(
-        cfg.kind,
-        config,
-        checkpoint.state_dict,
-        draft_ids,
-        cfg.medusa_heads,
-        cfg.tap_layers,
-        cfg.fc_from_deepest_tap,
+        cfg.kind, config, checkpoint.state_dict, draft_ids, cfg.medusa_heads, cfg.tap_layers
     )
     if cfg.kind == "eagle3" and cfg.normalise_taps:
         model.tap_scale = _tap_scale(teacher, windows.train)
