@@ -187,17 +187,19 @@ def test_bf16_autocast_trains_every_kind(kind, teacher_dir, tmp_path):
 
 
 def test_normalised_taps_fold_into_the_saved_fc(teacher_dir, tmp_path):
-    """A head trained on unit-RMS taps saves the scale inside `fc`: the loaded head (no scale)
-    projects the raw taps exactly as the trained one did."""
+    """A head trained on unit-RMS taps saves the scale inside `fc`: the loaded head projects
+    the raw taps exactly as the trained one did, and training differed from raw taps."""
     from specx.training.teacher import Teacher
 
-    cfg = config("eagle3", steps=5, normalise_taps=True, tap_layers=(1, 2, 4))
-    result = train_drafter(teacher_dir, CORPUS, tmp_path / "h", cfg)
-    assert result.model.tap_scale is not None
-    assert not torch.allclose(result.model.tap_scale, torch.ones(()))
+    trained = {}
+    for normalise in (True, False):
+        cfg = config("eagle3", steps=5, normalise_taps=normalise, tap_layers=(1, 2, 4))
+        trained[normalise] = train_drafter(teacher_dir, CORPUS, tmp_path / f"{normalise}", cfg)
+    result = trained[True]
+    assert result.model.tap_scale is None  # folded when saved
+    assert not torch.allclose(result.model.fc.weight, trained[False].model.fc.weight)
     checkpoint = load_checkpoint(teacher_dir)
-    loaded = load_head(f"eagle3:{tmp_path / 'h'}", checkpoint)
-    assert loaded.tap_scale is None
+    loaded = load_head(f"eagle3:{tmp_path / 'True'}", checkpoint)
     taps = Teacher(checkpoint.config, checkpoint.state_dict, (1, 2, 4))(
         torch.arange(20)[None] * 7 % 256
     ).eagle3

@@ -108,13 +108,16 @@ def _llama_config(config: TargetConfig, target_raw: dict[str, Any], **extra: Any
 def save_head(head: torch.nn.Module, directory: Path, target_raw: dict[str, Any]) -> Path:
     """Writes a head in its public format (what `specx export --drafter KIND:DIR` reads).
 
+    An EAGLE-3 head trained on scaled taps has the scale folded into its `fc` first.
+
     `target_raw` is the target's config.json (RoPE settings, layer count).
     """
     directory.mkdir(parents=True, exist_ok=True)
+    if isinstance(head, Eagle3Head):
+        head.fold_tap_scale()  # the saved head and this one then read the same raw taps
     state = {k: v.detach().contiguous() for k, v in head.state_dict().items()}
     if isinstance(head, Eagle3Head):
         tensors = {k: v for k, v in state.items() if not k.startswith("embed_tokens")}
-        tensors["fc.weight"] = head.folded_fc_weight().contiguous()
         t2d = torch.zeros(head.embed_tokens.num_embeddings, dtype=torch.bool)
         t2d[torch.arange(len(head.d2t)) + head.d2t] = True
         tensors["t2d"] = t2d

@@ -70,18 +70,20 @@ class Eagle3Head(nn.Module):
         # The states entering these target layers, when the head names its own (None:
         # EAGLE-3's 2, N//2, N-3; `specx.export.decoder.tap_layers`).
         self.tap_layers: tuple[int, ...] | None = None
-        # Training only: a fixed per-channel scale of the taps, folded into `fc` when the
-        # head is saved (`folded_fc_weight`), so the public format never sees it.
+        # Training only: a fixed per-channel scale of the taps, folded into `fc` before the
+        # head is saved (`fold_tap_scale`), so the public format never sees it.
         self.tap_scale: torch.Tensor | None = None
 
     def project(self, taps: torch.Tensor) -> torch.Tensor:
         """Target taps [B, N, 3d] -> first-step features [B, N, d]."""
         return self.fc(taps if self.tap_scale is None else taps * self.tap_scale)
 
-    def folded_fc_weight(self) -> torch.Tensor:
-        """`fc`'s weight with `tap_scale` folded in: fc(taps * s) == (W * s)(taps)."""
-        weight = self.fc.weight.detach()
-        return weight if self.tap_scale is None else weight * self.tap_scale
+    @torch.no_grad()
+    def fold_tap_scale(self) -> None:
+        """Folds `tap_scale` into `fc` in place: fc(taps * s) == (W * s)(taps)."""
+        if self.tap_scale is not None:
+            self.fc.weight.mul_(self.tap_scale)
+            self.tap_scale = None
 
     def forward(self, input_ids, features, position_ids, attention_mask, write_pos, kv_cache):
         """(logits [B, N, draft_vocab], hidden [B, N, d], key, value)."""
