@@ -178,19 +178,19 @@ def write_readme(heads: Path = HEADS) -> None:
 
 # What a row's training time does not say.
 NOTES = {
-    "eagle3": "2000 steps over two sessions with two threads (`OMP_NUM_THREADS=2`), sharing the "
-    "machine with other work for most of it: 262 minutes of wall time, where alone it ran at "
-    "1,000-1,140 tokens/s (4.1M tokens: about 65 minutes uncontended).",
+    "eagle3": "1500 steps in one session with two threads (`OMP_NUM_THREADS=2`), sharing the "
+    "machine with other work: 78 minutes of wall time at 600-730 tokens/s (3.1M tokens). "
+    "Taps normalised (1/RMS per channel, folded into fc when saved); the earlier 2000-step "
+    "head on raw taps reached 0.77 at depth 1 and tau 3.31 after 262 minutes.",
 }
-
 README_HEAD = """# Trained drafters for pyref-7m
 
 Written by `python benchmarks/pyref_heads.py` (see its docstring for the data and recipes):
 distilled against `shared/models/pyref-7m` on windows (256 tokens; the row's count) of its
 own continuations of stdlib prompts, each in the public format its loader reads (`specx
 export --drafter KIND:DIR`; the draft model is an HF Llama checkpoint), weights in fp16. Held-out
-acceptance is `sum min(p, q)` by draft depth on 256 windows of the target continuing
-prompts from the files the reference split holds out (never trained on), and the chain-5
+acceptance is `sum min(p, q)` by draft depth on 64 windows (of the 256 written) of the target
+continuing prompts from the files the reference split holds out (never trained on), and the chain-5
 acceptance length (bonus counted) those rates imply. Training ran on this 2-core machine,
 one thread per run, two runs at a time (`OMP_NUM_THREADS=1`).
 
