@@ -17,7 +17,12 @@ pyref-deep (benchmarks/pyref_deep.py) shares pyref-7m's residual stream, so the 
 draft for it: `for_deep` renumbers what a layout names by layer (MTP's layer index,
 EAGLE-3's taps) for the 32-layer target.
 
-    python benchmarks/pyref_heads.py [--retrain eagle3,eagle,...] [--steps N]
+`--int4-twin WIDE` distils against pyref-1b's int4 build instead, through its narrow twin
+(`python benchmarks/pyref_wide.py WIDE --twin` writes it: pyref-7m's shape computing what the
+int4 build computes): its own data (`~/.cache/specx/pyref-int4-data`), runs and shipped heads
+(`benchmarks/heads/pyref-1b-int4/`, which pyref_wide.py widens for pyref-1b).
+
+    python benchmarks/pyref_heads.py [--retrain eagle3,eagle,...] [--steps N] [--int4-twin WIDE]
 """
 
 from __future__ import annotations
@@ -36,9 +41,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 from suite import SHARED, stdlib_split  # noqa: E402
 
 KINDS = ("eagle3", "eagle", "mtp", "medusa", "draft-model")
+CACHE = Path.home() / ".cache" / "specx"
 HEADS = Path(__file__).resolve().parent / "heads" / "pyref-7m"
-TRAIN = Path.home() / ".cache" / "specx" / "pyref-heads-train"
-DATA = Path.home() / ".cache" / "specx" / "pyref-data"
+TRAIN = CACHE / "pyref-heads-train"
+DATA = CACHE / "pyref-data"
 COMMON = {"batch": 8, "seq_len": 256, "lr": 2e-3, "seed": 0, "save_every": 100, "bf16": True}
 # kind -> TrainConfig fields besides COMMON (`more_data`: train on MORE_DATA too).
 RECIPES: dict[str, dict] = {
@@ -67,40 +73,71 @@ def log(message: str) -> None:
 
 
 @dataclass(frozen=True)
+class Teacher:
+    """Whose predictions the heads learn, and where its data, runs and shipped heads live."""
+
+    name: str
+    source: str  # what the heads' README says they were distilled against
+    target: Path
+    data: Path
+    train: Path
+    heads: Path
+
+
+PYREF_7M = Teacher(
+    "pyref-7m", "`shared/models/pyref-7m`", SHARED / "models" / "pyref-7m", DATA, TRAIN, HEADS
+)
+
+
+def int4_twin(wide: Path) -> Teacher:
+    """pyref-1b's int4 build, through the narrow twin pyref_wide.py writes under `wide`."""
+    return Teacher(
+        "pyref-1b at int4",
+        "pyref-1b's int4 build through its pyref-7m-sized twin (`benchmarks/pyref_wide.py --twin`)",
+        wide / "pyref-7m-int4-twin",
+        CACHE / "pyref-int4-data",
+        CACHE / "pyref-int4-heads-train",
+        HEADS.parent / "pyref-1b-int4",
+    )
+
+
+@dataclass(frozen=True)
 class Data:
     train: Path
     more: Path  # MORE_DATA, written only when a recipe asks for it
     held_out: Path
 
 
-def ensure_data(more: bool = False) -> Data:
+def ensure_data(more: bool = False, teacher: Teacher = PYREF_7M) -> Data:
     """The regenerated training and held-out windows, written (or completed) when missing."""
     from specx.training.regenerate import RegenerateConfig, regenerate
 
-    target = SHARED / "models" / "pyref-7m"
+    if not (teacher.target / "model.safetensors").is_file():
+        raise SystemExit(f"no checkpoint at {teacher.target} ({teacher.name})")
     train_files, held_files = stdlib_split()
     sets = [("held-out", held_files, HELD_OUT_DATA), ("train", train_files, TRAIN_DATA)]
     if more:
         sets.append(("train-2", train_files, MORE_DATA))
     for name, files, settings in sets:
-        regenerate(target, [str(p) for p in files], DATA / name, RegenerateConfig(**settings), log)
-    return Data(DATA / "train", DATA / "train-2", DATA / "held-out")
+        config = RegenerateConfig(**settings)
+        regenerate(teacher.target, [str(p) for p in files], teacher.data / name, config, log)
+    return Data(teacher.data / "train", teacher.data / "train-2", teacher.data / "held-out")
 
 
-def train(kind: str, steps: int | None = None) -> Path:
-    """Trains `kind` with its recipe into TRAIN/kind (resuming); returns that directory."""
+def train(kind: str, steps: int | None = None, teacher: Teacher = PYREF_7M) -> Path:
+    """Trains `kind` with its recipe into teacher.train/kind (resuming); returns that directory."""
     from specx.training.loop import TrainConfig, train_drafter
 
     recipe = {**COMMON, **RECIPES[kind], **({"steps": steps} if steps else {})}
     more = recipe.pop("more_data", False)
-    data = ensure_data(more)
-    out = TRAIN / kind
+    data = ensure_data(more, teacher)
+    out = teacher.train / kind
     if (out / "train_report.json").is_file() and not (out / "train_state.pt").is_file():
         shutil.rmtree(out)  # an earlier finished run: train afresh
     log(f"training {kind} into {out} ({recipe})")
     config = TrainConfig(kind, **recipe)
     train_drafter(
-        SHARED / "models" / "pyref-7m",
+        teacher.target,
         [],
         out,
         config,
@@ -111,7 +148,7 @@ def train(kind: str, steps: int | None = None) -> Path:
     return out
 
 
-def ship(kind: str, trained: Path, heads: Path = HEADS) -> Path:
+def ship(kind: str, trained: Path, heads: Path = HEADS, teacher: Teacher = PYREF_7M) -> Path:
     """Copies a trained drafter into `heads/kind` with fp16 weights, and its report."""
     from safetensors.numpy import load_file, save_file
 
@@ -136,7 +173,7 @@ def ship(kind: str, trained: Path, heads: Path = HEADS) -> Path:
     if out.exists():
         shutil.rmtree(out)
     staging.replace(out)
-    write_readme(heads)
+    write_readme(heads, teacher)
     return out
 
 
@@ -147,7 +184,7 @@ def weights_sha256(directory: Path) -> dict[str, str]:
     }
 
 
-def write_readme(heads: Path = HEADS) -> None:
+def write_readme(heads: Path = HEADS, teacher: Teacher = PYREF_7M) -> None:
     """heads/README.md: recipe, seed, time, acceptance and hashes of every shipped drafter."""
     rows, hashes = [], {}
     for kind in KINDS:
@@ -169,7 +206,13 @@ def write_readme(heads: Path = HEADS) -> None:
         )
         hashes[kind] = weights_sha256(heads / kind)
     notes = "".join(f"- {kind}: {NOTES[kind]}\n" for kind in hashes if kind in NOTES)
-    text = README_HEAD + "\n".join(rows) + "\n\n" + notes + "\nsha256 of the weight files:\n\n"
+    text = (
+        README_HEAD.format(name=teacher.name, source=teacher.source)
+        + "\n".join(rows)
+        + "\n\n"
+        + notes
+        + "\nsha256 of the weight files:\n\n"
+    )
     for kind, files in hashes.items():
         text += "".join(f"- `{kind}/{name}`: `{digest}`\n" for name, digest in files.items())
     (heads / "README.md").write_text(text)
@@ -183,10 +226,10 @@ NOTES = {
     "Taps normalised (1/RMS per channel, folded into fc when saved); the earlier 2000-step "
     "head on raw taps reached 0.77 at depth 1 and tau 3.31 after 262 minutes.",
 }
-README_HEAD = """# Trained drafters for pyref-7m
+README_HEAD = """# Trained drafters for {name}
 
 Written by `python benchmarks/pyref_heads.py` (see its docstring for the data and recipes):
-distilled against `shared/models/pyref-7m` on windows (256 tokens; the row's count) of its
+distilled against {source} on windows (256 tokens; the row's count) of its
 own continuations of stdlib prompts, each in the public format its loader reads (`specx
 export --drafter KIND:DIR`; the draft model is an HF Llama checkpoint), weights in fp16. Held-out
 acceptance is `sum min(p, q)` by draft depth on 64 windows (of the 256 written) of the target
@@ -247,14 +290,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--retrain", default="", help="kinds to train again and ship")
     parser.add_argument("--steps", type=int, default=None, help="instead of the recipe's")
-    parser.add_argument("--heads", type=Path, default=HEADS)
+    parser.add_argument("--heads", type=Path, default=None, help="default: the teacher's")
+    parser.add_argument(
+        "--int4-twin", type=Path, default=None, metavar="WIDE",
+        help="distil against pyref-1b's int4 build (its twin under WIDE: pyref_wide.py --twin)",
+    )  # fmt: skip
     args = parser.parse_args()
     if not (SHARED / "models" / "pyref-7m" / "model.safetensors").is_file():
         log("skipped: shared/models/pyref-7m is absent")
         return
+    teacher = int4_twin(args.int4_twin) if args.int4_twin else PYREF_7M
+    heads = args.heads or teacher.heads
     for kind in [k for k in args.retrain.split(",") if k]:
-        ship(kind, train(kind, args.steps), args.heads)
-    write_readme(args.heads)
+        ship(kind, train(kind, args.steps, teacher), heads, teacher)
+    write_readme(heads, teacher)
 
 
 if __name__ == "__main__":

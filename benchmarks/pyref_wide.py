@@ -38,6 +38,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 sys.path.insert(0, str(Path(__file__).parent))
 
 import pyref_heads  # noqa: E402
@@ -152,6 +154,58 @@ def _head_config(kind: str, config: dict, shape: Shape) -> dict:
     return wide
 
 
+def write_int4_twin(out: Path, shape: Shape) -> Path:
+    """OUT/pyref-7m-int4-twin: the narrow model computing what pyref-1b's int4 build computes.
+
+    `specx build --precision int4` rounds every MatMul weight to nearest per output row
+    (`specx.graphs.weight_only`), which keeps each widened row a row, so the quantized wide
+    weights narrow to an exact twin (`specx.training.widening.twin_tensors`; the silenced
+    layer copies add zero before and after rounding). Two things the twin does not carry: the
+    int8 activations of MatMulNBits' accuracy level 4, and the lm_head's 4-bit logits outside
+    the top 16 (the build rescores those 16 from an 8-bit copy; the twin holds the 8-bit one
+    everywhere). `--twin` measures how close that is. Heads distilled against the twin are
+    distilled against the int4 target at pyref-7m's cost.
+    """
+    from safetensors.numpy import load_file, save_file
+
+    from specx.build.ort import STREAMED_WEIGHTS
+    from specx.graphs.weight_only import WeightOnlyConfig, quantize_rtn
+    from specx.training.widening import NarrowShape, twin_tensors
+
+    twin = out / "pyref-7m-int4-twin"
+    if (twin / "model.safetensors").is_file():
+        return twin
+    target = out / "pyref-1b"
+    block = 128 if parameters(target) >= STREAMED_WEIGHTS else 32  # as specx.build.ort
+    config = WeightOnlyConfig(bits=4, block_size=block)
+
+    def stored(name: str, wide: np.ndarray) -> np.ndarray:
+        if wide.ndim != 2 or "embed_tokens" in name:
+            return wide  # norms and the embedding (a Gather) stay float
+        bits = config.bits if name != "lm_head.weight" else 8  # the rescored top 16
+        weight = quantize_rtn(np.ascontiguousarray(wide.T), bits, block, config.symmetric)
+        return np.ascontiguousarray(weight.dequantize()[: wide.shape[1]].T)
+
+    narrow_config = json.loads((SOURCE / "config.json").read_text())
+    tensors = load_file(SOURCE / "model.safetensors")
+    tensors.setdefault("lm_head.weight", tensors["model.embed_tokens.weight"])
+    log(f"writing pyref-1b's int4 twin (blocks of {block}) into {twin}")
+    partial = out / ".pyref-7m-int4-twin.partial"
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    narrow = NarrowShape.of(narrow_config)
+    save_file(
+        twin_tensors(tensors, narrow, shape.widening(), stored), partial / "model.safetensors"
+    )
+    twin_config = {**narrow_config, "tie_word_embeddings": False}
+    (partial / "config.json").write_text(json.dumps(twin_config, indent=2) + "\n")
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        if (SOURCE / name).is_file():
+            shutil.copyfile(SOURCE / name, partial / name)
+    partial.replace(twin)
+    return twin
+
+
 def check_target(target: Path, new_tokens: int) -> dict:
     """pyref-1b vs pyref-7m: largest logit difference on each prompt, greedy identity."""
     import torch
@@ -181,6 +235,63 @@ def check_target(target: Path, new_tokens: int) -> dict:
     }
 
 
+def int4_build(out: Path, target: Path) -> Path:
+    """OUT/specx-int4: pyref-1b exported and built at int4 as edge.py builds it."""
+    from deep_heads import build_options
+
+    from specx.build import build_artifact
+    from specx.export.target_export import export_target
+
+    artifact = out / "specx-int4"
+    if not (artifact / ".complete").is_file():
+        shutil.rmtree(artifact, ignore_errors=True)
+        log(f"specx export + int4 build of pyref-1b into {artifact}")
+        export_target(target, artifact, max_context=1024)
+        build_artifact(artifact, build_options("ort-int4"))
+        (artifact / ".complete").write_text("")
+    return artifact
+
+
+def check_twin(twin: Path, artifact: Path, new_tokens: int, threads: int = 2) -> dict:
+    """How often the twin (and pyref-7m) predicts what pyref-1b at int4 decodes greedily.
+
+    Each held-out prompt is decoded greedily by specx from the int4 build; the twin and
+    pyref-7m read the same tokens (teacher forcing) and their argmax at every decoded
+    position is compared with the int4 token there.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from specx.artifact import load_manifest
+    from specx.runtime.backends import open_decoder
+    from specx.runtime.plain_decoding import generate_plain
+    from specx.runtime.tokenizer import TextTokenizer
+
+    decoder = open_decoder(load_manifest(artifact).with_build("ort-int4"), threads=threads)
+    prompts = prompts_for(TextTokenizer(SOURCE / "tokenizer.json"), 12)
+    models = {
+        name: AutoModelForCausalLM.from_pretrained(path).eval()
+        for name, path in (("twin", twin), ("pyref-7m", SOURCE))
+    }
+    agree = dict.fromkeys(models, 0)
+    positions = 0
+    for i, prompt in enumerate(prompts):
+        decoded = generate_plain(decoder, [list(prompt)], new_tokens).tokens[0]
+        ids = torch.tensor([list(prompt) + list(decoded)])
+        for name, model in models.items():
+            with torch.no_grad():
+                predicted = model(ids).logits[0, len(prompt) - 1 : -1].argmax(-1)
+            agree[name] += int((predicted == torch.tensor(decoded)).sum())
+        positions += len(decoded)
+        log(f"twin check {i + 1}/{len(prompts)}: {agree} of {positions}")
+    return {
+        "prompts": len(prompts),
+        "new_tokens": new_tokens,
+        "positions": positions,
+        "top1_agreement_with_int4": {name: n / positions for name, n in agree.items()},
+    }
+
+
 def parameters(target: Path) -> int:
     from safetensors import safe_open
 
@@ -195,6 +306,9 @@ def main() -> None:
         parser.add_argument(f"--{field.replace('_', '-')}", type=int, default=default)
     parser.add_argument("--check", action="store_true", help="logits and greedy vs pyref-7m")
     parser.add_argument("--check-tokens", type=int, default=96)
+    parser.add_argument(
+        "--twin", action="store_true", help="write pyref-1b's int4 twin and check it"
+    )
     args = parser.parse_args()
     if not (SOURCE / "model.safetensors").is_file():
         log("skipped: shared/models/pyref-7m is absent")
@@ -206,6 +320,11 @@ def main() -> None:
     if args.check:
         report = check_target(target, args.check_tokens)
         (args.out / "checks.json").write_text(json.dumps(report, indent=2) + "\n")
+        log(json.dumps(report))
+    if args.twin:
+        twin = write_int4_twin(args.out, shape)
+        report = check_twin(twin, int4_build(args.out, target), args.check_tokens)
+        (args.out / "twin_checks.json").write_text(json.dumps(report, indent=2) + "\n")
         log(json.dumps(report))
 
 

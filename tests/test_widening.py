@@ -11,7 +11,15 @@ from safetensors.numpy import load_file
 from test_heads_reference import head_tensors, reference
 
 from conftest import HEAD_VOCAB
-from specx.training.widening import NarrowShape, Widening, widen_checkpoint, widen_tensors
+from specx.graphs.weight_only import quantize_rtn
+from specx.training.widening import (
+    NarrowShape,
+    Widening,
+    narrow_tensors,
+    twin_tensors,
+    widen_checkpoint,
+    widen_tensors,
+)
 
 # Tiny shapes: 4 query / 2 KV heads widen to 12 / 6 (two queries per KV head, as before).
 WIDE = Widening(factor=3, heads=12, kv_heads=6, intermediate=200, seed=1)
@@ -34,6 +42,63 @@ def test_widened_checkpoint_has_the_same_logits_and_greedy_output(checkpoints, t
             for m in (narrow, wide)
         ]
     assert greedy[0].tolist() == greedy[1].tolist()
+
+
+def _llama_tensors(directory) -> dict[str, np.ndarray]:
+    tensors = load_file(directory / "model.safetensors")
+    tensors.setdefault("lm_head.weight", tensors["model.embed_tokens.weight"])  # untied
+    return tensors
+
+
+def test_narrowing_inverts_widening(checkpoints, head_target, head_dirs):
+    cfg = json.loads((checkpoints["llama"] / "config.json").read_text())
+    tensors = _llama_tensors(checkpoints["llama"])
+    back = narrow_tensors(
+        widen_tensors(tensors, NarrowShape.of(cfg), WIDE), NarrowShape.of(cfg), WIDE
+    )
+    for name, value in tensors.items():
+        np.testing.assert_allclose(back[name], value, atol=1e-6, err_msg=name)
+    shape = NarrowShape.of(json.loads((head_target / "config.json").read_text()))
+    widening = Widening(factor=3, heads=8, kv_heads=4, intermediate=150)
+    for name in ("eagle3", "eagle", "mtp-deepseek"):
+        head = {k: v.numpy() for k, v in head_tensors(name, head_dirs, head_target).items()}
+        back = narrow_tensors(widen_tensors(head, shape, widening), shape, widening)
+        for key, value in head.items():
+            np.testing.assert_allclose(back[key], value, atol=1e-6, err_msg=f"{name} {key}")
+
+
+def _int4(name: str, wide: np.ndarray) -> np.ndarray:
+    """What a weight-only int4 build holds for a MatMul weight (HF [out, in]; blocks of 16)."""
+    if wide.ndim != 2 or "embed_tokens" in name:
+        return wide
+    k = wide.shape[1]
+    weight = quantize_rtn(np.ascontiguousarray(wide.T), 4, 16, True).dequantize()[:k]
+    return np.ascontiguousarray(weight.T)  # safetensors writes a transposed view's raw bytes
+
+
+def test_a_wide_int4_model_has_a_narrow_twin(checkpoints, tmp_path):
+    """Quantizing the wide model's weights per row keeps a narrow model computing the same."""
+    from safetensors.numpy import save_file
+    from transformers import AutoModelForCausalLM
+
+    narrow_dir = checkpoints["llama"]
+    cfg = json.loads((narrow_dir / "config.json").read_text())
+    wide_dir = widen_checkpoint(narrow_dir, tmp_path / "wide", WIDE)
+    wide = load_file(wide_dir / "model.safetensors")
+    save_file({k: _int4(k, v) for k, v in wide.items()}, wide_dir / "model.safetensors")
+    twin = twin_tensors(_llama_tensors(narrow_dir), NarrowShape.of(cfg), WIDE, _int4)
+    twin_dir = tmp_path / "twin"
+    twin_dir.mkdir()
+    save_file(twin, twin_dir / "model.safetensors")
+    (twin_dir / "config.json").write_text(json.dumps({**cfg, "tie_word_embeddings": False}))
+    models = [
+        AutoModelForCausalLM.from_pretrained(d).eval() for d in (narrow_dir, wide_dir, twin_dir)
+    ]
+    prompt = torch.tensor([[5, 17, 300, 2, 41, 99, 7]])
+    with torch.no_grad():
+        original, quantized, narrow_twin = (m(prompt).logits for m in models)
+    torch.testing.assert_close(narrow_twin, quantized, atol=1e-4, rtol=0)
+    assert float((quantized - original).abs().max()) > 1e-2  # int4 moved the logits
 
 
 @pytest.mark.parametrize("name", ["eagle3", "eagle", "mtp-deepseek"])

@@ -18,7 +18,13 @@ costs. Draft heads widen with the same rules (their inputs from the target are r
 their outputs into the target's space repeat), so they draft what they drafted before.
 
 `widen_tensors` maps tensors by name (Llama, EAGLE-1, EAGLE-3, MTP and Medusa-1 names) and
-refuses a name it has no rule for rather than guess.
+refuses a name it has no rule for rather than guess. `narrow_tensors` is each rule's inverse
+on the real part (copies of a read summed, one copy of a write kept, extra heads and units
+dropped): `narrow_tensors(widen_tensors(t)) == t`. Applied to a wide model's *changed*
+weights it gives the narrow model that computes what the wide one computes, as long as the
+change keeps each row a row (a write's copies stay equal, extra units still add zero):
+weight-only quantization per output row does (codes and scales are per row, and zero codes
+zero), so a wide int4 model has a narrow twin that distils heads at the narrow model's cost.
 """
 
 from __future__ import annotations
@@ -33,7 +39,15 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["Widening", "NarrowShape", "widen_tensors", "widen_config", "widen_checkpoint"]
+__all__ = [
+    "NarrowShape",
+    "Widening",
+    "narrow_tensors",
+    "twin_tensors",
+    "widen_checkpoint",
+    "widen_config",
+    "widen_tensors",
+]
 
 
 @dataclass(frozen=True)
@@ -159,22 +173,75 @@ class _Widener:
     def same(self, x: np.ndarray, name: str) -> np.ndarray:
         return x
 
+    # The inverses, on the real part: a read's copies summed, a write's first copy kept.
+
+    def vector_inverse(self, x: np.ndarray, name: str) -> np.ndarray:
+        return x[:: self.k]
+
+    def reads_inverse(self, x: np.ndarray, name: str = "") -> np.ndarray:
+        rows, cols = x.shape
+        return x.reshape(rows, -1, self.n.hidden, self.k).sum(-1).reshape(rows, -1)
+
+    def writes_inverse(self, x: np.ndarray, name: str) -> np.ndarray:
+        return x.reshape(-1, self.k, *x.shape[1:])[:, 0]
+
+    def embedding_inverse(self, x: np.ndarray, name: str) -> np.ndarray:
+        return x[:, :: self.k]
+
+    def linear_inverse(self, x: np.ndarray, name: str) -> np.ndarray:
+        return self.reads_inverse(self.writes_inverse(x, name), name)
+
+    def _head_rows_inverse(self, x: np.ndarray, place: list[int]) -> np.ndarray:
+        heads = x.reshape(-1, self.n.head_dim, x.shape[-1])[place]
+        return self.reads_inverse(heads.reshape(len(place) * self.n.head_dim, -1))
+
+    def q_proj_inverse(self, x: np.ndarray, name: str) -> np.ndarray:
+        return self._head_rows_inverse(x, self.q_place)
+
+    def kv_proj_inverse(self, x: np.ndarray, name: str) -> np.ndarray:
+        return self._head_rows_inverse(x, list(range(self.n.kv_heads)))
+
+    def o_proj_inverse(self, x: np.ndarray, name: str) -> np.ndarray:
+        rows = self.writes_inverse(x, name).reshape(-1, self.w.heads, self.n.head_dim)
+        return rows[:, self.q_place].reshape(rows.shape[0], -1)
+
+    def gate_up_inverse(self, x: np.ndarray, name: str) -> np.ndarray:
+        return self.reads_inverse(x[: self.n.intermediate], name)
+
+    def down_inverse(self, x: np.ndarray, name: str) -> np.ndarray:
+        return self.writes_inverse(x, name)[:, : self.n.intermediate]
+
 
 _Rule = Callable[[_Widener, np.ndarray, str], np.ndarray]
-# (pattern on the full tensor name, rule); the first match wins.
-_RULES: tuple[tuple[str, _Rule], ...] = (
-    (r"(^|\.)(d2t|t2d)$", _Widener.same),  # EAGLE-3 vocabulary maps
-    (r"self_attn\.q_proj\.weight$", _Widener.q_proj),
-    (r"self_attn\.[kv]_proj\.weight$", _Widener.kv_proj),
-    (r"self_attn\.o_proj\.weight$", _Widener.o_proj),
-    (r"mlp\.(gate|up)_proj\.weight$", _Widener.gate_up),
-    (r"mlp\.down_proj\.weight$", _Widener.down),
-    (r"(norm|layernorm)\.weight$", _Widener.vector),
-    (r"embed_tokens\.weight$", _Widener.embedding),
-    (r"(^|\.)(fc|eh_proj|\d+\.0\.linear)\.weight$", _Widener.linear),
-    (r"(^|\.)(fc|\d+\.0\.linear)\.bias$", _Widener.vector),
-    (r"(^|\.)(lm_head|shared_head\.head|\d+\.1)\.weight$", _Widener.reads),
+# (pattern on the full tensor name, rule, its inverse); the first match wins.
+_RULES: tuple[tuple[str, _Rule, _Rule], ...] = (
+    (r"(^|\.)(d2t|t2d)$", _Widener.same, _Widener.same),  # EAGLE-3 vocabulary maps
+    (r"self_attn\.q_proj\.weight$", _Widener.q_proj, _Widener.q_proj_inverse),
+    (r"self_attn\.[kv]_proj\.weight$", _Widener.kv_proj, _Widener.kv_proj_inverse),
+    (r"self_attn\.o_proj\.weight$", _Widener.o_proj, _Widener.o_proj_inverse),
+    (r"mlp\.(gate|up)_proj\.weight$", _Widener.gate_up, _Widener.gate_up_inverse),
+    (r"mlp\.down_proj\.weight$", _Widener.down, _Widener.down_inverse),
+    (r"(norm|layernorm)\.weight$", _Widener.vector, _Widener.vector_inverse),
+    (r"embed_tokens\.weight$", _Widener.embedding, _Widener.embedding_inverse),
+    (
+        r"(^|\.)(fc|eh_proj|\d+\.0\.linear)\.weight$",
+        _Widener.linear,
+        _Widener.linear_inverse,
+    ),
+    (r"(^|\.)(fc|\d+\.0\.linear)\.bias$", _Widener.vector, _Widener.vector_inverse),
+    (
+        r"(^|\.)(lm_head|shared_head\.head|\d+\.1)\.weight$",
+        _Widener.reads,
+        _Widener.reads_inverse,
+    ),
 )
+
+
+def _rules_for(name: str) -> tuple[_Rule, _Rule]:
+    for pattern, widen, narrow in _RULES:
+        if re.search(pattern, name):
+            return widen, narrow
+    raise ValueError(f"no widening rule for tensor {name!r}")
 
 
 def widen_tensors(
@@ -189,11 +256,49 @@ def widen_tensors(
     widener = _Widener(narrow, widening)
     out = {}
     for name, value in tensors.items():
-        rule = next((r for pattern, r in _RULES if re.search(pattern, name)), None)
-        if rule is None:
-            raise ValueError(f"no widening rule for tensor {name!r}")
+        rule, _ = _rules_for(name)
         x = value.astype(np.float32) if value.dtype.kind == "f" else value
         out[name] = np.ascontiguousarray(rule(widener, x, name))
+    return out
+
+
+def narrow_tensors(
+    tensors: Mapping[str, np.ndarray], narrow: NarrowShape, widening: Widening
+) -> dict[str, np.ndarray]:
+    """Every wide tensor narrowed by its name's inverse rule (see the module docstring).
+
+    Raises:
+        ValueError: a name no rule covers.
+    """
+    widener = _Widener(narrow, widening)
+    out = {}
+    for name, value in tensors.items():
+        _, inverse = _rules_for(name)
+        x = value.astype(np.float32) if value.dtype.kind == "f" else value
+        out[name] = np.ascontiguousarray(inverse(widener, x, name))
+    return out
+
+
+def twin_tensors(
+    tensors: Mapping[str, np.ndarray],
+    narrow: NarrowShape,
+    widening: Widening,
+    change: Callable[[str, np.ndarray], np.ndarray],
+) -> dict[str, np.ndarray]:
+    """The narrow tensors that compute what the widened ones compute after `change`.
+
+    `change(name, wide)` returns the wide tensor as the wide model will hold it (quantized and
+    dequantized, say). Each tensor is widened, changed and narrowed on its own, so only one
+    wide tensor is in memory at a time. Exact where `change` keeps rows rows (module docstring).
+    """
+    widener = _Widener(narrow, widening)
+    out = {}
+    for name, value in tensors.items():
+        widen, inverse = _rules_for(name)
+        x = value.astype(np.float32) if value.dtype.kind == "f" else value
+        out[name] = np.ascontiguousarray(
+            inverse(widener, change(name, widen(widener, x, name)), name)
+        )
     return out
 
 
