@@ -101,33 +101,35 @@ def write_target(out: Path, shape: Shape) -> Path:
     return target
 
 
-def write_heads(out: Path, shape: Shape) -> dict[str, Path]:
-    """OUT/heads/<kind>: every committed pyref-7m drafter widened (see the docstring)."""
+def write_heads(
+    out: Path, shape: Shape, source: Path = pyref_heads.HEADS, dest_dir: str = "heads"
+) -> dict[str, Path]:
+    """OUT/dest_dir/<kind>: every committed drafter under `source` widened (the docstring)."""
     from safetensors.numpy import load_file, save_file
 
     from specx.training.widening import NarrowShape, Widening, widen_checkpoint, widen_tensors
 
     narrow = NarrowShape.of(json.loads((SOURCE / "config.json").read_text()))
     written = {}
-    for kind in pyref_heads.KINDS:
-        source, dest = pyref_heads.HEADS / kind, out / "heads" / kind
+    for kind in [k for k in pyref_heads.KINDS if (source / k / "config.json").is_file()]:
+        head, dest = source / kind, out / dest_dir / kind
         written[kind] = dest
-        stamp = json.dumps(pyref_heads.weights_sha256(source))  # a retrained head is widened anew
+        stamp = json.dumps(pyref_heads.weights_sha256(head))  # a retrained head is widened anew
         if (dest / "source.json").is_file() and (dest / "source.json").read_text() == stamp:
             continue
         shutil.rmtree(dest, ignore_errors=True)
         if kind == "draft-model":
             draft = Widening(shape.factor, DRAFT_HEADS, DRAFT_KV_HEADS, DRAFT_INTERMEDIATE)
-            widen_checkpoint(source, dest, draft)
+            widen_checkpoint(head, dest, draft)
             (dest / "source.json").write_text(stamp)
             continue
         dest.mkdir(parents=True)
-        for path in source.glob("*.safetensors"):
+        for path in head.glob("*.safetensors"):
             tensors = widen_tensors(load_file(path), narrow, shape.widening())
             if kind == "mtp":
                 tensors = {_renumber_mtp(k, shape.layers): v for k, v in tensors.items()}
             save_file(tensors, dest / path.name, metadata={"format": "pt"})
-        config = json.loads((source / "config.json").read_text())
+        config = json.loads((head / "config.json").read_text())
         (dest / "config.json").write_text(json.dumps(_head_config(kind, config, shape), indent=2))
         (dest / "source.json").write_text(stamp)
         log(f"widened {kind} into {dest}")
