@@ -32,6 +32,12 @@ torch==2.13.0 "optimum-intel[openvino]" einops && .../bin/pip uninstall -y torch
 
     python benchmarks/edge.py [--wide ~/.cache/specx/pyref-wide] [--prompts 6]
         [--new-tokens 64] [--repeats 3] [--sections greedy,sampled] [--only REGEX]
+        [--int4-heads]
+
+`--int4-heads`: kinds with a head distilled against pyref-1b's int4 build
+(`benchmarks/heads/pyref-1b-int4`, see int4_heads.py) draft with it, OpenVINO's EAGLE-3
+included when there is an int4-distilled EAGLE-3 head. Artifacts are rebuilt when the head
+they hold changes.
 
 Preparation (exports and builds, ~10 minutes) is kept under `--work` and reused. Writes
 benchmarks/results/edge.json and prints a markdown table.
@@ -67,6 +73,8 @@ from runners import (  # noqa: E402
 from suite import prompts_for  # noqa: E402
 
 CACHE = Path.home() / ".cache" / "specx"
+# Heads distilled against pyref-1b's int4 build (pyref_heads.py --int4-twin).
+INT4_HEADS = Path(__file__).resolve().parent / "heads" / "pyref-1b-int4"
 HEADS = ("eagle3", "eagle", "mtp", "medusa")
 CHAINS = (2, 3, 4)
 DRAFT_TOKENS = 4  # the peers' draft length per round
@@ -85,15 +93,22 @@ class Prepared:
     openvino: Path
     openvino_eagle3: Path | None
     eagle3_taps: tuple[int, ...]  # OpenVINO's numbering (outputs of layers)
+    heads: dict[str, Path]  # the widened heads, by kind
 
 
-def _done(directory: Path) -> bool:
-    return (directory / ".complete").is_file()
+def _done(directory: Path, stamp: str = "") -> bool:
+    done = directory / ".complete"
+    return done.is_file() and done.read_text() == stamp
 
 
-def _mark(directory: Path) -> Path:
-    (directory / ".complete").write_text("")
+def _mark(directory: Path, stamp: str = "") -> Path:
+    (directory / ".complete").write_text(stamp)
     return directory
+
+
+def _stamp(head: Path | None) -> str:
+    """What a widened head was widened from (pyref_wide's source.json): rebuilt when it moves."""
+    return (head / "source.json").read_text() if head else ""
 
 
 def prepare_specx(target: Path, heads: dict[str, Path], work: Path) -> dict[str, Path]:
@@ -101,17 +116,17 @@ def prepare_specx(target: Path, heads: dict[str, Path], work: Path) -> dict[str,
     from specx.build import build_artifact
     from specx.export.target_export import export_target
 
-    jobs = {"plain": (target, None), "draft": (heads["draft-model"], None)}
-    jobs |= {kind: (target, f"{kind}:{heads[kind]}") for kind in HEADS}
+    jobs = {"plain": (target, None, None), "draft": (heads["draft-model"], None, None)}
+    jobs |= {kind: (target, f"{kind}:{heads[kind]}", heads[kind]) for kind in HEADS}
     out = {}
-    for name, (source, drafter) in jobs.items():
+    for name, (source, drafter, head) in jobs.items():
         artifact = work / "specx" / name
-        if not _done(artifact):
+        if not _done(artifact, _stamp(head)):
             shutil.rmtree(artifact, ignore_errors=True)
             log(f"specx export + int4 build: {name}")
             export_target(source, artifact, max_context=1024, drafter=drafter)
             build_artifact(artifact, build_options("ort-int4"))
-            _mark(artifact)
+            _mark(artifact, _stamp(head))
         out[name] = artifact
     return out
 
@@ -164,7 +179,7 @@ def prepare_openvino_eagle3(head: Path, taps: tuple[int, ...], work: Path, venv:
     import openvino as ov
 
     out = work / "openvino-eagle3-int4"
-    if _done(out):
+    if _done(out, _stamp(head)):
         return out
     shutil.rmtree(out, ignore_errors=True)
     shim = work / "optimum-shim"
@@ -186,13 +201,16 @@ def prepare_openvino_eagle3(head: Path, taps: tuple[int, ...], work: Path, venv:
     for name in (xml.name, xml.with_suffix(".bin").name):
         (staged / name).replace(out / name)
     staged.rmdir()
-    return _mark(out)
+    return _mark(out, _stamp(head))
 
 
-def prepare(wide: Path, work: Path, venv: Path) -> Prepared:
+def prepare(wide: Path, work: Path, venv: Path, int4_heads: bool = False) -> Prepared:
+    """Every artifact; `int4_heads`: kinds distilled against the int4 target use those heads."""
     shape = pyref_wide.Shape()
     target = pyref_wide.write_target(wide, shape)
     heads = pyref_wide.write_heads(wide, shape)
+    if int4_heads:
+        heads |= pyref_wide.write_heads(wide, shape, INT4_HEADS, "heads-int4")
     config = json.loads((heads["eagle3"] / "config.json").read_text())
     taps = tuple(config["eagle_config"]["eagle_aux_hidden_state_layer_ids"])
     specx = prepare_specx(target, heads, work)
@@ -203,7 +221,7 @@ def prepare(wide: Path, work: Path, venv: Path) -> Prepared:
     except SystemExit as e:  # reported, not fatal: the other runners still compare
         log(f"OpenVINO's EAGLE-3 could not be prepared: {e}")
         eagle3 = None
-    return Prepared(specx, genai, openvino, eagle3, taps)
+    return Prepared(specx, genai, openvino, eagle3, taps, heads)
 
 
 def _fresh(kind: str, target, tree: str) -> Callable:
@@ -356,6 +374,10 @@ def main() -> None:
     parser.add_argument("--sections", default="greedy,sampled")
     parser.add_argument("--only", default="", help="regex: time only the runners it matches")
     parser.add_argument("--prepare-only", action="store_true")
+    parser.add_argument(
+        "--int4-heads", action="store_true",
+        help=f"kinds with a head under {INT4_HEADS} (distilled against the int4 target) use it",
+    )  # fmt: skip
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/edge.json"))
     args = parser.parse_args()
     if not (pyref_wide.SOURCE / "model.safetensors").is_file():
@@ -365,7 +387,7 @@ def main() -> None:
     from specx.runtime.sampling import SamplingParams
     from specx.runtime.tokenizer import TextTokenizer
 
-    prepared = prepare(args.wide, args.work, args.ov_venv)
+    prepared = prepare(args.wide, args.work, args.ov_venv, args.int4_heads)
     if args.prepare_only:
         return
     tokenizer = TextTokenizer(pyref_wide.SOURCE / "tokenizer.json")
@@ -378,6 +400,10 @@ def main() -> None:
         "repeats": args.repeats,
         "machine": {"platform": platform.platform(), "threads": args.threads},
         "openvino_eagle3_taps": list(prepared.eagle3_taps),
+        "heads": {
+            kind: "int4-distilled" if head.parent.name == "heads-int4" else "fp32-distilled"
+            for kind, head in prepared.heads.items()
+        },
         "sections": {},
     }
     keep = re.compile(args.only or ".")
