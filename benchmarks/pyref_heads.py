@@ -205,7 +205,11 @@ def write_readme(heads: Path = HEADS, teacher: Teacher = PYREF_7M) -> None:
             f"{last['tau_chain5_estimate']:.2f} |"
         )
         hashes[kind] = weights_sha256(heads / kind)
-    notes = "".join(f"- {kind}: {NOTES[kind]}\n" for kind in hashes if kind in NOTES)
+    notes = "".join(
+        f"- {kind}: {NOTES[teacher.name, kind]}\n"
+        for kind in hashes
+        if (teacher.name, kind) in NOTES
+    )
     text = (
         README_HEAD.format(name=teacher.name, source=teacher.source)
         + "\n".join(rows)
@@ -221,10 +225,16 @@ def write_readme(heads: Path = HEADS, teacher: Teacher = PYREF_7M) -> None:
 
 # What a row's training time does not say.
 NOTES = {
-    "eagle3": "1500 steps in one session with two threads (`OMP_NUM_THREADS=2`), sharing the "
+    (
+        "pyref-7m",
+        "eagle3",
+    ): "1500 steps in one session with two threads (`OMP_NUM_THREADS=2`), sharing the "
     "machine with other work: 78 minutes of wall time at 600-730 tokens/s (3.1M tokens). "
     "Taps normalised (1/RMS per channel, folded into fc when saved); the earlier 2000-step "
     "head on raw taps reached 0.77 at depth 1 and tau 3.31 after 262 minutes.",
+    ("pyref-1b at int4", "eagle"): "the pyref-7m recipe on 8192 windows the twin wrote (its "
+    "own continuations of the same prompts), alone on the machine with two threads "
+    "(`OMP_NUM_THREADS=2`).",
 }
 README_HEAD = """# Trained drafters for {name}
 
@@ -235,7 +245,8 @@ export --drafter KIND:DIR`; the draft model is an HF Llama checkpoint), weights 
 acceptance is `sum min(p, q)` by draft depth on 64 windows (of the 256 written) of the target
 continuing prompts from the files the reference split holds out (never trained on), and the chain-5
 acceptance length (bonus counted) those rates imply. Training ran on this 2-core machine,
-one thread per run, two runs at a time (`OMP_NUM_THREADS=1`).
+one thread per run, two runs at a time (`OMP_NUM_THREADS=1`), unless a note below says
+otherwise.
 
 | kind | recipe | training time | held-out acceptance by depth | chain-5 tau (estimate) |
 |---|---|---|---|---|
