@@ -1,7 +1,9 @@
-"""The drafters committed under benchmarks/heads/pyref-7m: each matches its recorded hash,
-loads through its public-format loader, drafts losslessly for pyref-7m and above an
-acceptance floor on fixed held-out prompts (a head broken in shipping, e.g. by the fp16
-conversion or a lost tap numbering, falls far below it)."""
+"""The drafters committed under benchmarks/heads/: each matches its recorded hash, loads
+through its public-format loader, drafts losslessly for pyref-7m and above an acceptance
+floor on fixed held-out prompts (a head broken in shipping, e.g. by the fp16 conversion or a
+lost tap numbering, falls far below it). The heads distilled against pyref-1b's int4 build
+(`pyref-1b-int4`) draft for pyref-7m too: their teacher's predictions are pyref-7m's at 95%
+of positions."""
 
 from __future__ import annotations
 
@@ -13,22 +15,34 @@ import pytest
 
 from conftest import SHARED
 
-HEADS = Path(__file__).resolve().parents[1] / "benchmarks" / "heads" / "pyref-7m"
-RECORDED = (
-    json.loads((HEADS / "heads.json").read_text()) if (HEADS / "heads.json").is_file() else {}
-)
+ROOT = Path(__file__).resolve().parents[1] / "benchmarks" / "heads"
+HEADS = ROOT / "pyref-7m"
+INT4_HEADS = ROOT / "pyref-1b-int4"
+
+
+def _recorded(heads: Path) -> dict[str, dict[str, str]]:
+    return (
+        json.loads((heads / "heads.json").read_text()) if (heads / "heads.json").is_file() else {}
+    )
+
+
+RECORDED = _recorded(HEADS)
 # Acceptance length (bonus counted) of greedy chains of 4 (Medusa: its default tree) on the
 # prompts below, about 80% of what each shipped drafter measured there (EAGLE-3 2.94,
 # EAGLE-1 2.52, MTP 1.91, Medusa 2.24, draft model 1.32), far over an untrained one's ~1.05.
 FLOORS = {"eagle3": 2.35, "eagle": 2.0, "mtp": 1.5, "medusa": 1.8, "draft-model": 1.15}
 TARGET = SHARED / "models" / "pyref-7m"
+# (heads folder, kind): every pyref-7m kind, and each int4-distilled head committed.
+COMMITTED = [(HEADS, kind) for kind in FLOORS] + [(INT4_HEADS, k) for k in _recorded(INT4_HEADS)]
 
 
 def test_every_kind_is_committed_with_its_hashes():
     assert set(RECORDED) == set(FLOORS)
-    for kind, files in RECORDED.items():
-        for name, digest in files.items():
-            assert hashlib.sha256((HEADS / kind / name).read_bytes()).hexdigest() == digest
+    assert {kind for _, kind in COMMITTED} <= set(FLOORS)
+    for heads in (HEADS, INT4_HEADS):
+        for kind, files in _recorded(heads).items():
+            for name, digest in files.items():
+                assert hashlib.sha256((heads / kind / name).read_bytes()).hexdigest() == digest
 
 
 @pytest.fixture(scope="module")
@@ -43,8 +57,8 @@ def prompts():
     return [tokenizer.encode(held[i].read_text()[:600])[:64] for i in (0, 5, 11)]
 
 
-@pytest.mark.parametrize("kind", list(FLOORS))
-def test_a_committed_drafter_drafts_losslessly_above_its_floor(kind, prompts, tmp_path):
+@pytest.mark.parametrize(("heads", "kind"), COMMITTED, ids=[f"{h.name}-{k}" for h, k in COMMITTED])
+def test_a_committed_drafter_drafts_losslessly_above_its_floor(heads, kind, prompts, tmp_path):
     from specx.artifact import load_manifest
     from specx.export.target_export import export_target
     from specx.runtime.drafters import DrafterOptions, make_drafter
@@ -53,10 +67,10 @@ def test_a_committed_drafter_drafts_losslessly_above_its_floor(kind, prompts, tm
     from specx.runtime.speculative_decoding import generate_speculative
 
     if kind == "draft-model":
-        draft = export_target(HEADS / kind, tmp_path / "draft", max_context=256)
+        draft = export_target(heads / kind, tmp_path / "draft", max_context=256)
         artifact, spec = export_target(TARGET, tmp_path / "a", max_context=256), f"{kind}:{draft}"
     else:
-        drafter = f"{kind}:{HEADS / kind}"
+        drafter = f"{kind}:{heads / kind}"
         artifact = export_target(TARGET, tmp_path / "a", max_context=256, drafter=drafter)
         spec = kind
     target = OrtTarget(load_manifest(artifact), threads=2)
