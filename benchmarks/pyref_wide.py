@@ -23,8 +23,12 @@ held-out prompts (12 HumanEval stubs + 6 held-out stdlib files) x 96 tokens (tra
 fp32), written to OUT/checks.json. That every widened head drafts what it drafted is checked
 where it is used (`benchmarks/edge.py` compares acceptance with pyref-7m's).
 
+`--twin` writes OUT/pyref-7m-int4-twin, the pyref-7m-sized model computing what pyref-1b's
+int4 build computes (`write_int4_twin`), and how often its argmax (and pyref-7m's) is what the
+int4 build decodes, to OUT/twin_checks.json.
+
     python benchmarks/pyref_wide.py OUT [--factor 6 --heads 24 --kv-heads 6
-        --intermediate 7680 --layers 20] [--check]
+        --intermediate 7680 --layers 20] [--check] [--twin]
 """
 
 from __future__ import annotations

@@ -179,7 +179,7 @@ class _Widener:
         return x[:: self.k]
 
     def reads_inverse(self, x: np.ndarray, name: str = "") -> np.ndarray:
-        rows, cols = x.shape
+        rows = x.shape[0]
         return x.reshape(rows, -1, self.n.hidden, self.k).sum(-1).reshape(rows, -1)
 
     def writes_inverse(self, x: np.ndarray, name: str) -> np.ndarray:
