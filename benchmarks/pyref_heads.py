@@ -205,16 +205,13 @@ def write_readme(heads: Path = HEADS, teacher: Teacher = PYREF_7M) -> None:
             f"{last['tau_chain5_estimate']:.2f} |"
         )
         hashes[kind] = weights_sha256(heads / kind)
-    notes = "".join(
-        f"- {kind}: {NOTES[teacher.name, kind]}\n"
-        for kind in hashes
-        if (teacher.name, kind) in NOTES
-    )
+    notes = NOTES.get(teacher.name, {})
+    noted = "".join(f"- {kind}: {notes[kind]}\n" for kind in hashes if kind in notes)
     text = (
         README_HEAD.format(name=teacher.name, source=teacher.source)
         + "\n".join(rows)
         + "\n\n"
-        + notes
+        + noted
         + "\nsha256 of the weight files:\n\n"
     )
     for kind, files in hashes.items():
@@ -223,18 +220,18 @@ def write_readme(heads: Path = HEADS, teacher: Teacher = PYREF_7M) -> None:
     (heads / "heads.json").write_text(json.dumps(hashes, indent=2) + "\n")
 
 
-# What a row's training time does not say.
-NOTES = {
-    (
-        "pyref-7m",
-        "eagle3",
-    ): "1500 steps in one session with two threads (`OMP_NUM_THREADS=2`), sharing the "
-    "machine with other work: 78 minutes of wall time at 600-730 tokens/s (3.1M tokens). "
-    "Taps normalised (1/RMS per channel, folded into fc when saved); the earlier 2000-step "
-    "head on raw taps reached 0.77 at depth 1 and tau 3.31 after 262 minutes.",
-    ("pyref-1b at int4", "eagle"): "the pyref-7m recipe on 8192 windows the twin wrote (its "
-    "own continuations of the same prompts), alone on the machine with two threads "
-    "(`OMP_NUM_THREADS=2`).",
+# What a row's training time does not say: teacher name -> kind -> note.
+NOTES: dict[str, dict[str, str]] = {
+    "pyref-7m": {
+        "eagle3": "1500 steps in one session with two threads (`OMP_NUM_THREADS=2`), sharing "
+        "the machine with other work: 78 minutes of wall time at 600-730 tokens/s (3.1M "
+        "tokens). Taps normalised (1/RMS per channel, folded into fc when saved); the earlier "
+        "2000-step head on raw taps reached 0.77 at depth 1 and tau 3.31 after 262 minutes.",
+    },
+    "pyref-1b at int4": {
+        "eagle": "the pyref-7m recipe on 8192 windows the twin wrote (its own continuations of "
+        "the same prompts), with two threads, the machine otherwise idle after its first minutes (`OMP_NUM_THREADS=2`).",
+    },
 }
 README_HEAD = """# Trained drafters for {name}
 
