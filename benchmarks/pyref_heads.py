@@ -230,7 +230,8 @@ NOTES: dict[str, dict[str, str]] = {
     },
     "pyref-1b at int4": {
         "eagle": "the pyref-7m recipe on 8192 windows the twin wrote (its own continuations of "
-        "the same prompts), with two threads, the machine otherwise idle after its first minutes (`OMP_NUM_THREADS=2`).",
+        "the same prompts), with two threads (`OMP_NUM_THREADS=2`), the machine otherwise "
+        "idle after its first minutes.",
     },
 }
 README_HEAD = """# Trained drafters for {name}
