@@ -244,6 +244,23 @@ def _rules_for(name: str) -> tuple[_Rule, _Rule]:
     raise ValueError(f"no widening rule for tensor {name!r}")
 
 
+# (widener, rule, inverse rule, name, float32 tensor) -> the tensor to keep
+_Step = Callable[[_Widener, _Rule, _Rule, str, np.ndarray], np.ndarray]
+
+
+def _each(
+    tensors: Mapping[str, np.ndarray], narrow: NarrowShape, widening: Widening, step: _Step
+) -> dict[str, np.ndarray]:
+    """`step` applied to every tensor (float ones in float32) with its name's rules."""
+    widener = _Widener(narrow, widening)
+    out = {}
+    for name, value in tensors.items():
+        rule, inverse = _rules_for(name)
+        x = value.astype(np.float32) if value.dtype.kind == "f" else value
+        out[name] = np.ascontiguousarray(step(widener, rule, inverse, name, x))
+    return out
+
+
 def widen_tensors(
     tensors: Mapping[str, np.ndarray], narrow: NarrowShape, widening: Widening
 ) -> dict[str, np.ndarray]:
@@ -253,13 +270,7 @@ def widen_tensors(
         ValueError: a name no rule covers, a shape the rules cannot widen, or a widening
             too small for `narrow` (fewer heads, groups or units).
     """
-    widener = _Widener(narrow, widening)
-    out = {}
-    for name, value in tensors.items():
-        rule, _ = _rules_for(name)
-        x = value.astype(np.float32) if value.dtype.kind == "f" else value
-        out[name] = np.ascontiguousarray(rule(widener, x, name))
-    return out
+    return _each(tensors, narrow, widening, lambda w, rule, _, name, x: rule(w, x, name))
 
 
 def narrow_tensors(
@@ -270,13 +281,7 @@ def narrow_tensors(
     Raises:
         ValueError: a name no rule covers.
     """
-    widener = _Widener(narrow, widening)
-    out = {}
-    for name, value in tensors.items():
-        _, inverse = _rules_for(name)
-        x = value.astype(np.float32) if value.dtype.kind == "f" else value
-        out[name] = np.ascontiguousarray(inverse(widener, x, name))
-    return out
+    return _each(tensors, narrow, widening, lambda w, _, inverse, name, x: inverse(w, x, name))
 
 
 def twin_tensors(
@@ -291,15 +296,11 @@ def twin_tensors(
     dequantized, say). Each tensor is widened, changed and narrowed on its own, so only one
     wide tensor is in memory at a time. Exact where `change` keeps rows rows (module docstring).
     """
-    widener = _Widener(narrow, widening)
-    out = {}
-    for name, value in tensors.items():
-        widen, inverse = _rules_for(name)
-        x = value.astype(np.float32) if value.dtype.kind == "f" else value
-        out[name] = np.ascontiguousarray(
-            inverse(widener, change(name, widen(widener, x, name)), name)
-        )
-    return out
+
+    def step(w: _Widener, rule: _Rule, inverse: _Rule, name: str, x: np.ndarray) -> np.ndarray:
+        return inverse(w, change(name, rule(w, x, name)), name)
+
+    return _each(tensors, narrow, widening, step)
 
 
 def widen_config(config: Mapping, widening: Widening) -> dict:
