@@ -6,7 +6,8 @@ far from the flat curve of a memory-bound step. This times one MatMulNBits per p
 projection shape (hidden 1920, 6 KV heads of 80, 7680 MLP units, vocabulary 4096; packed
 q/k/v and gate/up as the exporter writes them) for M = 1..9 rows, at block sizes 32 and 128
 and accuracy levels 0 (float activations) and 4 (int8 activations), and sums a layer's
-projections times 20 layers plus the lm_head: the MatMul part of t(M) per configuration.
+projections times 20 layers plus the lm_head: the MatMul part of t(M) per configuration;
+the same with 8-bit weights (accuracy level 4).
 Fastest of --repeats per point, interleaved configuration by configuration.
 
     python benchmarks/matmulnbits_rows.py [--repeats 30] [--threads 2]
@@ -76,6 +77,10 @@ def main() -> None:
         f"b{block}-level{level}": WeightOnlyConfig(4, block, True, level, 4, output_rescore=0)
         for block in (32, 128)
         for level in (0, 4)
+    }
+    # 8-bit weights: twice the bytes, but no nibble unpacking per row.
+    configs |= {
+        f"b{block}-level4-8bit": WeightOnlyConfig(8, block, True, 4, 8) for block in (32, 128)
     }
     sessions = {
         (label, name): matmul(k, n, config)
