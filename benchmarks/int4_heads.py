@@ -107,7 +107,9 @@ def main() -> None:
     parser.add_argument("--wide", type=Path, default=pyref_heads.CACHE / "pyref-wide")
     parser.add_argument("--work", type=Path, default=pyref_heads.CACHE / "int4-heads")
     parser.add_argument("--kinds", default="eagle")
-    parser.add_argument("--prompts", type=int, default=12)
+    parser.add_argument(
+        "--prompts", type=int, default=12, help="HumanEval stubs (and half as many stdlib files)"
+    )
     parser.add_argument("--new-tokens", type=int, default=96)
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--threads", type=int, default=2)
