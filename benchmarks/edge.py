@@ -111,24 +111,30 @@ def _stamp(head: Path | None) -> str:
     return (head / "source.json").read_text() if head else ""
 
 
-def prepare_specx(target: Path, heads: dict[str, Path], work: Path) -> dict[str, Path]:
-    """pyref-1b exported plain and with each head, the draft model alone; int4 builds."""
+def int4_artifact(source: Path, artifact: Path, drafter: str | None, head: Path | None) -> Path:
+    """`source` exported (with `drafter`) and built at int4 into `artifact`, as every runner
+    here reads it; kept while `head` (a widened head, or None) is the one it was built with."""
     from specx.build import build_artifact
     from specx.export.target_export import export_target
 
-    jobs = {"plain": (target, None, None), "draft": (heads["draft-model"], None, None)}
+    if not _done(artifact, _stamp(head)):
+        shutil.rmtree(artifact, ignore_errors=True)
+        log(f"specx export + int4 build: {artifact}")
+        export_target(source, artifact, max_context=1024, drafter=drafter)
+        build_artifact(artifact, build_options("ort-int4"))
+        _mark(artifact, _stamp(head))
+    return artifact
+
+
+def prepare_specx(target: Path, heads: dict[str, Path], work: Path) -> dict[str, Path]:
+    """pyref-1b exported plain and with each head, the draft model alone; int4 builds."""
+    draft = heads["draft-model"]
+    jobs = {"plain": (target, None, None), "draft": (draft, None, draft)}
     jobs |= {kind: (target, f"{kind}:{heads[kind]}", heads[kind]) for kind in HEADS}
-    out = {}
-    for name, (source, drafter, head) in jobs.items():
-        artifact = work / "specx" / name
-        if not _done(artifact, _stamp(head)):
-            shutil.rmtree(artifact, ignore_errors=True)
-            log(f"specx export + int4 build: {name}")
-            export_target(source, artifact, max_context=1024, drafter=drafter)
-            build_artifact(artifact, build_options("ort-int4"))
-            _mark(artifact, _stamp(head))
-        out[name] = artifact
-    return out
+    return {
+        name: int4_artifact(source, work / "specx" / name, drafter, head)
+        for name, (source, drafter, head) in jobs.items()
+    }
 
 
 def _run(command: list[str], name: str, env: dict | None = None) -> None:

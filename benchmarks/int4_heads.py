@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -29,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import pyref_heads  # noqa: E402
 import pyref_wide  # noqa: E402
-from edge import _fresh, acceptance  # noqa: E402
+from edge import _fresh, acceptance, int4_artifact  # noqa: E402
 from runners import SpecxPlain, SpecxSpeculative, interleave  # noqa: E402
 from suite import prompts_for  # noqa: E402
 
@@ -47,28 +46,14 @@ def log(message: str) -> None:
 
 def prepare(wide: Path, work: Path, kinds: list[str]) -> dict[tuple[str, str], Path]:
     """(head set, kind) -> pyref-1b exported with that widened head and built at int4."""
-    from deep_heads import build_options
-
-    from specx.build import build_artifact
-    from specx.export.target_export import export_target
-
     shape = pyref_wide.Shape()
     target = pyref_wide.write_target(wide, shape)
     artifacts = {}
     for name, (committed, folder) in TEACHERS.items():
         heads = pyref_wide.write_heads(wide, shape, committed, folder)
         for kind in kinds:
-            artifact = work / name / kind
-            stamp = (heads[kind] / "source.json").read_text()
-            if (artifact / ".complete").is_file() and (artifact / ".complete").read_text() == stamp:
-                artifacts[name, kind] = artifact
-                continue
-            shutil.rmtree(artifact, ignore_errors=True)
-            log(f"export + int4 build: pyref-1b with the {name} {kind}")
-            export_target(target, artifact, max_context=1024, drafter=f"{kind}:{heads[kind]}")
-            build_artifact(artifact, build_options("ort-int4"))
-            (artifact / ".complete").write_text(stamp)
-            artifacts[name, kind] = artifact
+            drafter = f"{kind}:{heads[kind]}"
+            artifacts[name, kind] = int4_artifact(target, work / name / kind, drafter, heads[kind])
     return artifacts
 
 
