@@ -111,18 +111,25 @@ def _stamp(head: Path | None) -> str:
     return (head / "source.json").read_text() if head else ""
 
 
+def _build_stamp(head: Path | None) -> str:
+    """A specx artifact's stamp: its head's and the int4 build's default configuration."""
+    from specx.graphs.weight_only import WeightOnlyConfig
+
+    return _stamp(head) + json.dumps(WeightOnlyConfig(bits=4).record(), sort_keys=True)
+
+
 def int4_artifact(source: Path, artifact: Path, drafter: str | None, head: Path | None) -> Path:
     """`source` exported (with `drafter`) and built at int4 into `artifact`, as every runner
     here reads it; kept while `head` (a widened head, or None) is the one it was built with."""
     from specx.build import build_artifact
     from specx.export.target_export import export_target
 
-    if not _done(artifact, _stamp(head)):
+    if not _done(artifact, _build_stamp(head)):
         shutil.rmtree(artifact, ignore_errors=True)
         log(f"specx export + int4 build: {artifact}")
         export_target(source, artifact, max_context=1024, drafter=drafter)
         build_artifact(artifact, build_options("ort-int4"))
-        _mark(artifact, _stamp(head))
+        _mark(artifact, _build_stamp(head))
     return artifact
 
 

@@ -189,7 +189,7 @@ def write_int4_twin(out: Path, shape: Shape) -> Path:
         if wide.ndim != 2 or "embed_tokens" in name:
             return wide  # norms and the embedding (a Gather) stay float
         bits = config.bits if name != "lm_head.weight" else 8  # the rescored top 16
-        weight = quantize_rtn(np.ascontiguousarray(wide.T), bits, block, config.symmetric)
+        weight = quantize_rtn(np.ascontiguousarray(wide.T), bits, block, config.is_symmetric)
         return np.ascontiguousarray(weight.dequantize()[: wide.shape[1]].T)
 
     narrow_config = json.loads((SOURCE / "config.json").read_text())

@@ -102,7 +102,7 @@ def test_a_rescored_output_projection_has_8_bit_logits_at_its_4_bit_top_k(rng):
     config = WeightOnlyConfig(4, 32, accuracy_level=0, output_bits=4, output_rescore=top)
     WeightOnlyQuantizePass(config)(model)
     x = rng.standard_normal((3, k)).astype(np.float32)
-    four = x @ quantize_rtn(weight, 4, 32, True).dequantize()[:k]
+    four = x @ quantize_rtn(weight, 4, 32, config.is_symmetric).dequantize()[:k]  # int4: zeros
     eight = x @ quantize_rtn(weight, 8, 32, True).dequantize()[:k]
     expected = four.copy()
     ids = np.argsort(-four, axis=-1)[:, :top]
@@ -151,7 +151,7 @@ def test_the_int4_build_is_recorded_with_its_method(int4, artifacts):
     # A tiny target's weights sit in cache: blocks of 32, no padding row (build.py).
     assert record["bits"] == 4 and record["block_size"] == 32 and record["method"] == "rtn"
     assert record["padding_row"] is False
-    assert record["symmetric"] is True and record["accuracy_level"] == 4
+    assert record["symmetric"] is False and record["accuracy_level"] == 4  # int4: zero points
     assert record["output_projection_bits"] == 4 and record["greedy_identity"] == "chains"
     assert record["output_projection_rescored_top_k"] == 16
     assert chains_only(manifest)
@@ -171,6 +171,7 @@ def test_the_int4_build_is_recorded_with_its_method(int4, artifacts):
         if n.op_type == "MatMulNBits"
     ]
     assert record["quantized_matmuls"]["target"] == {"4": len(bits)}
+    assert all(len(n.input) == 4 for n in graph.node if n.op_type == "MatMulNBits")  # zeros
 
 
 def test_a_capped_lm_head_is_found_as_the_output_projection(artifacts, tmp_path, rng):
@@ -282,8 +283,11 @@ def test_cli_builds_gptq_and_refuses_misuse(artifacts, tmp_path):
     assert done.exit_code == 0, done.output
     record = load_manifest(artifact).build.quantization
     assert (record["bits"], record["method"], record["block_size"]) == (8, "gptq", 32)
+    assert record["symmetric"] is True  # int8's default
     assert record["output_projection_bits"] == 8
     assert record["output_projection_rescored_top_k"] == 0
+    refused = runner.invoke(main, [*args[:3], "fp16", "--asymmetric"])
+    assert "--symmetric/--asymmetric applies only to --precision int4" in refused.stderr
     refused = runner.invoke(main, [*args[:4], "--lm-head-rescore", "8"])
     assert refused.exit_code == 2 and "needs a 4-bit lm_head" in refused.stderr
     target = OrtTarget(load_manifest(artifact), threads=2)

@@ -16,7 +16,7 @@ _ARTIFACT = click.Path(exists=True, file_okay=False, path_type=Path)
 _PRECISION = click.Choice(["fp32", "fp16", "bf16"])  # what lint lowers to
 _WEIGHT_OPTIONS = (
     "block_size",
-    "asymmetric",
+    "symmetric",
     "accuracy_level",
     "lm_head_bits",
     "lm_head_rescore",
@@ -110,7 +110,12 @@ def lint(artifact_dir: Path, lint_target: str, precision: str, as_json: bool) ->
     help="JSONL calibration prompts ('prompt' or 'prompt_ids') for --method gptq and "
     "--backend int8-static.",
 )
-@click.option("--asymmetric", is_flag=True, help="int4/int8: a zero point per block too.")
+@click.option(
+    "--symmetric/--asymmetric",
+    default=None,
+    help="int4/int8: blocks without / with a zero point. Default: asymmetric for int4, "
+    "symmetric for int8.",
+)
 @click.option(
     "--accuracy-level",
     type=click.Choice(["0", "4"]),
@@ -173,7 +178,7 @@ def build(
     backend: str,
     precision: str,
     block_size: str,
-    asymmetric: bool,
+    symmetric: bool | None,
     accuracy_level: str,
     lm_head_bits: str | None,
     lm_head_rescore: int | None,
@@ -216,7 +221,7 @@ def build(
             weight_only = WeightOnlyConfig(
                 bits=int(precision[3:]),
                 block_size=None if block_size == "auto" else int(block_size),
-                symmetric=not asymmetric,
+                symmetric=symmetric,
                 accuracy_level=int(accuracy_level),
                 output_bits=int(lm_head_bits) if lm_head_bits else None,
                 method=method,

@@ -79,7 +79,7 @@ class FiniteFloat(click.FloatRange):
 
 def passed(ctx: click.Context, *names: str) -> list[str]:
     """The options among `names` (parameter names) that the command line set explicitly."""
-    flags = {p.name: p.opts[-1] for p in ctx.command.params}
+    flags = {p.name: "/".join([p.opts[-1], *p.secondary_opts[-1:]]) for p in ctx.command.params}
     return [
         flags[name]
         for name in names

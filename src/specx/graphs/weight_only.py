@@ -4,11 +4,16 @@ A CPU decode step is bound by the bytes of weights it streams (a 1.5B model deco
 several times faster from onnxruntime-genai's int4 build than from fp32), so the weights
 are stored in 4 or 8 bits while activations stay float. Rule, per MatMul weight W
 [K, N]: each column is cut into blocks of `block_size` along K; a block's values are
-stored as integers q times one float scale, value = (q - z) * scale. Symmetric (the
-default): z = 2^(bits-1) and scale = v / -2^(bits-1) for the block's value v of largest
-magnitude, so v is exactly representable (ONNX Runtime's own quantizer's rule;
-`tests/test_weight_only.py` checks our bytes equal its `quantize_matmul_4bits/8bits`).
-Asymmetric: scale = (max - min) / (2^bits - 1) and a per-block zero point. The integers come
+stored as integers q times one float scale, value = (q - z) * scale. Symmetric: z = 2^(bits-1)
+and scale = v / -2^(bits-1) for the block's value v of largest magnitude, so v is exactly
+representable (ONNX Runtime's own quantizer's rule; `tests/test_weight_only.py` checks our
+bytes equal its `quantize_matmul_4bits/8bits`). Asymmetric: scale = (max - min) / (2^bits - 1)
+and a per-block zero point, so a block's 16 levels span its range rather than twice its
+largest magnitude. Asymmetric is the 4-bit default: a draft head's acceptance follows how
+closely the int4 target keeps the float target's predictions, and on a real-size target the
+asymmetric rule kept noticeably more of it at no measured cost in speed (benchmarks/README.md,
+"Decisions in `specx/graphs/weight_only.py`"); 8 bits stay symmetric, whose rounding error is
+already small. The integers come
 from round-to-nearest (RTN) or, given the Hessian of a MatMul's inputs on calibration
 prompts, from GPTQ (`specx.build.gptq`), which rounds one input row at a time and
 pushes each row's error onto the rows not yet rounded.
@@ -78,7 +83,7 @@ class WeightOnlyConfig:
 
     bits: int = 4
     block_size: int | None = None  # None: by model size at build time (specx.build)
-    symmetric: bool = True
+    symmetric: bool | None = None  # None: asymmetric at 4 bits, symmetric at 8 (docstring)
     accuracy_level: int = 4  # 0: float compute; 4: int8 activations (see module docstring)
     output_bits: int | None = None  # the output projection; None: 4 (8 for int8); 0: float32
     method: str = "rtn"  # or "gptq" (needs calibration prompts)
@@ -88,6 +93,8 @@ class WeightOnlyConfig:
     def __post_init__(self) -> None:
         if self.output_bits is None:
             object.__setattr__(self, "output_bits", 4 if self.bits == 4 else 8)
+        if self.symmetric is None:
+            object.__setattr__(self, "symmetric", self.bits == 8)
         if self.output_rescore is None:
             object.__setattr__(self, "output_rescore", 16 if self.output_bits == 4 else 0)
         if self.bits not in (4, 8):
@@ -120,6 +127,11 @@ class WeightOnlyConfig:
         if self.block_size is None:
             raise ValueError("the block size is resolved by the build (None: by model size)")
         return self.block_size
+
+    @property
+    def is_symmetric(self) -> bool:
+        """Whether blocks have no zero points (`symmetric`, its default resolved by bits)."""
+        return bool(self.symmetric)
 
     def record(self) -> dict:
         """The manifest's description of the build's quantization."""
@@ -267,7 +279,7 @@ class _Quantized:
         weight = np.asarray(self.source.numpy(), dtype=np.float32)
         config = self.config
         quantized = self.quantizer(
-            weight, self.bits, config.block, config.symmetric, self.input_name
+            weight, self.bits, config.block, config.is_symmetric, self.input_name
         )
         del weight  # a view of the source's memory map, which release() closes
         release = getattr(self.source, "release", None)
@@ -350,7 +362,7 @@ def _replace(
         _lazy(quantized, 0, ir.DataType.UINT8, f"{base}_q{bits}"),
         _lazy(quantized, 1, ir.DataType.FLOAT, f"{base}_scales"),
     ]
-    if not config.symmetric:
+    if not config.is_symmetric:
         inputs.append(_lazy(quantized, 2, ir.DataType.UINT8, f"{base}_zero_points"))
     for value in inputs[1:]:
         graph.register_initializer(value)
