@@ -42,6 +42,39 @@ class Runner(Protocol):
     def __call__(self, prompt: Sequence[int], new_tokens: int) -> Timing: ...
 
 
+class TimedForwards:
+    """A specx target whose `forward` and `decode_step` calls are timed into `calls` as
+    (tokens per sequence, seconds): the target's cost measured inside the decoding loop, as
+    OpenVINO GenAI's pipeline reports its own (`OpenvinoGenai.main_calls_ms`). The prompt's
+    `feed` passes through untimed."""
+
+    def __init__(self, target, calls: list[tuple[int, float]]):
+        self._target, self._calls = target, calls
+
+    def __getattr__(self, name: str):
+        return getattr(self._target, name)
+
+    def forward(self, cache, input_ids, *rest, **named):  # noqa: D102
+        started = time.perf_counter()
+        output = self._target.forward(cache, input_ids, *rest, **named)
+        self._calls.append((int(input_ids.shape[1]), time.perf_counter() - started))
+        return output
+
+    def decode_step(self, cache, tokens, write_pos=None):  # noqa: D102
+        started = time.perf_counter()
+        output = self._target.decode_step(cache, tokens, write_pos)
+        self._calls.append((1, time.perf_counter() - started))
+        return output
+
+
+def calls_ms(calls: list[tuple[int, float]]) -> dict[int, float]:
+    """Median milliseconds of a target call, by tokens per call."""
+    import numpy as np
+
+    widths = sorted({n for n, _ in calls})
+    return {n: 1e3 * float(np.median([s for w, s in calls if w == n])) for n in widths}
+
+
 class SpecxPlain:
     """specx plain decoding of an artifact's build (None: the exported fp32 graphs).
 
@@ -54,11 +87,13 @@ class SpecxPlain:
 
         self.target = open_decoder(load_manifest(artifact).with_build(build), threads=threads)
         self.sampling = sampling
+        self.calls: list[tuple[int, float]] = []  # TimedForwards
 
     def __call__(self, prompt: Sequence[int], new_tokens: int) -> Timing:  # noqa: D102
         from specx.runtime.plain_decoding import generate_plain
 
-        result = generate_plain(self.target, [list(prompt)], new_tokens, self.sampling)
+        target = TimedForwards(self.target, self.calls)
+        result = generate_plain(target, [list(prompt)], new_tokens, self.sampling)
         return Timing(result.stats.prefill_s, result.stats.decode_s, result.tokens[0])
 
 
@@ -68,12 +103,14 @@ class SpecxSpeculative:
     def __init__(self, target, drafter: Callable, sampling=None):
         self.target, self.drafter, self.sampling = target, drafter, sampling
         self.stats: dict[tuple[int, ...], SpeculativeStats] = {}  # per prompt, its last run
+        self.calls: list[tuple[int, float]] = []  # TimedForwards
 
     def __call__(self, prompt: Sequence[int], new_tokens: int) -> Timing:  # noqa: D102
         from specx.runtime.speculative_decoding import generate_speculative
 
+        target = TimedForwards(self.target, self.calls)
         result = generate_speculative(
-            self.target, self.drafter(prompt), [list(prompt)], new_tokens, self.sampling
+            target, self.drafter(prompt), [list(prompt)], new_tokens, self.sampling
         )
         assert result.stats.speculative is not None  # no max_batch_spec: it speculated
         self.stats[tuple(prompt)] = result.stats.speculative
@@ -135,7 +172,9 @@ class OpenvinoGenai:
     would time a cached prefill). The first token's time is the pipeline's own TTFT
     (perf_metrics); the decode time is the call's wall time less it, as specx's.
     `mode`: "plain", "prompt-lookup" or "draft" (then `draft_dir`, an IR optimum-intel
-    wrote); `assistant_tokens` is the draft length per round.
+    wrote); `assistant_tokens` is the draft length per round. `main_calls_ms` gathers the
+    pipeline's own inference time of each main-model call after the prompt's (plain: a decode
+    step; draft: a verify of the round's drafts): its target's cost inside its own loop.
     """
 
     def __init__(
@@ -164,6 +203,7 @@ class OpenvinoGenai:
         )
         self.ov_genai, self.mode = ov_genai, mode
         self.assistant_tokens, self.temperature = assistant_tokens, temperature
+        self.main_calls_ms: list[float] = []
 
     def __call__(self, prompt: Sequence[int], new_tokens: int) -> Timing:  # noqa: D102
         import numpy as np
@@ -184,6 +224,13 @@ class OpenvinoGenai:
         result = self.pipe.generate(inputs, config)
         wall = time.perf_counter() - started
         ttft = result.perf_metrics.get_ttft().mean / 1e3
+        if self.mode == "plain":  # the first entry is the prompt's forward
+            calls = result.perf_metrics.raw_metrics.token_infer_durations[1:]
+        elif self.mode == "draft":  # the main model's steps; the first is the prompt's
+            calls = result.extended_perf_metrics.main_model_metrics.raw_metrics.m_durations[1:]
+        else:
+            calls = []
+        self.main_calls_ms += [d / 1e3 for d in calls]  # microseconds
         tokens = [int(t) for t in result.tokens[0]][:new_tokens]
         return Timing(ttft, wall - ttft, tokens)
 
