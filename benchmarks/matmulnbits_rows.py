@@ -10,7 +10,15 @@ projections times 20 layers plus the lm_head: the MatMul part of t(M) per config
 the same with 8-bit weights (accuracy level 4).
 Fastest of --repeats per point, interleaved configuration by configuration.
 
-    python benchmarks/matmulnbits_rows.py [--repeats 30] [--threads 2]
+One projection timed in a loop keeps its weights in cache, so M = 1 there is far cheaper than
+in a decode step. `--streamed` times what a step does instead: a chain of `--layers` MLP
+layers of pyref-1b's shapes (gate/up packed, down; distinct weights, larger than the caches),
+median per point with the row counts taking turns, for the int4 default build (asymmetric,
+blocks of 128, level 4), 8-bit MatMulNBits, and int8 weights per column through ONNX
+Runtime's DynamicQuantizeMatMul (MLAS's packed int8 GEMM, which reads each weight once for
+all rows).
+
+    python benchmarks/matmulnbits_rows.py [--repeats 30] [--threads 2] [--streamed --layers 8]
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ from specx.graphs.weight_only import WeightOnlyConfig, WeightOnlyQuantizePass
 from specx.sessions import load_session
 
 RESULTS = Path(__file__).parent / "results" / "matmulnbits_rows.json"
+STREAMED = RESULTS.with_name("matmulnbits_rows_streamed.json")
 HIDDEN, KV, MLP, VOCAB, LAYERS = 1920, 6 * 80, 7680, 4096, 20
 # (name, K, N, times per model)
 SHAPES = (
@@ -53,6 +62,65 @@ def matmul(k: int, n: int, config: WeightOnlyConfig):
     return load_session(ir.to_proto(model).SerializeToString())
 
 
+def mlp_chain(layers: int, config: WeightOnlyConfig | None):
+    """A session running x[M, HIDDEN] through `layers` x (gate_up, down) MatMuls: MatMulNBits
+    under `config`, or (None) int8 per-column weights through DynamicQuantizeMatMul."""
+    rng = np.random.default_rng(0)
+    x = ir.Value(name="x", type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape(["m", HIDDEN]))
+    nodes, initializers, value = [], [], x
+    for layer in range(layers):
+        for name, k, n in (("gate_up", HIDDEN, 2 * MLP), ("down", 2 * MLP, HIDDEN)):
+            weight = rng.standard_normal((k, n)).astype(np.float32) * 0.02
+            if config is None:
+                scale = (np.abs(weight).max(0) / 127).astype(np.float32)
+                codes = np.round(weight / scale).astype(np.int8)
+                inputs = [ir.Value(name=f"{name}{layer}_{part}", const_value=ir.tensor(array))
+                          for part, array in (("q", codes), ("scale", scale))]  # fmt: skip
+                node = ir.node("DynamicQuantizeMatMul", [value, *inputs], domain="com.microsoft")
+            else:
+                inputs = [ir.Value(name=f"{name}{layer}", const_value=ir.tensor(weight))]
+                node = ir.node("MatMul", [value, *inputs])
+            node.name = f"{name}{layer}"
+            initializers += inputs
+            nodes.append(node)
+            value = node.outputs[0]
+    value.name = "y"
+    opsets = {"": 21, "com.microsoft": 1}
+    graph = ir.Graph([x], [value], nodes=nodes, initializers=initializers, opset_imports=opsets)
+    model = ir.Model(graph, ir_version=10)
+    if config is not None:
+        WeightOnlyQuantizePass(config)(model)
+    return load_session(ir.to_proto(model).SerializeToString())
+
+
+def streamed(layers: int, repeats: int) -> dict:
+    """Median ms of the MLP chain per row count M, per configuration (rows taking turns)."""
+    configs: dict[str, WeightOnlyConfig | None] = {
+        "int4-b128-level4-asymmetric": WeightOnlyConfig(4, 128, False, 4, 4, output_rescore=0),
+        "int8-b128-level4": WeightOnlyConfig(8, 128, True, 4, 8),
+        "int8-per-column-DynamicQuantizeMatMul": None,
+    }
+    report = {}
+    for label, config in configs.items():
+        session = mlp_chain(layers, config)
+        feeds = {m: {"x": np.random.default_rng(m).standard_normal((m, HIDDEN), np.float32)}
+                 for m in ROWS}  # fmt: skip
+        times: dict[int, list[float]] = {m: [] for m in ROWS}
+        for m in ROWS:
+            session.run(None, feeds[m])
+        for _ in range(repeats):
+            for m in ROWS:
+                start = time.perf_counter()
+                session.run(None, feeds[m])
+                times[m].append(time.perf_counter() - start)
+        ms = [1e3 * float(np.median(times[m])) for m in ROWS]
+        report[label] = {"ms": [round(t, 3) for t in ms],
+                         "ratio_to_one_row": [round(t / ms[0], 3) for t in ms]}  # fmt: skip
+        print(label, [round(t, 1) for t in ms], file=sys.stderr)
+        del session
+    return {"layers": layers, "weights": layers * 3 * HIDDEN * MLP, "configs": report}
+
+
 def fastest(session, rows: int, repeats: int) -> float:
     x = np.random.default_rng(rows).standard_normal((rows, session.get_inputs()[0].shape[1]))
     feed = {"x": x.astype(np.float32)}
@@ -69,10 +137,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--streamed", action="store_true", help="the MLP chain (docstring)")
+    parser.add_argument("--layers", type=int, default=8)
     args = parser.parse_args()
     from specx.sessions import configure_threads
 
     configure_threads(args.threads)
+    if args.streamed:
+        report = {"rows": list(ROWS), "threads": args.threads, "repeats": args.repeats}
+        report |= streamed(args.layers, args.repeats)
+        STREAMED.write_text(json.dumps(report, indent=2) + "\n")
+        print(f"wrote {STREAMED}", file=sys.stderr)
+        return
     configs = {
         f"b{block}-level{level}": WeightOnlyConfig(4, block, True, level, 4, output_rescore=0)
         for block in (32, 128)

@@ -220,3 +220,21 @@ def test_a_backend_must_name_a_runtime_that_exists_and_unknown_ones_are_refused(
         register(Nowhere())
     with pytest.raises(BuildError, match="--backend must be one of .*'ort'.*got 'nope'"):
         build_artifact(artifact, BuildOptions("nope"))
+
+
+@pytest.mark.parametrize("link", ["symbolic", "hard"])
+def test_weights_behind_a_link_are_refused_before_any_work(artifact, tmp_path, link):
+    """onnx-ir will not read external data through a link; the build says so up front."""
+    data = artifact / "target.onnx.data"
+    elsewhere = tmp_path / "weights.data"
+    shutil.move(data, elsewhere)
+    if link == "symbolic":
+        data.symlink_to(elsewhere)
+    else:
+        data.hardlink_to(elsewhere)
+    done = CliRunner().invoke(main, ["build", str(artifact), "--precision", "int4"])
+    assert done.exit_code == 2, done.output
+    assert f"{data} is a {'symbolic link' if link == 'symbolic' else 'file with other'}" in (
+        done.stderr
+    )
+    assert not list(artifact.glob(".build-*")) and not (artifact / "builds").exists()

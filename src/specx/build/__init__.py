@@ -26,7 +26,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from specx.artifact import load_manifest
+from specx.artifact import Manifest, load_manifest
 from specx.build import int8_static, ort, trt
 from specx.build.registry import (
     BACKENDS,
@@ -39,6 +39,7 @@ from specx.build.registry import (
     register,
 )
 from specx.build.staging import exported_entries, fresh_output, publish_build
+from specx.errors import BuildError
 
 __all__ = [
     "BACKENDS",
@@ -78,6 +79,7 @@ def build_artifact(
     """
     builder = builder or backend(options.backend)
     manifest = load_manifest(artifact_dir)
+    check_weight_files(manifest)
     builder.check(manifest, options, prompts)
     name = builder.build_name(options)
     started = time.perf_counter()
@@ -90,3 +92,24 @@ def build_artifact(
         shutil.rmtree(staging, ignore_errors=True)
     progress(f"built {name} in {time.perf_counter() - started:.1f}s")
     return name
+
+
+def check_weight_files(manifest: Manifest) -> None:
+    """Refuses exported weights behind a link, before any work.
+
+    onnx-ir, which reads every graph a build transforms, will not follow a symbolic or hard
+    link to external data (its guard against path traversal) and would fail midway.
+    """
+    for entry in manifest.graphs.values():
+        for name in entry.data_files:
+            path = manifest.path(name)
+            if path.is_symlink():
+                kind = "a symbolic link"
+            elif path.is_file() and path.stat().st_nlink > 1:
+                kind = "a file with other hard links"
+            else:
+                continue
+            raise BuildError(
+                f"{path} is {kind}; onnx-ir does not read external weights through links. "
+                "Copy the file into the artifact in its place."
+            )
