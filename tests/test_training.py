@@ -164,7 +164,7 @@ def test_cli_train_and_bad_input(teacher_dir, tmp_path):
          "--normalise-taps"],
     )  # fmt: skip
     assert refused.exit_code != 0
-    assert "--normalise-taps applies only to eagle3 training" in refused.output
+    assert "--normalise-taps/--raw-taps applies only to eagle3 training" in refused.output
     assert not (tmp_path / "e").exists()
 
 
