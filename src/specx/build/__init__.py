@@ -12,7 +12,9 @@ Backends (`specx.build.registry`), one module each:
   int8 (MatMulNBits; round-to-nearest or GPTQ, `specx.build.gptq`);
 - `int8-static` (`specx.build.int8_static`, `specx quantize`): INT8 QDQ with activation
   ranges calibrated on prompts;
-- `trt` (`specx.build.trt`): lowered, linted TensorRT engines (TensorRT imported only there).
+- `trt` (`specx.build.trt`): lowered, linted TensorRT engines (TensorRT imported only there);
+- `openvino` (`specx.build.openvino`): OpenVINO IR for its CPU plugin, fp32 or weight-only
+  int4 / int8 (OpenVINO imported only there and in its runtime opener).
 
 Atomic for every backend (`specx.build.staging`).
 """
@@ -27,7 +29,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from specx.artifact import Manifest, load_manifest
-from specx.build import int8_static, ort, trt
+from specx.build import int8_static, openvino, ort, trt
 from specx.build.registry import (
     BACKENDS,
     Backend,
@@ -53,7 +55,7 @@ __all__ = [
     "register",
 ]
 
-for _module in (ort, trt, int8_static):
+for _module in (ort, trt, int8_static, openvino):
     register(_module.BACKEND)
 
 

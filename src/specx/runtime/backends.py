@@ -3,7 +3,7 @@
 `specx build` records builds in the manifest and names the default one, and each build
 names the runtime that opens it (`backend`); without a build the exported float32 graphs
 run on ONNX Runtime (CPU). A TensorRT build runs engines; its module, and with it
-`tensorrt` and `torch`, is imported only then.
+`tensorrt` and `torch`, is imported only then; an OpenVINO build likewise imports `openvino`.
 """
 
 from __future__ import annotations
@@ -67,9 +67,21 @@ class _TensorRT:
         return TrtGraph(manifest, graph)
 
 
+class _OpenVino:
+    def decoder(self, manifest: Manifest, threads: int | None, graph: str) -> DecoderBackend:
+        from specx.runtime.ov_target import OvTarget
+
+        return OvTarget(manifest, threads, graph)
+
+    def stateless(self, manifest: Manifest, graph: str, threads: int | None):
+        from specx.runtime.ov_target import OvGraph
+
+        return OvGraph(manifest, graph, threads)
+
+
 # Runtime name (a build's `backend`) -> its opener; modules load on first use, so TensorRT
-# (and torch) are imported only for a TensorRT build.
-OPENERS: dict[str, Opener] = {"ort": _OnnxRuntime(), "trt": _TensorRT()}
+# (and torch) are imported only for a TensorRT build, OpenVINO only for an OpenVINO one.
+OPENERS: dict[str, Opener] = {"ort": _OnnxRuntime(), "trt": _TensorRT(), "openvino": _OpenVino()}
 
 
 EXPORTED = "exported"  # the name the exported graphs run under when no build is the default

@@ -1,0 +1,210 @@
+"""`specx build --backend openvino`: OpenVINO IR for OpenVINO's CPU plugin.
+
+Why a second CPU backend: a verify costs more per extra token on ONNX Runtime's 4-bit
+MatMul kernel than on OpenVINO's, with the same weights and the same cost for one token,
+and a verify's cost is what speculation pays (benchmarks/README.md, "Decisions in
+`specx/build/openvino.py`").
+
+Each graph is lowered (`specx.graphs.ov_lowering`: TreeAttention from primitives, the new
+cache rows as outputs), read by OpenVINO's ONNX frontend and saved as IR (`<graph>.xml` +
+`.bin`). At int4 / int8 each constant-weight MatMul gets its weight in the form OpenVINO's
+CPU plugin keeps compressed and multiplies from directly (a u4/u8 constant, Convert,
+Subtract of the zero point, Multiply by the block's scale, a Reshape, MatMul with the
+weight transposed), from the same round-to-nearest codes, scales and zero points as the
+ONNX Runtime build (`specx.graphs.weight_only.quantize_rtn`). OpenVINO's frontend also reads
+MatMulNBits, but as a pattern its plugin folds back to float weights, so the ONNX Runtime
+build's graph is no starting point. The output projection is stored at 8 bits (no top-k
+rescoring here). `openvino` is imported only by this backend and its runtime opener.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+
+from specx.artifact import Manifest
+from specx.build.ort import weight_only_config
+from specx.build.registry import BuildJob, BuildOptions, Progress
+from specx.build.staging import load_graph
+from specx.errors import BuildError
+from specx.graphs.ov_lowering import lower_for_openvino
+from specx.graphs.signature import graph_signature
+from specx.graphs.weight_only import BlockQuantized, WeightOnlyConfig, quantize_rtn
+from specx.manifest_types import BuildEntry, GraphEntry
+
+if TYPE_CHECKING:
+    import openvino as ov
+
+__all__ = ["BACKEND", "OpenVino", "compress_weights"]
+
+PRECISIONS = ("fp32", "int4", "int8")
+MIN_WEIGHT = 1 << 16  # smaller MatMul weights stay float: too small to matter
+
+
+def _openvino():
+    try:
+        import openvino
+    except ImportError as e:
+        raise BuildError(
+            "--backend openvino needs OpenVINO: pip install openvino (or specx[openvino])"
+        ) from e
+    return openvino
+
+
+@dataclass(frozen=True)
+class _Compression:
+    """How the OpenVINO build stores MatMul weights (None: float)."""
+
+    bits: int
+    block: int
+    symmetric: bool
+    output_bits: int
+
+    @classmethod
+    def of(cls, config: WeightOnlyConfig | None) -> _Compression | None:
+        if config is None:
+            return None
+        output = config.output_bits or 8  # no rescoring here: a 4-bit lm_head goes to 8
+        return cls(config.bits, config.block, config.is_symmetric, max(output, 8))
+
+
+class OpenVino:
+    """Lowered graphs read by OpenVINO's ONNX frontend, weights compressed, saved as IR."""
+
+    name = "openvino"
+    runtime = "openvino"
+    passes = ("lower_for_openvino", "compress_weights")
+
+    def build_name(self, options: BuildOptions) -> str:
+        """`openvino-<precision>`."""
+        return f"openvino-{options.precision}"
+
+    def check(self, manifest: Manifest, options: BuildOptions, prompts: Sequence) -> None:
+        """fp32 graphs, weights in float or int4 / int8, and OpenVINO installed."""
+        if options.precision not in PRECISIONS:
+            raise BuildError(f"--precision must be one of {list(PRECISIONS)} for OpenVINO")
+        config = options.weight_only
+        if config is not None and (config.method != "rtn" or config.scope != "all"):
+            raise BuildError("an OpenVINO build rounds every graph to nearest (no GPTQ, no scope)")
+        _openvino()
+
+    def build(self, job: BuildJob) -> BuildEntry:
+        """Lowers, reads and compresses every graph the runtime needs; saves each as IR."""
+        ov = _openvino()
+        weight_only = job.options.precision in ("int4", "int8")
+        config = weight_only_config(job.manifest, job.options) if weight_only else None
+        compression = _Compression.of(config)
+        graphs: dict[str, GraphEntry] = {}
+        for name, exported in job.manifest.graphs.items():
+            if exported.ort_only:
+                continue  # the one-call draft chain (an ONNX Loop): drafted per depth instead
+            job.progress(f"[openvino] lowering {name} and reading it")
+            graphs[name] = self._graph(ov, job, name, compression)
+        quantization = {} if compression is None else dataclasses.asdict(compression)
+        return BuildEntry(
+            self.runtime, job.options.precision, graphs=graphs, quantization=quantization
+        )
+
+    def _graph(self, ov, job: BuildJob, name: str, compression) -> GraphEntry:
+        output = job.output
+        exported = job.manifest.path(job.manifest.graph(name).file)
+        # Beside the exported graph, whose weights it references: OpenVINO refuses external
+        # data outside the model's own directory, and a copy of 1B weights costs gigabytes.
+        lowered = exported.with_name(f".{name}.openvino-{output.staging.name}.onnx")
+        try:
+            ir.save(lower_for_openvino(load_graph(job.manifest, name)), lowered)
+            read = ov.Core().read_model(str(lowered))
+            if compression is not None:
+                compress_weights(read, compression, job.progress)
+            ov.save_model(read, str(output.staging / f"{name}.xml"), compress_to_fp16=False)
+            inputs, outputs = graph_signature(onnx.load(lowered, load_external_data=False))
+        finally:
+            lowered.unlink(missing_ok=True)
+        data = (f"{output.directory}/{name}.bin",)
+        return GraphEntry(f"{output.directory}/{name}.xml", inputs, outputs, data)
+
+
+def compress_weights(model: ov.Model, compression: _Compression, progress: Progress) -> int:
+    """Replaces each large constant MatMul weight by its compressed form; returns how many.
+
+    The output projection (the MatMul feeding the `logits` result) gets `output_bits`.
+    """
+    import openvino as ov
+
+    matmuls = [
+        op
+        for op in model.get_ordered_ops()
+        if op.get_type_name() == "MatMul" and _float_weight(op) is not None
+    ]
+    for i, op in enumerate(matmuls):
+        weight = _float_weight(op)
+        assert weight is not None
+        bits = compression.output_bits if _feeds_logits(op) else compression.bits
+        quantized = quantize_rtn(weight, bits, compression.block, compression.symmetric)
+        decompressed = _decompression(ov, quantized, weight.shape[0])
+        new = ov.opset13.matmul(op.input_value(0), decompressed, op.get_transpose_a(), True)
+        new.set_friendly_name(op.get_friendly_name())
+        op.output(0).replace(new.output(0))
+        if i % 10 == 9 or i == len(matmuls) - 1:
+            progress(f"[openvino] compressed {i + 1}/{len(matmuls)} MatMul weights")
+    return len(matmuls)
+
+
+def _float_weight(op) -> np.ndarray | None:
+    """The [K, N] float32 weight of a MatMul x @ W with W constant and large, else None."""
+    source = op.input_value(1).get_node()
+    if source.get_type_name() != "Constant" or op.get_transpose_b():
+        return None
+    if str(source.get_element_type()) != "<Type: 'float32'>" or len(source.shape) != 2:
+        return None
+    weight = source.get_data()
+    return weight if weight.size >= MIN_WEIGHT else None
+
+
+def _feeds_logits(op) -> bool:
+    """Whether the MatMul's output reaches the `logits` result through shape-only ops."""
+    frontier = [op]
+    while frontier:
+        node = frontier.pop()
+        for output in node.outputs():
+            for target in output.get_target_inputs():
+                consumer = target.get_node()
+                if consumer.get_type_name() == "Result":
+                    if "logits" in consumer.input_value(0).get_names():
+                        return True
+                elif consumer.get_type_name() in ("Reshape", "Add", "Convert"):
+                    frontier.append(consumer)
+    return False
+
+
+def _decompression(ov, quantized: BlockQuantized, rows: int):
+    """W^T [N, K] as OpenVINO's compressed-weight pattern over codes [N, blocks, block]."""
+    ops = ov.opset13
+    n, blocks, block = quantized.codes.shape
+    kind = ov.Type.u4 if quantized.bits == 4 else ov.Type.u8
+    # Constants copy the packed bytes (shared_memory=False): the arrays die with this call.
+    codes = ov.op.Constant(ov.Tensor(quantized.packed(), ov.Shape([n, blocks, block]), kind), False)
+    values = ops.convert(codes, "f32")
+    if quantized.zero_points is None:
+        zero: object = ops.constant(np.float32(2 ** (quantized.bits - 1)))
+    else:
+        zeros = quantized.zero_points.reshape(-1)
+        if quantized.bits == 4:  # packed like the codes: pairs of the flat array, low first
+            zeros = np.pad(zeros, (0, zeros.size % 2))
+            zeros = (zeros[0::2] | (zeros[1::2] << 4)).astype(np.uint8)
+        packed_zeros = ov.op.Constant(ov.Tensor(zeros, ov.Shape([n, blocks, 1]), kind), False)
+        zero = ops.convert(packed_zeros, "f32")
+    scaled = ops.multiply(ops.subtract(values, zero), ops.constant(quantized.scales[..., None]))
+    weight = ops.reshape(scaled, ops.constant(np.array([n, blocks * block], np.int64)), False)
+    if blocks * block != rows:  # K padded to whole blocks: drop the padding columns
+        weight = ops.slice(weight, [0], [rows], [1], [1])
+    return weight
+
+
+BACKEND = OpenVino()

@@ -1,0 +1,117 @@
+"""`OvTarget`: an OpenVINO build's decoder graph on OpenVINO's CPU plugin.
+
+Imported only when the manifest's default build is an OpenVINO one (`specx build --backend
+openvino`). The cache stays specx's numpy `KVCache`: each forward passes its buffers to
+OpenVINO without a copy (`share_inputs`), the graph reads the `L` slots its mask covers
+and returns the N new rows of every layer (`specx.graphs.ov_lowering`), and this module
+writes them at `write_pos`, which is where the graph's rule puts them. Activations stay
+float32 (`INFERENCE_PRECISION_HINT`): the plugin's default on CPUs with bf16 would round
+them to bf16, another model than the artifact's.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from specx.artifact import Manifest
+from specx.errors import ArtifactError, GenerationError
+from specx.graphs.ov_lowering import NEW_ROWS_PREFIX
+from specx.runtime.decoder_backend import DecoderBackend, StepOutput
+from specx.runtime.kv_cache import KVCache
+
+__all__ = ["OvGraph", "OvTarget", "compile_graph"]
+
+
+def compile_graph(manifest: Manifest, graph: str, threads: int | None) -> Any:
+    """The build's IR of `graph`, compiled for the CPU (`openvino.CompiledModel`)."""
+    try:
+        import openvino as ov
+    except ImportError as e:
+        raise ArtifactError(
+            f"{manifest.root}: its default build runs on OpenVINO: pip install openvino"
+        ) from e
+    path = manifest.path(manifest.runtime_graph(graph).file)
+    config: dict[str, Any] = {"INFERENCE_PRECISION_HINT": "f32", "PERFORMANCE_HINT": "LATENCY"}
+    if threads:
+        config["INFERENCE_NUM_THREADS"] = threads
+    try:
+        return ov.Core().compile_model(str(path), "CPU", config)
+    except RuntimeError as e:
+        raise ArtifactError(f"{path}: OpenVINO could not compile the graph: {e}") from e
+
+
+class OvGraph:
+    """A stateless graph of the build (Medusa heads, a feature projection): one input."""
+
+    def __init__(self, manifest: Manifest, graph: str, threads: int | None = None):
+        self._request = compile_graph(manifest, graph, threads).create_infer_request()
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        """The graph's first output for input `x`."""
+        return np.array(self._request.infer([np.ascontiguousarray(x, np.float32)])[0])
+
+
+class OvTarget(DecoderBackend):
+    """A decoder graph (`"target"` or `"draft_head"`) of an OpenVINO build."""
+
+    def __init__(self, manifest: Manifest, threads: int | None = None, graph: str = "target"):
+        super().__init__(manifest, graph)
+        compiled = compile_graph(manifest, graph, threads)
+        self._request = compiled.create_infer_request()
+        # An output can carry several names (OpenVINO drops Identity nodes): index them all.
+        self._outputs = {
+            name: i for i, output in enumerate(compiled.outputs) for name in output.get_names()
+        }
+        self._cache_names = [
+            (f"past_{kind}_{i}", f"{NEW_ROWS_PREFIX}{kind}_{i}")
+            for i in range(self.num_layers)
+            for kind in ("key", "value")
+        ]
+
+    def allocate_cache(self, batch: int, capacity: int | None = None) -> KVCache:
+        """A zeroed cache for `batch` sequences; capacity defaults to the artifact's."""
+        capacity = self.checked_capacity(capacity)
+        return KVCache.allocate(
+            self.num_layers, batch, self.num_kv_heads, capacity, self.head_dim, self.cache_dtype
+        )
+
+    def forward(
+        self,
+        cache: KVCache,
+        input_ids: np.ndarray,  # [B, N] int64
+        position_ids: np.ndarray,  # [B, N] int64
+        attention_mask: np.ndarray,  # [B, 1, N, L] bool, L <= capacity
+        write_pos: np.ndarray,  # [B] int64
+        features: np.ndarray | None = None,  # [B, N, d] for draft heads
+    ) -> StepOutput:
+        """One forward over N new tokens per sequence, written at `write_pos` in `cache`."""
+        self.check_step(cache, input_ids, attention_mask, write_pos)
+        n = input_ids.shape[1]
+        if int(write_pos.max()) + n > attention_mask.shape[3]:
+            raise GenerationError(
+                f"the mask covers {attention_mask.shape[3]} slots; the new rows reach slot "
+                f"{int(write_pos.max()) + n - 1}"
+            )
+        feeds: dict[str, np.ndarray] = {
+            "input_ids": np.ascontiguousarray(input_ids, dtype=np.int64),
+            "position_ids": np.ascontiguousarray(position_ids, dtype=np.int64),
+            "attention_mask": np.ascontiguousarray(attention_mask, dtype=bool),
+            "write_pos": np.ascontiguousarray(write_pos, dtype=np.int64),
+        }
+        if self._feature_input is not None:
+            if features is None:
+                raise GenerationError("this draft-head graph needs `features` [B, N, d]")
+            feeds[self._feature_input] = np.ascontiguousarray(features, dtype=np.float32)
+        buffers = [b for pair in zip(cache.keys, cache.values, strict=True) for b in pair]
+        for (past, _), buffer in zip(self._cache_names, buffers, strict=True):
+            feeds[past] = buffer
+        results = self._request.infer(feeds, share_inputs=True)
+        for (_, new), buffer in zip(self._cache_names, buffers, strict=True):
+            rows = results[self._outputs[new]]
+            for b, start in enumerate(write_pos):
+                buffer[b, :, start : start + n] = rows[b]
+        logits = np.array(results[self._outputs["logits"]])
+        taps = np.array(results[self._outputs[self._hidden_output]]) if self.has_taps else None
+        return StepOutput(logits=logits, taps=taps)

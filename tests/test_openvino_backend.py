@@ -1,0 +1,147 @@
+"""`specx build --backend openvino`: the lowering's rule, the compressed weights, lossless
+speculation on OpenVINO builds. Skipped where OpenVINO is not installed (it is optional)."""
+
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import onnx_ir as ir
+import pytest
+
+ov = pytest.importorskip("openvino", reason="OpenVINO is not installed (pip install openvino)")
+
+from specx.artifact import load_manifest  # noqa: E402
+from specx.build import BuildOptions, build_artifact  # noqa: E402
+from specx.build.openvino import _Compression, compress_weights  # noqa: E402
+from specx.graphs.ov_lowering import lower_for_openvino  # noqa: E402
+from specx.graphs.weight_only import quantize_rtn  # noqa: E402
+from specx.runtime.backends import open_decoder  # noqa: E402
+from specx.runtime.drafters import DrafterOptions, make_drafter  # noqa: E402
+from specx.runtime.masks import causal_mask  # noqa: E402
+from specx.runtime.ort_target import OrtTarget  # noqa: E402
+from specx.runtime.plain_decoding import generate_plain  # noqa: E402
+from specx.runtime.speculative_decoding import generate_speculative  # noqa: E402
+
+PROMPTS = [[5, 9, 5, 9, 5, 9, 13, 5, 9, 5, 9], [7, 3, 11, 7, 3, 11, 7, 3], [4, 4, 6, 4, 4, 6]]
+
+
+@pytest.fixture(scope="module")
+def built(artifacts, tmp_path_factory):
+    """Copies of two families' artifacts, each with an fp32 and an int4 OpenVINO build."""
+    root = tmp_path_factory.mktemp("openvino")
+    out = {}
+    for family in ("llama", "gemma2"):  # gemma2: soft-capped attention
+        artifact = shutil.copytree(artifacts[family], root / family)
+        build_artifact(artifact, BuildOptions(backend="openvino", precision="int4"))
+        build_artifact(artifact, BuildOptions(backend="openvino"))
+        out[family] = artifact
+    return out
+
+
+def _tree_step_mask(prefix: int) -> tuple[np.ndarray, np.ndarray]:
+    """A 4-node tree after `prefix` tokens (root; two children; a grandchild): mask, positions."""
+    parents = [-1, 0, 0, 1]
+    mask = np.zeros((1, 1, 4, prefix + 4), bool)
+    mask[..., :prefix] = True
+    depth = []
+    for node, parent in enumerate(parents):
+        seen = node
+        while seen >= 0:
+            mask[0, 0, node, prefix + seen] = True
+            seen = parents[seen]
+        depth.append(0 if parent < 0 else depth[parent] + 1)
+    return mask, np.array([[prefix + d for d in depth]])
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_the_fp32_build_computes_the_exported_graph(built, family):
+    """Prefill then a tree step on batch 2 at different slots: logits and cache as ORT's."""
+    manifest = load_manifest(built[family])
+    ours = open_decoder(manifest.with_build("openvino-fp32"), threads=1)
+    reference = OrtTarget(manifest.with_build(None), threads=1)
+    caches = [t.allocate_cache(2) for t in (ours, reference)]
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, 100, (2, 9))
+    starts = np.array([0, 0])
+    mask = causal_mask(starts, 9, 9)
+    outputs = [
+        t.forward(c, ids, np.arange(9)[None].repeat(2, 0), mask, starts)
+        for t, c in zip((ours, reference), caches, strict=True)
+    ]
+    np.testing.assert_allclose(outputs[0].logits, outputs[1].logits, atol=2e-5)
+    tree, positions = _tree_step_mask(9)
+    ids = rng.integers(0, 100, (2, 4))
+    write = np.array([9, 9])
+    mask, positions = tree.repeat(2, 0), positions.repeat(2, 0)
+    outputs = [
+        t.forward(c, ids, positions, mask, write)
+        for t, c in zip((ours, reference), caches, strict=True)
+    ]
+    np.testing.assert_allclose(outputs[0].logits, outputs[1].logits, atol=2e-5)
+    for mine, theirs in zip(
+        caches[0].keys + caches[0].values, caches[1].keys + caches[1].values, strict=True
+    ):
+        np.testing.assert_allclose(mine[:, :, :13], theirs[:, :, :13], atol=2e-5)
+
+
+def test_a_forward_whose_rows_pass_the_mask_is_refused(built):
+    from specx.errors import GenerationError
+
+    target = open_decoder(load_manifest(built["llama"]).with_build("openvino-fp32"), threads=1)
+    cache = target.allocate_cache(1)
+    with pytest.raises(GenerationError, match="the mask covers 4 slots"):
+        target.forward(
+            cache,
+            np.zeros((1, 2), np.int64),
+            np.array([[3, 4]]),
+            np.ones((1, 1, 2, 4), bool),
+            np.array([3]),
+        )
+
+
+def test_compressed_weights_are_the_rtn_codes_and_the_output_projection_keeps_8_bits():
+    """A MatMul chain read into OpenVINO and compressed computes x @ dequantized W."""
+    rng = np.random.default_rng(0)
+    hidden_w = rng.standard_normal((256, 384)).astype(np.float32) * 0.05
+    out_w = rng.standard_normal((384, 512)).astype(np.float32) * 0.05
+    ops = ov.opset13
+    x = ops.parameter([-1, 256], np.float32, name="x")
+    hidden = ops.matmul(x, ops.constant(hidden_w), False, False)
+    logits = ops.matmul(hidden, ops.constant(out_w), False, False)
+    logits.output(0).get_tensor().set_names({"logits"})
+    model = ov.Model([logits], [x])
+    compression = _Compression(bits=4, block=128, symmetric=False, output_bits=8)
+    assert compress_weights(model, compression, lambda m: None) == 2
+    compiled = ov.Core().compile_model(
+        model, "CPU", {"INFERENCE_PRECISION_HINT": "f32", "DYNAMIC_QUANTIZATION_GROUP_SIZE": 0}
+    )
+    inputs = rng.standard_normal((3, 256)).astype(np.float32)
+    first = quantize_rtn(hidden_w, 4, 128, False).dequantize()
+    second = quantize_rtn(out_w, 8, 128, False).dequantize()
+    expected = inputs @ first @ second
+    np.testing.assert_allclose(compiled(inputs)[0], expected, rtol=1e-4, atol=1e-4)
+    float_result = inputs @ hidden_w @ out_w
+    assert np.abs(compiled(inputs)[0] - float_result).max() > 1e-3  # it was compressed
+
+
+@pytest.mark.parametrize("build", ["openvino-fp32", "openvino-int4"])
+def test_greedy_speculation_on_an_openvino_build_equals_its_plain_decoding(built, build):
+    target = open_decoder(load_manifest(built["llama"]).with_build(build), threads=1)
+    plain = generate_plain(target, PROMPTS, 24)
+    # A chain of 3, and trees of n-gram matches (several continuations per round).
+    for options in (DrafterOptions(3), DrafterOptions(4, ngram_matches=3)):
+        drafter = make_drafter("ngram", target, options)
+        speculative = generate_speculative(target, drafter, PROMPTS, 24)
+        assert speculative.tokens == plain.tokens, (build, options)
+
+
+def test_the_lowering_leaves_no_tree_attention_and_outputs_new_rows(artifacts):
+    manifest = load_manifest(artifacts["llama"])
+    model = lower_for_openvino(ir.load(manifest.path(manifest.graph("target").file)))
+    assert not [
+        n for n in model.graph if n.op_type in ("TreeAttention", "Attention", "TensorScatter")
+    ]
+    outputs = [o.name for o in model.graph.outputs]
+    assert "new_key_0" in outputs and not [o for o in outputs if o.startswith("present_")]
+    assert not model.functions
