@@ -83,6 +83,9 @@ CACHE = Path.home() / ".cache" / "specx"
 INT4_HEADS = Path(__file__).resolve().parent / "heads" / "pyref-1b-int4"
 HEADS = ("eagle3", "eagle", "mtp", "medusa")
 CHAINS = (2, 3, 4)
+# `--openvino-builds`: these artifacts also get specx's OpenVINO int4 build ("specx-ov" rows).
+OV_ARTIFACTS = ("plain", "eagle3", "eagle")
+OV_BUILD = "openvino-int4"
 DRAFT_TOKENS = 4  # the peers' draft length per round
 
 
@@ -223,8 +226,21 @@ def prepare_openvino_eagle3(head: Path, taps: tuple[int, ...], work: Path, venv:
     return _mark(out, _stamp(head))
 
 
-def prepare(wide: Path, work: Path, venv: Path, int4_heads: bool = False) -> Prepared:
-    """Every artifact; `int4_heads`: kinds distilled against the int4 target use those heads."""
+def openvino_build(artifact: Path) -> None:
+    """specx's OpenVINO int4 build of `artifact`, unless it has one (a rebuilt artifact has not)."""
+    from specx.artifact import load_manifest
+    from specx.build import BuildOptions, build_artifact
+
+    if OV_BUILD not in load_manifest(artifact).builds:
+        log(f"specx build --backend openvino --precision int4: {artifact}")
+        build_artifact(artifact, BuildOptions(backend="openvino", precision="int4"), log)
+
+
+def prepare(
+    wide: Path, work: Path, venv: Path, int4_heads: bool = False, ov_builds: bool = False
+) -> Prepared:
+    """Every artifact; `int4_heads`: kinds distilled against the int4 target use those heads;
+    `ov_builds`: OV_ARTIFACTS get specx's OpenVINO build too."""
     shape = pyref_wide.Shape()
     target = pyref_wide.write_target(wide, shape)
     heads = pyref_wide.write_heads(wide, shape)
@@ -233,6 +249,8 @@ def prepare(wide: Path, work: Path, venv: Path, int4_heads: bool = False) -> Pre
     config = json.loads((heads["eagle3"] / "config.json").read_text())
     taps = tuple(config["eagle_config"]["eagle_aux_hidden_state_layer_ids"])
     specx = prepare_specx(target, heads, work)
+    for name in OV_ARTIFACTS if ov_builds else ():
+        openvino_build(specx[name])
     genai = prepare_genai(target, work)
     openvino = prepare_openvino(target, work, venv)
     try:
@@ -275,6 +293,32 @@ def specx_runners(prepared: Prepared, threads: int, sampling, chains=CHAINS) -> 
     return runners
 
 
+def specx_openvino_runners(prepared: Prepared, threads: int, sampling, chains=CHAINS) -> dict:
+    """The "specx-ov" rows: specx's runtime on its OpenVINO builds (plain, n-gram, heads)."""
+    from specx.artifact import load_manifest
+    from specx.runtime.backends import open_decoder
+
+    def target(name: str):
+        return open_decoder(load_manifest(prepared.specx[name]).with_build(OV_BUILD), threads)
+
+    plain = target("plain")
+    runners = {"specx-ov plain": SpecxPlain(prepared.specx["plain"], OV_BUILD, threads, sampling)}
+    if sampling is None:
+        runners["specx-ov ngram"] = SpecxSpeculative(plain, _fresh("ngram", plain, ""), sampling)
+    for kind in OV_ARTIFACTS[1:]:
+        verifier = target(kind)
+        for n in chains:
+            runners[f"specx-ov {kind} chain {n}"] = SpecxSpeculative(
+                verifier, _fresh(kind, verifier, f"chain:{n}"), sampling
+            )
+    return runners
+
+
+def family_of(runner_name: str) -> str:
+    """ "specx-ov" for specx's OpenVINO-build rows, "specx" for its ONNX Runtime rows."""
+    return runner_name.split(" ", 1)[0]
+
+
 def peer_runners(prepared: Prepared, threads: int, temperature: float) -> dict:
     runners = {
         "genai plain": GenaiPlain(prepared.genai, threads, temperature),
@@ -314,30 +358,36 @@ def acceptance(runner: SpecxSpeculative) -> dict:
     }
 
 
-def section(name: str, runners: dict, prompts, args, curve) -> dict:
-    """One interleaved run of `runners`; per runner its times, acceptance and bound."""
+def section(name: str, runners: dict, prompts, args, curves: dict) -> dict:
+    """One interleaved run of `runners`; per runner its times, acceptance and bound.
+
+    A speculative row's bound is priced with its build's verify curve (`curves` by family)
+    against its build's plain decode step, and its greedy output compared with that plain's.
+    """
     log(f"{name}: {len(runners)} runners x {len(prompts)} prompts x {args.repeats} repeats")
     summaries = interleave(runners, prompts, args.new_tokens, args.repeats)
     rows = {n: s.report(args.new_tokens) for n, s in summaries.items()}
-    plain = rows["specx plain"]["decode_ms_per_token"]
     for runner_name, runner in runners.items():
         row = rows[runner_name]
         row["ttft_ms"] = row.pop("prefill_ms")
-        if isinstance(runner, SpecxSpeculative):
+        family = family_of(runner_name)
+        curve = curves.get(family)
+        if isinstance(runner, SpecxSpeculative) and curve is not None:
+            plain = rows[f"{family} plain"]["decode_ms_per_token"]
             row.update(acceptance(runner))
             # A chain of N verifies N + 1 tokens (t from the curve); model-free drafts vary
             # in width: their measured verify time per round stands in.
             verify_ms = row["verify_ms_per_round"]
             if "chain" in runner_name:
                 verify_ms = 1e3 * curve(int(runner_name.rsplit(" ", 1)[-1]) + 1)
-            row["bound_vs_specx_plain"] = (
+            row["bound_vs_its_plain"] = (
                 row["acceptance_length"] * plain / (verify_ms + row["draft_ms_per_round"])
             )
-            row["speedup_vs_specx_plain"] = plain / row["decode_ms_per_token"]
-            row["of_bound"] = row["speedup_vs_specx_plain"] / row["bound_vs_specx_plain"]
+            row["speedup_vs_its_plain"] = plain / row["decode_ms_per_token"]
+            row["of_bound"] = row["speedup_vs_its_plain"] / row["bound_vs_its_plain"]
         if name == "greedy" and runner_name.startswith("specx"):
-            same = summaries[runner_name].tokens == summaries["specx plain"].tokens
-            row["identical_to_specx_plain"] = same
+            same = summaries[runner_name].tokens == summaries[f"{family} plain"].tokens
+            row["identical_to_its_plain"] = same
     peers = {n: r for n, r in rows.items() if not n.startswith("specx")}
     loop = in_loop_costs(runners)
     fastest_peer = min(peers, key=lambda n: peers[n]["decode_ms_per_token"])
@@ -363,11 +413,11 @@ def in_loop_costs(runners: dict) -> dict:
     tokens per call: specx's every forward (TimedForwards, all its runners), OpenVINO's
     main-model inference per call as its pipeline reports it (plain: 1 token; EAGLE-3: its
     4 drafts + 1). The same measure on both sides, in the same run."""
-    specx: list[tuple[int, float]] = []
+    calls: dict[str, list[tuple[int, float]]] = {}
     for name, runner in runners.items():
         if name.startswith("specx"):
-            specx += runner.calls
-    costs: dict = {"specx": calls_ms(specx)}
+            calls.setdefault(family_of(name), []).extend(runner.calls)
+    costs: dict = {family: calls_ms(timed) for family, timed in calls.items()}
     widths = {"openvino plain": 1, "openvino eagle3": DRAFT_TOKENS + 1}
     for name, width in widths.items():
         if name in runners and runners[name].main_calls_ms:
@@ -423,6 +473,10 @@ def main() -> None:
         "--int4-heads", action="store_true",
         help=f"kinds with a head under {INT4_HEADS} (distilled against the int4 target) use it",
     )  # fmt: skip
+    parser.add_argument(
+        "--openvino-builds", action="store_true",
+        help=f"also time specx on its OpenVINO int4 build of {', '.join(OV_ARTIFACTS)} (specx-ov)",
+    )  # fmt: skip
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/edge.json"))
     args = parser.parse_args()
     if not (pyref_wide.SOURCE / "model.safetensors").is_file():
@@ -432,7 +486,7 @@ def main() -> None:
     from specx.runtime.sampling import SamplingParams
     from specx.runtime.tokenizer import TextTokenizer
 
-    prepared = prepare(args.wide, args.work, args.ov_venv, args.int4_heads)
+    prepared = prepare(args.wide, args.work, args.ov_venv, args.int4_heads, args.openvino_builds)
     if args.prepare_only:
         return
     tokenizer = TextTokenizer(pyref_wide.SOURCE / "tokenizer.json")
@@ -452,22 +506,31 @@ def main() -> None:
         "sections": {},
     }
     keep = re.compile(args.only or ".")
-    plain = SpecxPlain(prepared.specx["plain"], "ort-int4", args.threads)
     context = sum(len(p) for p in prompts) // len(prompts)
-    curve = measure_verify_curve(plain.target, (1, 2, 3, 4, 5, 6, 7, 8), context, repeats=15)
-    report["specx_verify_curve"] = curve.summary()
+    curves = {}
+    for family, build in (("specx", "ort-int4"), ("specx-ov", OV_BUILD)):
+        if family == "specx-ov" and not args.openvino_builds:
+            continue
+        plain = SpecxPlain(prepared.specx["plain"], build, args.threads)
+        widths = (1, 2, 3, 4, 5, 6, 7, 8)
+        curves[family] = measure_verify_curve(plain.target, widths, context, repeats=15)
+        key = "specx_verify_curve" if family == "specx" else "specx_openvino_verify_curve"
+        report[key] = curves[family].summary()
+        del plain
     settings = {"greedy": (None, 0.0), "sampled": (SamplingParams(0.7, seed=0), 0.7)}
     for name in args.sections.split(","):
         sampling, temperature = settings[name]
         chains = CHAINS if sampling is None else (3,)
         runners = specx_runners(prepared, args.threads, sampling, chains)
+        if args.openvino_builds:
+            runners |= specx_openvino_runners(prepared, args.threads, sampling, chains)
         runners |= peer_runners(prepared, args.threads, temperature)
         runners = {
             n: r
             for n, r in runners.items()
-            if n in ("specx plain", "genai plain") or keep.search(n)
+            if n in ("specx plain", "specx-ov plain", "genai plain") or keep.search(n)
         }
-        report["sections"][name] = section(name, runners, prompts, args, curve)
+        report["sections"][name] = section(name, runners, prompts, args, curves)
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(report, indent=2) + "\n")
     print(markdown(report))

@@ -17,7 +17,6 @@ import numpy as np
 
 from specx.artifact import Manifest
 from specx.errors import ArtifactError, GenerationError
-from specx.graphs.ov_lowering import NEW_ROWS_PREFIX
 from specx.runtime.decoder_backend import DecoderBackend, StepOutput
 from specx.runtime.kv_cache import KVCache
 
@@ -65,7 +64,7 @@ class OvTarget(DecoderBackend):
             name: i for i, output in enumerate(compiled.outputs) for name in output.get_names()
         }
         self._cache_names = [
-            (f"past_{kind}_{i}", f"{NEW_ROWS_PREFIX}{kind}_{i}")
+            (f"past_{kind}_{i}", f"new_{kind}_{i}")  # the lowering's names for the new rows
             for i in range(self.num_layers)
             for kind in ("key", "value")
         ]
