@@ -145,3 +145,35 @@ def test_the_lowering_leaves_no_tree_attention_and_outputs_new_rows(artifacts):
     outputs = [o.name for o in model.graph.outputs]
     assert "new_key_0" in outputs and not [o for o in outputs if o.startswith("present_")]
     assert not model.functions
+
+
+def test_generate_on_an_openvino_build_needs_neither_torch_nor_onnx(built):
+    """The default build is the last one (openvino-fp32); the runtime opens it with openvino."""
+    import json
+    import subprocess
+    import sys
+
+    from test_runtime_isolation import BLOCKER
+
+    args = [sys.executable, "-c", BLOCKER, "generate", str(built["llama"]), "--prompt", "import"]
+    args += ["--max-new-tokens", "4", "--json", "--threads", "1"]
+    done = subprocess.run(args, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    assert (result["stats"]["build"], result["stats"]["backend"]) == ("openvino-fp32", "openvino")
+    assert len(result["tokens"][0]) >= 1
+
+
+def test_onnx_runtime_only_build_options_are_refused_for_openvino(built):
+    from click.testing import CliRunner
+
+    from specx.cli import main
+
+    args = ["build", str(built["llama"]), "--backend", "openvino", "--precision", "int4"]
+    done = CliRunner().invoke(main, [*args, "--accuracy-level", "0"])
+    assert done.exit_code != 0
+    assert "--accuracy-level applies only to --backend ort" in done.output
+    done = CliRunner().invoke(
+        main, ["build", str(built["llama"]), "--backend", "openvino", "--lowering", "none"]
+    )
+    assert "--lowering applies only to --backend ort" in done.output

@@ -75,7 +75,8 @@ def lint(artifact_dir: Path, lint_target: str, precision: str, as_json: bool) ->
     default="ort",
     show_default=True,
     help="A registered build backend (specx.build): ort (CPU), trt (TensorRT engines), "
-    "int8-static (static INT8 QDQ calibrated on --prompts, as specx quantize).",
+    "int8-static (static INT8 QDQ calibrated on --prompts, as specx quantize), openvino "
+    "(OpenVINO IR for its CPU plugin: fp32, int4, int8; needs specx[openvino]).",
 )
 @click.option(
     "--precision",
@@ -196,10 +197,17 @@ def build(
     GroupQueryAttention, fp16 writes converted graphs, int4/int8 store every MatMul weight
     block-quantized (MatMulNBits).
     trt: lowers, lints and builds one TensorRT engine per graph (needs TensorRT and a GPU).
+    openvino: OpenVINO IR, int4/int8 weights in OpenVINO's compressed form (--block-size and
+    --symmetric/--asymmetric apply; the lm_head is stored at 8 bits).
     """
     trt_only = passed(ctx, "max_batch", "optimization_level", "timing_cache")
-    if backend == "trt" and passed(ctx, "lowering"):
+    if backend != "ort" and passed(ctx, "lowering"):
         raise BuildError(only_applies(["--lowering"], "--backend ort"))
+    ort_weights = passed(
+        ctx, "accuracy_level", "lm_head_bits", "lm_head_rescore", "method", "quantize"
+    )
+    if backend == "openvino" and ort_weights:
+        raise BuildError(only_applies(ort_weights, "--backend ort"))
     if backend != "trt" and trt_only:
         raise BuildError(only_applies(trt_only, "--backend trt"))
     weight_options = passed(ctx, *_WEIGHT_OPTIONS)
