@@ -117,12 +117,19 @@ def test_compressed_weights_are_the_rtn_codes_and_the_output_projection_keeps_8_
         model, "CPU", {"INFERENCE_PRECISION_HINT": "f32", "DYNAMIC_QUANTIZATION_GROUP_SIZE": 0}
     )
     inputs = rng.standard_normal((3, 256)).astype(np.float32)
-    first = quantize_rtn(hidden_w, 4, 128, False).dequantize()
-    second = quantize_rtn(out_w, 8, 128, False).dequantize()
+    first = _as_decompressed(quantize_rtn(hidden_w, 4, 128, False))
+    second = _as_decompressed(quantize_rtn(out_w, 8, 128, False))
     expected = inputs @ first @ second
     np.testing.assert_allclose(compiled(inputs)[0], expected, rtol=1e-4, atol=1e-4)
     float_result = inputs @ hidden_w @ out_w
     assert np.abs(compiled(inputs)[0] - float_result).max() > 1e-3  # it was compressed
+
+
+def _as_decompressed(quantized) -> np.ndarray:
+    """The weight [K, N] as the plugin computes it: (code - zero) * the scale rounded to fp16."""
+    values = quantized.codes.astype(np.float32) - quantized.zero_points[..., None]
+    weight = values * quantized.scales[..., None].astype(np.float16).astype(np.float32)
+    return weight.reshape(weight.shape[0], -1).T
 
 
 @pytest.mark.parametrize("build", ["openvino-fp32", "openvino-int4"])

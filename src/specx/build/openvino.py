@@ -45,6 +45,7 @@ __all__ = ["BACKEND", "OpenVino", "compress_weights"]
 
 PRECISIONS = ("fp32", "int4", "int8")
 MIN_WEIGHT = 1 << 16  # smaller MatMul weights stay float: too small to matter
+DECOMPRESSION = "f16"  # the plugin's int8-activation kernel takes f16 scales (see docstring)
 
 
 def _openvino():
@@ -190,21 +191,23 @@ def _decompression(ov, quantized: BlockQuantized, rows: int):
     kind = ov.Type.u4 if quantized.bits == 4 else ov.Type.u8
     # Constants copy the packed bytes (shared_memory=False): the arrays die with this call.
     codes = ov.op.Constant(ov.Tensor(quantized.packed(), ov.Shape([n, blocks, block]), kind), False)
-    values = ops.convert(codes, "f32")
+    values = ops.convert(codes, DECOMPRESSION)
     if quantized.zero_points is None:
-        zero: object = ops.constant(np.float32(2 ** (quantized.bits - 1)))
+        zero: object = ops.constant(np.float16(2 ** (quantized.bits - 1)))
     else:
         zeros = quantized.zero_points.reshape(-1)
         if quantized.bits == 4:  # packed like the codes: pairs of the flat array, low first
             zeros = np.pad(zeros, (0, zeros.size % 2))
             zeros = (zeros[0::2] | (zeros[1::2] << 4)).astype(np.uint8)
         packed_zeros = ov.op.Constant(ov.Tensor(zeros, ov.Shape([n, blocks, 1]), kind), False)
-        zero = ops.convert(packed_zeros, "f32")
-    scaled = ops.multiply(ops.subtract(values, zero), ops.constant(quantized.scales[..., None]))
+        zero = ops.convert(packed_zeros, DECOMPRESSION)
+    # Contiguous: OpenVINO 2026.4's binding reads a non-contiguous float16 array as int16.
+    scales = ov.op.Constant(np.ascontiguousarray(quantized.scales[..., None], np.float16))
+    scaled = ops.multiply(ops.subtract(values, zero), scales)
     weight = ops.reshape(scaled, ops.constant(np.array([n, blocks * block], np.int64)), False)
     if blocks * block != rows:  # K padded to whole blocks: drop the padding columns
         weight = ops.slice(weight, [0], [rows], [1], [1])
-    return weight
+    return ops.convert(weight, "f32")
 
 
 BACKEND = OpenVino()

@@ -7,6 +7,10 @@ and returns the N new rows of every layer (`specx.graphs.ov_lowering`), and this
 writes them at `write_pos`, which is where the graph's rule puts them. Activations stay
 float32 (`INFERENCE_PRECISION_HINT`): the plugin's default on CPUs with bf16 would round
 them to bf16, another model than the artifact's.
+
+OpenVINO prepares its nodes again whenever an input's shape changes, and the mask's width
+(the slots a forward reads) grows by one every decoding step; the mask is padded with
+unseen slots to a multiple of `MASK_QUANTUM`, so its shape changes once per that many tokens.
 """
 
 from __future__ import annotations
@@ -20,7 +24,9 @@ from specx.errors import ArtifactError, GenerationError
 from specx.runtime.decoder_backend import DecoderBackend, StepOutput
 from specx.runtime.kv_cache import KVCache
 
-__all__ = ["OvGraph", "OvTarget", "compile_graph"]
+__all__ = ["MASK_QUANTUM", "OvGraph", "OvTarget", "compile_graph"]
+
+MASK_QUANTUM = 32  # slots: the mask's width is padded to a multiple of this
 
 
 def compile_graph(manifest: Manifest, graph: str, threads: int | None) -> Any:
@@ -96,7 +102,7 @@ class OvTarget(DecoderBackend):
         feeds: dict[str, np.ndarray] = {
             "input_ids": np.ascontiguousarray(input_ids, dtype=np.int64),
             "position_ids": np.ascontiguousarray(position_ids, dtype=np.int64),
-            "attention_mask": np.ascontiguousarray(attention_mask, dtype=bool),
+            "attention_mask": _padded(attention_mask, cache.capacity),
             "write_pos": np.ascontiguousarray(write_pos, dtype=np.int64),
         }
         if self._feature_input is not None:
@@ -114,3 +120,14 @@ class OvTarget(DecoderBackend):
         logits = np.array(results[self._outputs["logits"]])
         taps = np.array(results[self._outputs[self._hidden_output]]) if self.has_taps else None
         return StepOutput(logits=logits, taps=taps)
+
+
+def _padded(mask: np.ndarray, capacity: int) -> np.ndarray:
+    """`mask` [B, 1, N, L] widened with unseen slots to a multiple of MASK_QUANTUM (<= capacity)."""
+    width = mask.shape[3]
+    padded = min(-(-width // MASK_QUANTUM) * MASK_QUANTUM, capacity)
+    if padded == width:
+        return np.ascontiguousarray(mask, dtype=bool)
+    out = np.zeros((*mask.shape[:3], padded), dtype=bool)
+    out[..., :width] = mask
+    return out
