@@ -35,7 +35,11 @@ torch==2.13.0 "optimum-intel[openvino]" einops && .../bin/pip uninstall -y torch
 
     python benchmarks/edge.py [--wide ~/.cache/specx/pyref-wide] [--prompts 6]
         [--new-tokens 64] [--repeats 3] [--sections greedy,sampled] [--only REGEX]
-        [--int4-heads]
+        [--int4-heads] [--openvino-builds]
+
+`--openvino-builds`: the plain, EAGLE-3 and EAGLE-1 artifacts also get specx's OpenVINO int4
+build (`specx build --backend openvino --precision int4`), timed as "specx-ov" rows (plain,
+n-gram, the heads' chains) with their own verify curve, plain step and greedy comparison.
 
 `--int4-heads`: kinds with a head distilled against pyref-1b's int4 build
 (`benchmarks/heads/pyref-1b-int4`, see int4_heads.py) draft with it, OpenVINO's EAGLE-3
