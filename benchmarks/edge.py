@@ -231,13 +231,23 @@ def prepare_openvino_eagle3(head: Path, taps: tuple[int, ...], work: Path, venv:
 
 
 def openvino_build(artifact: Path) -> None:
-    """specx's OpenVINO int4 build of `artifact`, unless it has one (a rebuilt artifact has not)."""
+    """specx's OpenVINO int4 build of `artifact`, (re)built when the code that writes it changed."""
+    import hashlib
+
+    import specx.build.openvino
+    import specx.build.ort
+    import specx.graphs.ov_lowering
     from specx.artifact import load_manifest
     from specx.build import BuildOptions, build_artifact
 
-    if OV_BUILD not in load_manifest(artifact).builds:
+    modules = (specx.build.openvino, specx.build.ort, specx.graphs.ov_lowering)
+    code = b"".join(Path(m.__file__).read_bytes() for m in modules if m.__file__)
+    stamp, marker = hashlib.sha256(code).hexdigest(), artifact / ".openvino-build"
+    built = marker.is_file() and marker.read_text() == stamp
+    if not built or OV_BUILD not in load_manifest(artifact).builds:
         log(f"specx build --backend openvino --precision int4: {artifact}")
         build_artifact(artifact, BuildOptions(backend="openvino", precision="int4"), log)
+        marker.write_text(stamp)
 
 
 def prepare(

@@ -184,3 +184,60 @@ def test_onnx_runtime_only_build_options_are_refused_for_openvino(built):
         main, ["build", str(built["llama"]), "--backend", "openvino", "--lowering", "none"]
     )
     assert "--lowering applies only to --backend ort" in done.output
+
+
+def _alone_and_together(target) -> tuple[np.ndarray, np.ndarray]:
+    """Logits of 5 tokens after a prompt: one forward of all 5, and 5 one-token forwards."""
+    rng = np.random.default_rng(0)
+    prompt, chunk = rng.integers(0, 100, (1, 12)), rng.integers(0, 100, (1, 5))
+    caches = [target.allocate_cache(1) for _ in range(2)]
+    for cache in caches:
+        target.forward(
+            cache, prompt, np.arange(12)[None], causal_mask(np.array([0]), 12, 12), np.array([0])
+        )
+    start = np.array([12])
+    together = target.forward(
+        caches[0], chunk, 12 + np.arange(5)[None], causal_mask(start, 5, 17), start
+    )
+    alone = []
+    for j in range(5):
+        at = np.array([12 + j])
+        step = target.forward(
+            caches[1], chunk[:, j : j + 1], at[:, None], causal_mask(at, 1, 13 + j), at
+        )
+        alone.append(step.logits[0, 0])
+    return np.array(alone), together.logits[0]
+
+
+def test_a_token_alone_and_in_a_chunk_gets_the_same_logits_on_int4(built, monkeypatch):
+    """Bit for bit, thanks to the pad row; without it OpenVINO's single-row path differs."""
+    import specx.runtime.ov_target as ov_target
+
+    target = open_decoder(load_manifest(built["llama"]).with_build("openvino-int4"), threads=1)
+    alone, together = _alone_and_together(target)
+    np.testing.assert_array_equal(alone, together)
+    monkeypatch.setattr(ov_target, "PAD_SINGLE_ROWS", False)
+    alone, together = _alone_and_together(target)
+    assert np.abs(alone - together).max() > 0
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "medusa"])
+def test_heads_draft_on_onnx_runtime_for_an_openvino_target(head_artifacts, kind, tmp_path):
+    """The build's target is OpenVINO IR, its draft graphs ONNX Runtime's (the one-call chain
+    graph included), and speculation with the head stays lossless."""
+    from specx.runtime.backends import graph_runtime
+    from specx.runtime.drafters.chain_graph import DraftChain
+
+    artifact = shutil.copytree(head_artifacts[kind], tmp_path / kind)
+    build_artifact(artifact, BuildOptions(backend="openvino", precision="int4"))
+    manifest = load_manifest(artifact)
+    drafts = [name for name in manifest.build.graphs if name != "target"]
+    assert drafts and {graph_runtime(manifest, name) for name in drafts} == {"ort"}
+    assert graph_runtime(manifest, "target") == "openvino"
+    assert DraftChain.available(manifest) == (kind == "eagle3")
+    target = open_decoder(manifest, threads=1)
+    plain = generate_plain(target, PROMPTS, 20)
+    options = DrafterOptions(3) if kind != "medusa" else DrafterOptions()
+    speculative = generate_speculative(target, make_drafter(kind, target, options), PROMPTS, 20)
+    assert speculative.tokens == plain.tokens
+    assert speculative.stats.speculative.acceptance.rounds > 0

@@ -126,6 +126,8 @@ def _graph(where: str, entry: Any) -> None:
         raise ArtifactError(f"{where}.kv_spare_slots must be an integer in 0..8, got {spare!r}")
     if not isinstance(entry.get("ort_only", False), bool):
         raise ArtifactError(f"{where}.ort_only must be true or false")
+    if not isinstance(entry.get("runtime", ""), str):
+        raise ArtifactError(f"{where}.runtime must be a runtime's name")
     if not _list_of(_is(str))(entry.get("profiles", [])):
         raise ArtifactError(f"{where}.profiles must be a list of strings")
     for side in ("inputs", "outputs"):

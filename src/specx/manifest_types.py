@@ -163,6 +163,7 @@ class GraphEntry:
     kv_spare_slots: int = 0  # cache rows past the capacity a row-invariant graph writes
     decoder: DecoderSpec | None = None  # a draft head's shapes (the target's: ModelSpec)
     ort_only: bool = False  # ONNX Runtime only (the draft chain's Loop): TensorRT skips it
+    runtime: str | None = None  # its opener, where not the build's (OpenVINO builds' drafts)
 
     @classmethod
     def from_json(cls, data: Json) -> GraphEntry:  # noqa: D102
@@ -179,6 +180,7 @@ class GraphEntry:
             kv_spare_slots=data.get("kv_spare_slots", 0),
             decoder=None if decoder is None else DecoderSpec.from_json(decoder),
             ort_only=data.get("ort_only", False),
+            runtime=data.get("runtime"),
         )
 
     def to_json(self) -> dict[str, Any]:  # noqa: D102
@@ -195,6 +197,7 @@ class GraphEntry:
             kv_spare_slots=self.kv_spare_slots or None,
             decoder=None if self.decoder is None else self.decoder.to_json(),
             ort_only=self.ort_only or None,
+            runtime=self.runtime,
         )
 
 

@@ -29,7 +29,7 @@ import onnx
 import onnx_ir as ir
 
 from specx.artifact import Manifest
-from specx.build.ort import weight_only_config
+from specx.build.ort import build_drafts, weight_only_config
 from specx.build.registry import BuildJob, BuildOptions, Progress
 from specx.build.staging import load_graph
 from specx.errors import BuildError
@@ -96,20 +96,37 @@ class OpenVino:
         _openvino()
 
     def build(self, job: BuildJob) -> BuildEntry:
-        """Lowers, reads and compresses every graph the runtime needs; saves each as IR."""
+        """The target as OpenVINO IR; the draft graphs as ONNX Runtime builds them."""
         ov = _openvino()
         weight_only = job.options.precision in ("int4", "int8")
         config = weight_only_config(job.manifest, job.options) if weight_only else None
         compression = _Compression.of(config)
         graphs: dict[str, GraphEntry] = {}
-        for name, exported in job.manifest.graphs.items():
-            if exported.ort_only:
-                continue  # the one-call draft chain (an ONNX Loop): drafted per depth instead
-            job.progress(f"[openvino] lowering {name} and reading it")
-            graphs[name] = self._graph(ov, job, name, compression)
-        quantization = {} if compression is None else dataclasses.asdict(compression)
+        drafts = None
+        if set(job.manifest.graphs) != {"target"}:
+            job.progress("[openvino] the draft graphs, on ONNX Runtime")
+            drafts = build_drafts(
+                dataclasses.replace(job, options=_for_drafts(job.options, config))
+            )
+            graphs = {
+                name: dataclasses.replace(e, runtime="ort") for name, e in drafts.graphs.items()
+            }
+        job.progress("[openvino] lowering the target and reading it")
+        graphs["target"] = self._graph(ov, job, "target", compression)
+        quantization: dict = {}
+        if compression is not None:
+            # Chains only, as ONNX Runtime's int8-compute builds: a tree's accepted path sits at
+            # other cache slots than plain decoding's, and int8 activations can flip on a last bit.
+            quantization = dataclasses.asdict(compression) | {"greedy_identity": "chains"}
+        if drafts is not None and drafts.quantization:
+            quantization["drafts"] = drafts.quantization
         return BuildEntry(
-            self.runtime, job.options.precision, graphs=graphs, quantization=quantization
+            self.runtime,
+            job.options.precision,
+            graphs=graphs,
+            quantization=quantization,
+            onnxruntime_version=None if drafts is None else drafts.onnxruntime_version,
+            lowering=dict(drafts.lowering) if drafts is not None else {},
         )
 
     def _graph(self, ov, job: BuildJob, name: str, compression) -> GraphEntry:
@@ -129,6 +146,11 @@ class OpenVino:
             lowered.unlink(missing_ok=True)
         data = (f"{output.directory}/{name}.bin",)
         return GraphEntry(f"{output.directory}/{name}.xml", inputs, outputs, data)
+
+
+def _for_drafts(options: BuildOptions, config: WeightOnlyConfig | None) -> BuildOptions:
+    """The ONNX Runtime options for the draft graphs: the same weights rule, its kernels'."""
+    return dataclasses.replace(options, backend="ort", weight_only=config)
 
 
 def compress_weights(model: ov.Model, compression: _Compression, progress: Progress) -> int:

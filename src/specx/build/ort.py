@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -40,7 +40,13 @@ from specx.graphs.weight_only import (
 )
 from specx.manifest_types import BuildEntry, GraphEntry
 
-__all__ = ["BACKEND", "OnnxRuntime", "matmulnbits_row_invariance", "weight_only_config"]
+__all__ = [
+    "BACKEND",
+    "OnnxRuntime",
+    "build_drafts",
+    "matmulnbits_row_invariance",
+    "weight_only_config",
+]
 
 log = logging.getLogger(__name__)
 
@@ -88,12 +94,24 @@ class OnnxRuntime:
         return _build_ort(job.manifest, job.options, job.output, job.progress, job.prompts)
 
 
+def build_drafts(job: BuildJob) -> BuildEntry:
+    """The ONNX Runtime build of every graph but the target.
+
+    For a backend that builds the target its own way and runs the drafts here
+    (`specx.build.openvino`).
+    """
+    return _build_ort(
+        job.manifest, job.options, job.output, job.progress, job.prompts, skip={"target"}
+    )
+
+
 def _build_ort(
     manifest: Manifest,
     options: BuildOptions,
     output: BuildOutput,
     progress: Progress,
     prompts: Sequence[Sequence[int]],
+    skip: Collection[str] = (),
 ) -> BuildEntry:
     import onnxruntime as ort
 
@@ -110,11 +128,12 @@ def _build_ort(
         progress("[ort] no GroupQueryAttention lowering (fp16, or this ONNX Runtime lacks it)")
     if options.precision == "fp32" and not lower:
         graphs = exported_entries(manifest)  # the exported graphs are the fp32 ORT build
+        graphs = {name: entry for name, entry in graphs.items() if name not in skip}
     else:
         graphs = {}
         for name in manifest.graphs:
-            if name == "draft_chain":
-                continue  # derived from the built head below
+            if name == "draft_chain" or name in skip:
+                continue  # the chain: derived from the built head below
             progress(f"[ort] converting {name} to {options.precision}")
             quantizer = _quantizer(manifest, name, options, prompts, progress)
             model = _convert(load_graph(manifest, name), name, options, quantization, quantizer)

@@ -23,6 +23,7 @@ __all__ = [
     "Opener",
     "backend_name",
     "build_name",
+    "graph_runtime",
     "open_decoder",
     "open_stateless",
     "select_build",
@@ -116,15 +117,23 @@ def backend_name(manifest: Manifest) -> str:
     return name
 
 
+def graph_runtime(manifest: Manifest, graph: str) -> str:
+    """The runtime that opens `graph`: its own where the build names one, else the build's."""
+    name = manifest.runtime_graph(graph).runtime or backend_name(manifest)
+    if name not in OPENERS:
+        raise ArtifactError(f"{manifest.root}: unknown runtime {name!r} for graph {graph!r}")
+    return name
+
+
 def open_decoder(
     manifest: Manifest, threads: int | None = None, graph: str = "target"
 ) -> DecoderBackend:
-    """The decoder graph `graph` ("target" or "draft_head") on the manifest's backend."""
-    return OPENERS[backend_name(manifest)].decoder(manifest, threads, graph)
+    """The decoder graph `graph` ("target" or "draft_head") on its runtime."""
+    return OPENERS[graph_runtime(manifest, graph)].decoder(manifest, threads, graph)
 
 
 def open_stateless(
     manifest: Manifest, graph: str, threads: int | None = None
 ) -> Callable[[np.ndarray], np.ndarray]:
-    """A one-input graph (Medusa heads, the EAGLE-3 projection) on the manifest's backend."""
-    return OPENERS[backend_name(manifest)].stateless(manifest, graph, threads)
+    """A one-input graph (Medusa heads, the EAGLE-3 projection) on its runtime."""
+    return OPENERS[graph_runtime(manifest, graph)].stateless(manifest, graph, threads)

@@ -8,6 +8,14 @@ writes them at `write_pos`, which is where the graph's rule puts them. Activatio
 float32 (`INFERENCE_PRECISION_HINT`): the plugin's default on CPUs with bf16 would round
 them to bf16, another model than the artifact's.
 
+Row invariance: greedy speculation is lossless when a token's logits are the same alone (a
+decode step) and among a verify chunk's rows. OpenVINO's compressed-weight kernels compute a
+single row on another path than several (int4 logits moved by ~3e-2 on pyref-1b), while rows
+of chunks of 2 or more come out bit-identical whatever the chunk. So a one-token forward runs
+as two rows (a copy of the token at the next position, seeing itself: `_with_pad_row`), its
+second row's outputs dropped and its key and value never written; the cache has one spare
+slot for it (`KVCache.spare_slots`).
+
 OpenVINO prepares its nodes again whenever an input's shape changes, and the mask's width
 (the slots a forward reads) grows by one every decoding step; the mask is padded with
 unseen slots to a multiple of `MASK_QUANTUM`, so its shape changes once per that many tokens.
@@ -27,6 +35,7 @@ from specx.runtime.kv_cache import KVCache
 __all__ = ["MASK_QUANTUM", "OvGraph", "OvTarget", "compile_graph"]
 
 MASK_QUANTUM = 32  # slots: the mask's width is padded to a multiple of this
+PAD_SINGLE_ROWS = True  # one-token forwards run as two rows (module docstring); tests turn it off
 
 
 def compile_graph(manifest: Manifest, graph: str, threads: int | None) -> Any:
@@ -79,7 +88,7 @@ class OvTarget(DecoderBackend):
         """A zeroed cache for `batch` sequences; capacity defaults to the artifact's."""
         capacity = self.checked_capacity(capacity)
         return KVCache.allocate(
-            self.num_layers, batch, self.num_kv_heads, capacity, self.head_dim, self.cache_dtype
+            self.num_layers, batch, self.num_kv_heads, capacity, self.head_dim, self.cache_dtype, 1
         )
 
     def forward(
@@ -99,15 +108,20 @@ class OvTarget(DecoderBackend):
                 f"the mask covers {attention_mask.shape[3]} slots; the new rows reach slot "
                 f"{int(write_pos.max()) + n - 1}"
             )
+        if self._feature_input is not None and features is None:
+            raise GenerationError("this draft-head graph needs `features` [B, N, d]")
+        if n == 1 and PAD_SINGLE_ROWS:
+            input_ids, position_ids, attention_mask, features = _with_pad_row(
+                input_ids, position_ids, attention_mask, write_pos, features
+            )
+        slots = cache.keys[0].shape[2]  # the spare slot included
         feeds: dict[str, np.ndarray] = {
             "input_ids": np.ascontiguousarray(input_ids, dtype=np.int64),
             "position_ids": np.ascontiguousarray(position_ids, dtype=np.int64),
-            "attention_mask": _padded(attention_mask, cache.capacity),
+            "attention_mask": _padded(attention_mask, slots),
             "write_pos": np.ascontiguousarray(write_pos, dtype=np.int64),
         }
         if self._feature_input is not None:
-            if features is None:
-                raise GenerationError("this draft-head graph needs `features` [B, N, d]")
             feeds[self._feature_input] = np.ascontiguousarray(features, dtype=np.float32)
         buffers = [b for pair in zip(cache.keys, cache.values, strict=True) for b in pair]
         for (past, _), buffer in zip(self._cache_names, buffers, strict=True):
@@ -116,10 +130,23 @@ class OvTarget(DecoderBackend):
         for (_, new), buffer in zip(self._cache_names, buffers, strict=True):
             rows = results[self._outputs[new]]
             for b, start in enumerate(write_pos):
-                buffer[b, :, start : start + n] = rows[b]
-        logits = np.array(results[self._outputs["logits"]])
-        taps = np.array(results[self._outputs[self._hidden_output]]) if self.has_taps else None
+                buffer[b, :, start : start + n] = rows[b, :, :n]
+        logits = np.array(results[self._outputs["logits"]][:, :n])
+        taps = None
+        if self.has_taps:
+            taps = np.array(results[self._outputs[self._hidden_output]][:, :n])
         return StepOutput(logits=logits, taps=taps)
+
+
+def _with_pad_row(input_ids, position_ids, mask, write_pos, features):
+    """A one-token forward as two rows: the token again at the next slot and position."""
+    width = max(mask.shape[3], int(write_pos.max()) + 2)
+    padded = np.zeros((mask.shape[0], 1, 2, width), dtype=bool)
+    padded[:, :, :, : mask.shape[3]] = mask
+    padded[np.arange(len(write_pos)), 0, 1, write_pos + 1] = True  # the copy sees itself too
+    twice = None if features is None else np.concatenate([features, features], axis=1)
+    ids = np.concatenate([input_ids, input_ids], axis=1)
+    return ids, np.concatenate([position_ids, position_ids + 1], axis=1), padded, twice
 
 
 def _padded(mask: np.ndarray, capacity: int) -> np.ndarray:

@@ -37,8 +37,10 @@ class DraftChain:
         """True when the default build (or the export) has the chain graph, on ORT."""
         build = manifest.build
         graphs = manifest.graphs if build is None else build.graphs
+        if "draft_chain" not in graphs:
+            return False
         backend = "ort" if build is None else build.backend
-        return backend == "ort" and "draft_chain" in graphs
+        return (graphs["draft_chain"].runtime or backend) == "ort"
 
     def fits(self, cache: KVCache, starts: np.ndarray, width: int, steps: int) -> bool:
         """Whether one padded call stays inside the cache (else the per-depth path feeds rows)."""
