@@ -522,7 +522,9 @@ def main() -> None:
     keep = re.compile(args.only or ".")
     context = sum(len(p) for p in prompts) // len(prompts)
     curves = {}
-    for family, build in (("specx", "ort-int4"), ("specx-ov", OV_BUILD)):
+    # OpenVINO first: an OpenVINO target makes every later ONNX Runtime session non-spinning
+    # (specx.sessions.stop_spinning), which only works before the global pool exists.
+    for family, build in (("specx-ov", OV_BUILD), ("specx", "ort-int4")):
         if family == "specx-ov" and not args.openvino_builds:
             continue
         plain = SpecxPlain(prepared.specx["plain"], build, args.threads)
@@ -535,9 +537,10 @@ def main() -> None:
     for name in args.sections.split(","):
         sampling, temperature = settings[name]
         chains = CHAINS if sampling is None else (3,)
-        runners = specx_runners(prepared, args.threads, sampling, chains)
+        runners = {}
         if args.openvino_builds:
             runners |= specx_openvino_runners(prepared, args.threads, sampling, chains)
+        runners |= specx_runners(prepared, args.threads, sampling, chains)
         runners |= peer_runners(prepared, args.threads, temperature)
         runners = {
             n: r

@@ -10,9 +10,24 @@ import os
 
 import onnxruntime as ort
 
-__all__ = ["configure_threads", "load_session", "session_options"]
+__all__ = ["configure_threads", "load_session", "session_options", "stop_spinning"]
 
 _global_threads: int | None = None
+_spinning = True
+
+
+def stop_spinning() -> None:
+    """Sessions opened from now on get their own thread pools, which do not spin.
+
+    ONNX Runtime's pool spins on its cores for a while after each run. Beside another
+    runtime's threads (an OpenVINO target verifying what ONNX Runtime's draft graphs
+    proposed) that spinning takes the cores the other runtime's next call needs
+    (benchmarks/README.md, edge.py: the OpenVINO build); the global pool cannot be told not
+    to spin from Python, so such processes open their sessions on pools of their own
+    (where no session has created the global pool yet).
+    """
+    global _spinning
+    _spinning = False
 
 
 def configure_threads(threads: int | None = None) -> int:
@@ -32,9 +47,17 @@ def configure_threads(threads: int | None = None) -> int:
 
 def session_options(threads: int | None = None) -> ort.SessionOptions:
     """Options every specx session uses: the shared global thread pool, full optimization."""
-    configure_threads(threads)
     options = ort.SessionOptions()
-    options.use_per_session_threads = False
+    # Pools of its own only while the process has no global pool (ONNX Runtime refuses both).
+    own_pool = not _spinning and _global_threads is None
+    options.use_per_session_threads = own_pool
+    if own_pool:
+        options.intra_op_num_threads = threads or os.cpu_count() or 1
+        options.inter_op_num_threads = 1
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        options.add_session_config_entry("session.inter_op.allow_spinning", "0")
+    else:
+        configure_threads(threads)
     options.log_severity_level = 3  # TensorScatter warns when a buffer is copied, not an error
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     return options

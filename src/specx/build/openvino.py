@@ -1,20 +1,25 @@
-"""`specx build --backend openvino`: OpenVINO IR for OpenVINO's CPU plugin.
+"""`specx build --backend openvino`: the target as OpenVINO IR for OpenVINO's CPU plugin.
 
-Why a second CPU backend: a verify costs more per extra token on ONNX Runtime's 4-bit
-MatMul kernel than on OpenVINO's, with the same weights and the same cost for one token,
-and a verify's cost is what speculation pays (benchmarks/README.md, "Decisions in
-`specx/build/openvino.py`").
+Why a second CPU backend: a verify of N tokens costs more per extra token on ONNX Runtime's
+4-bit MatMul kernel than on OpenVINO's, and a verify's cost is what speculation pays
+(benchmarks/README.md, edge.py: the target per call inside each runtime's loop).
 
-Each graph is lowered (`specx.graphs.ov_lowering`: TreeAttention from primitives, the new
-cache rows as outputs), read by OpenVINO's ONNX frontend and saved as IR (`<graph>.xml` +
-`.bin`). At int4 / int8 each constant-weight MatMul gets its weight in the form OpenVINO's
-CPU plugin keeps compressed and multiplies from directly (a u4/u8 constant, Convert,
-Subtract of the zero point, Multiply by the block's scale, a Reshape, MatMul with the
-weight transposed), from the same round-to-nearest codes, scales and zero points as the
-ONNX Runtime build (`specx.graphs.weight_only.quantize_rtn`). OpenVINO's frontend also reads
-MatMulNBits, but as a pattern its plugin folds back to float weights, so the ONNX Runtime
-build's graph is no starting point. The output projection is stored at 8 bits (no top-k
-rescoring here). `openvino` is imported only by this backend and its runtime opener.
+The target is lowered (`specx.graphs.ov_lowering`: TreeAttention from primitives, the new
+cache rows as outputs), read by OpenVINO's ONNX frontend and saved as IR (`target.xml` +
+`.bin`). The draft graphs are built as the ONNX Runtime backend builds them and run there
+(their entries say `runtime: "ort"`): drafting is many small calls, which ONNX Runtime's
+one-call chain graph serves best, and OpenVINO prepares its nodes again on every new shape.
+
+At int4 / int8 each large constant-weight MatMul of the target gets its weight in the form
+OpenVINO's CPU plugin keeps compressed and multiplies from directly, the form NNCF writes (u4
+/ u8 codes, Convert and Subtract of the zero point in fp16, Multiply by the block's fp16
+scale, Reshape, Convert to fp32, MatMul with the weight transposed), from the same
+round-to-nearest codes and zero points as the ONNX Runtime build
+(`specx.graphs.weight_only.quantize_rtn`; the scales rounded to fp16: the form OpenVINO's own
+exports use; fp32 scales profiled no faster on pyref-1b). OpenVINO's
+frontend also reads MatMulNBits, but as a pattern its plugin folds back into float weights,
+so the ONNX Runtime build's graph is no starting point. The output projection is stored at 8
+bits (no top-k rescoring here). `openvino` is imported only by this backend and its opener.
 """
 
 from __future__ import annotations
@@ -45,7 +50,7 @@ __all__ = ["BACKEND", "OpenVino", "compress_weights"]
 
 PRECISIONS = ("fp32", "int4", "int8")
 MIN_WEIGHT = 1 << 16  # smaller MatMul weights stay float: too small to matter
-DECOMPRESSION = "f16"  # the plugin's int8-activation kernel takes f16 scales (see docstring)
+DECOMPRESSION = "f16"  # the decompression's type, NNCF's (module docstring)
 
 
 def _openvino():

@@ -31,6 +31,7 @@ from specx.artifact import Manifest
 from specx.errors import ArtifactError, GenerationError
 from specx.runtime.decoder_backend import DecoderBackend, StepOutput
 from specx.runtime.kv_cache import KVCache
+from specx.sessions import stop_spinning
 
 __all__ = ["MASK_QUANTUM", "OvGraph", "OvTarget", "compile_graph"]
 
@@ -46,6 +47,7 @@ def compile_graph(manifest: Manifest, graph: str, threads: int | None) -> Any:
         raise ArtifactError(
             f"{manifest.root}: its default build runs on OpenVINO: pip install openvino"
         ) from e
+    stop_spinning()  # the drafts' ONNX Runtime sessions must leave the cores to OpenVINO
     path = manifest.path(manifest.runtime_graph(graph).file)
     config: dict[str, Any] = {"INFERENCE_PRECISION_HINT": "f32", "PERFORMANCE_HINT": "LATENCY"}
     if threads:
