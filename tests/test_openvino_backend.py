@@ -28,13 +28,14 @@ PROMPTS = [[5, 9, 5, 9, 5, 9, 13, 5, 9, 5, 9], [7, 3, 11, 7, 3, 11, 7, 3], [4, 4
 
 @pytest.fixture(scope="module")
 def built(artifacts, tmp_path_factory):
-    """Copies of two families' artifacts, each with an fp32 and an int4 OpenVINO build."""
+    """Copies of two families' artifacts with OpenVINO builds: llama int4 and fp32 (the
+    default, built last), gemma2 (soft-capped attention) fp32."""
     root = tmp_path_factory.mktemp("openvino")
     out = {}
-    for family in ("llama", "gemma2"):  # gemma2: soft-capped attention
+    for family, precisions in (("llama", ("int4", "fp32")), ("gemma2", ("fp32",))):
         artifact = shutil.copytree(artifacts[family], root / family)
-        build_artifact(artifact, BuildOptions(backend="openvino", precision="int4"))
-        build_artifact(artifact, BuildOptions(backend="openvino"))
+        for precision in precisions:
+            build_artifact(artifact, BuildOptions(backend="openvino", precision=precision))
         out[family] = artifact
     return out
 

@@ -10,10 +10,21 @@ import os
 
 import onnxruntime as ort
 
-__all__ = ["configure_threads", "load_session", "session_options", "stop_spinning"]
+__all__ = [
+    "configure_threads",
+    "global_pool_created",
+    "load_session",
+    "session_options",
+    "stop_spinning",
+]
 
 _global_threads: int | None = None
 _spinning = True
+
+
+def global_pool_created() -> bool:
+    """Whether this process has created ONNX Runtime's global pool (`configure_threads`)."""
+    return _global_threads is not None
 
 
 def stop_spinning() -> None:
