@@ -10,11 +10,11 @@ them to bf16, another model than the artifact's.
 
 Row invariance: greedy speculation is lossless when a token's logits are the same alone (a
 decode step) and among a verify chunk's rows. OpenVINO's compressed-weight kernels compute a
-single row on another path than several (int4 logits moved by ~3e-2 on pyref-1b), while rows
-of chunks of 2 or more come out bit-identical whatever the chunk. So a one-token forward runs
-as two rows (a copy of the token at the next position, seeing itself: `_with_pad_row`), its
-second row's outputs dropped and its key and value never written; the cache has one spare
-slot for it (`KVCache.spare_slots`).
+single row on another path than several (at int4 enough to move logits visibly: benchmarks/
+README.md, edge.py), while rows of chunks of 2 or more come out bit-identical whatever the
+chunk. So a one-token forward runs as two rows (a copy of the token at the next position,
+seeing itself: `_with_pad_row`), its second row's outputs dropped and its key and value never
+written; the cache has one spare slot for it (`KVCache.spare_slots`).
 
 OpenVINO prepares its nodes again whenever an input's shape changes, and the mask's width
 (the slots a forward reads) grows by one every decoding step; the mask is padded with
