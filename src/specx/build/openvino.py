@@ -81,7 +81,7 @@ class _Compression:
 
 
 class OpenVino:
-    """Lowered graphs read by OpenVINO's ONNX frontend, weights compressed, saved as IR."""
+    """The target as OpenVINO IR (weights compressed), the draft graphs as ONNX Runtime's."""
 
     name = "openvino"
     runtime = "openvino"
