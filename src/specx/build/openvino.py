@@ -70,14 +70,13 @@ class _Compression:
     bits: int
     block: int
     symmetric: bool
-    output_bits: int
+    output_bits: int = 8  # no top-k rescoring here, so the lm_head keeps 8 bits at int4 too
 
     @classmethod
     def of(cls, config: WeightOnlyConfig | None) -> _Compression | None:
         if config is None:
             return None
-        output = config.output_bits or 8  # no rescoring here: a 4-bit lm_head goes to 8
-        return cls(config.bits, config.block, config.is_symmetric, max(output, 8))
+        return cls(config.bits, config.block, config.is_symmetric)
 
 
 class OpenVino:
@@ -166,13 +165,11 @@ def compress_weights(model: ov.Model, compression: _Compression, progress: Progr
     import openvino as ov
 
     matmuls = [
-        op
+        (op, weight)
         for op in model.get_ordered_ops()
-        if op.get_type_name() == "MatMul" and _float_weight(op) is not None
+        if op.get_type_name() == "MatMul" and (weight := _float_weight(op)) is not None
     ]
-    for i, op in enumerate(matmuls):
-        weight = _float_weight(op)
-        assert weight is not None
+    for i, (op, weight) in enumerate(matmuls):
         bits = compression.output_bits if _feeds_logits(op) else compression.bits
         quantized = quantize_rtn(weight, bits, compression.block, compression.symmetric)
         decompressed = _decompression(ov, quantized, weight.shape[0])

@@ -75,9 +75,11 @@ class _OpenVino:
         return OvTarget(manifest, threads, graph)
 
     def stateless(self, manifest: Manifest, graph: str, threads: int | None):
-        from specx.runtime.ov_target import OvGraph
-
-        return OvGraph(manifest, graph, threads)
+        # An OpenVINO build runs its target there and records its other graphs as ONNX
+        # Runtime's (specx.build.openvino), so no one-input graph is ever OpenVINO's.
+        raise ArtifactError(
+            f"{manifest.root}: graph {graph!r} names OpenVINO, which runs only a build's target"
+        )
 
 
 # Runtime name (a build's `backend`) -> its opener; modules load on first use, so TensorRT

@@ -33,7 +33,7 @@ from specx.runtime.decoder_backend import DecoderBackend, StepOutput
 from specx.runtime.kv_cache import KVCache
 from specx.sessions import stop_spinning
 
-__all__ = ["MASK_QUANTUM", "OvGraph", "OvTarget", "compile_graph"]
+__all__ = ["MASK_QUANTUM", "OvTarget", "compile_graph"]
 
 MASK_QUANTUM = 32  # slots: the mask's width is padded to a multiple of this
 PAD_SINGLE_ROWS = True  # one-token forwards run as two rows (module docstring); tests turn it off
@@ -56,17 +56,6 @@ def compile_graph(manifest: Manifest, graph: str, threads: int | None) -> Any:
         return ov.Core().compile_model(str(path), "CPU", config)
     except RuntimeError as e:
         raise ArtifactError(f"{path}: OpenVINO could not compile the graph: {e}") from e
-
-
-class OvGraph:
-    """A stateless graph of the build (Medusa heads, a feature projection): one input."""
-
-    def __init__(self, manifest: Manifest, graph: str, threads: int | None = None):
-        self._request = compile_graph(manifest, graph, threads).create_infer_request()
-
-    def __call__(self, x: np.ndarray) -> np.ndarray:
-        """The graph's first output for input `x`."""
-        return np.array(self._request.infer([np.ascontiguousarray(x, np.float32)])[0])
 
 
 class OvTarget(DecoderBackend):

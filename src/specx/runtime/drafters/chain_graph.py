@@ -17,6 +17,7 @@ import numpy as np
 import onnxruntime as ort
 
 from specx.artifact import Manifest
+from specx.runtime.backends import graph_runtime
 from specx.runtime.kv_cache import KVCache
 from specx.runtime.masks import causal_mask
 from specx.runtime.ort_target import open_session
@@ -37,10 +38,7 @@ class DraftChain:
         """True when the default build (or the export) has the chain graph, on ORT."""
         build = manifest.build
         graphs = manifest.graphs if build is None else build.graphs
-        if "draft_chain" not in graphs:
-            return False
-        backend = "ort" if build is None else build.backend
-        return (graphs["draft_chain"].runtime or backend) == "ort"
+        return "draft_chain" in graphs and graph_runtime(manifest, "draft_chain") == "ort"
 
     def fits(self, cache: KVCache, starts: np.ndarray, width: int, steps: int) -> bool:
         """Whether one padded call stays inside the cache (else the per-depth path feeds rows)."""
