@@ -78,7 +78,7 @@ def run(name: str, steps: int, work: Path) -> dict:
         out,
         TrainConfig("eagle3", **fields),
         log,
-        data=[] if stdlib else [data.train],
+        data=[] if stdlib else data.train,
         held_out=data.held_out,
     ).report
     last = report["learning_curve"][-1]
@@ -100,7 +100,7 @@ def coverage(sizes=(512, 1024, 2048, 3072, 4096)) -> dict[str, dict[str, float]]
     from specx.training.regenerate import read_windows
 
     data = pyref_heads.ensure_data()
-    train, held = read_windows(data.train), read_windows(data.held_out)
+    train, held = read_windows(data.train[0]), read_windows(data.held_out)
     out = {}
     for size in sizes:
         ids = _draft_vocab(train, size, 4096)

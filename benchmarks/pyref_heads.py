@@ -64,7 +64,17 @@ RECIPES: dict[str, dict] = {
 TRAIN_DATA = {"windows": 8192, "batch": 64, "shard_windows": 512, "seed": 0}
 # More of the same (other prompts: another seed), for the recipes that name it.
 MORE_DATA = {"windows": 16384, "batch": 64, "shard_windows": 512, "seed": 2}
+# kind -> a second stage trained from the first stage's head (TrainConfig `init`) on `train-3`,
+# prompts neither stage saw before, with its own learning-rate schedule (a warm restart).
+CONTINUE: dict[str, dict] = {"eagle3": {"steps": 2000, "lr": 1e-3}}
+FRESH_DATA = {"windows": 16384, "batch": 64, "shard_windows": 512, "seed": 3}
 HELD_OUT_DATA = {"windows": 256, "batch": 64, "shard_windows": 256, "seed": 1}
+DATA_SETS = {
+    "held-out": HELD_OUT_DATA,
+    "train": TRAIN_DATA,
+    "train-2": MORE_DATA,
+    "train-3": FRESH_DATA,
+}
 # pyref-7m's residual stream entering layer i (0..5) is pyref-deep's entering DEEP_LAYER[i].
 DEEP_LAYER = (0, 1, 2, 16, 29, 32)
 
@@ -104,48 +114,61 @@ def int4_twin(wide: Path) -> Teacher:
 
 @dataclass(frozen=True)
 class Data:
-    train: Path
-    more: Path  # MORE_DATA, written only when a recipe asks for it
+    train: list[Path]
     held_out: Path
 
 
-def ensure_data(more: bool = False, teacher: Teacher = PYREF_7M) -> Data:
-    """The regenerated training and held-out windows, written (or completed) when missing."""
+def ensure_data(sets: tuple[str, ...] = ("train",), teacher: Teacher = PYREF_7M) -> Data:
+    """The regenerated training `sets` (names in DATA_SETS) and held-out windows, written
+    (or completed) when missing."""
     from specx.training.regenerate import RegenerateConfig, regenerate
 
     if not (teacher.target / "model.safetensors").is_file():
         raise SystemExit(f"no checkpoint at {teacher.target} ({teacher.name})")
     train_files, held_files = stdlib_split()
-    sets = [("held-out", held_files, HELD_OUT_DATA), ("train", train_files, TRAIN_DATA)]
-    if more:
-        sets.append(("train-2", train_files, MORE_DATA))
-    for name, files, settings in sets:
-        config = RegenerateConfig(**settings)
+    for name in ("held-out", *sets):
+        files = held_files if name == "held-out" else train_files
+        config = RegenerateConfig(**DATA_SETS[name])
         regenerate(teacher.target, [str(p) for p in files], teacher.data / name, config, log)
-    return Data(teacher.data / "train", teacher.data / "train-2", teacher.data / "held-out")
+    return Data([teacher.data / name for name in sets], teacher.data / "held-out")
 
 
 def train(kind: str, steps: int | None = None, teacher: Teacher = PYREF_7M) -> Path:
     """Trains `kind` with its recipe into teacher.train/kind (resuming); returns that directory."""
+    recipe = {**COMMON, **RECIPES[kind], **({"steps": steps} if steps else {})}
+    sets = ("train", "train-2") if recipe.pop("more_data", False) else ("train",)
+    return _train_run(kind, recipe, sets, teacher.train / kind, teacher)
+
+
+def continue_training(kind: str, steps: int | None = None, heads: Path = HEADS) -> Path:
+    """Trains the CONTINUE stage from the head shipped under `heads` (a copy, as that one is
+    replaced when this ships); the new report holds the shipped one as `previous`."""
+    start = TRAIN / f"{kind}-start"
+    if not (start / "train_report.json").is_file():  # else: a resumed stage keeps its start
+        shutil.copytree(heads / kind, start, dirs_exist_ok=True)
+    recipe = {**COMMON, **CONTINUE[kind], **({"steps": steps} if steps else {})}
+    first = json.loads((start / "train_report.json").read_text())
+    for key in ("ttt_steps", "normalise_taps"):  # the stage trains as the first did
+        recipe[key] = first["config"][key]
+    recipe["init"] = str(start)
+    out = _train_run(kind, recipe, ("train-3",), TRAIN / f"{kind}-continued")
+    report = json.loads((out / "train_report.json").read_text())
+    report["previous"] = first
+    (out / "train_report.json").write_text(json.dumps(report, indent=2) + "\n")
+    return out
+
+
+def _train_run(
+    kind: str, recipe: dict, sets: tuple[str, ...], out: Path, teacher: Teacher = PYREF_7M
+) -> Path:
     from specx.training.loop import TrainConfig, train_drafter
 
-    recipe = {**COMMON, **RECIPES[kind], **({"steps": steps} if steps else {})}
-    more = recipe.pop("more_data", False)
-    data = ensure_data(more, teacher)
-    out = teacher.train / kind
+    data = ensure_data(sets, teacher)
     if (out / "train_report.json").is_file() and not (out / "train_state.pt").is_file():
         shutil.rmtree(out)  # an earlier finished run: train afresh
     log(f"training {kind} into {out} ({recipe})")
     config = TrainConfig(kind, **recipe)
-    train_drafter(
-        teacher.target,
-        [],
-        out,
-        config,
-        log,
-        data=[data.train, data.more] if more else [data.train],
-        held_out=data.held_out,
-    )
+    train_drafter(teacher.target, [], out, config, log, data=data.train, held_out=data.held_out)
     return out
 
 
@@ -185,6 +208,21 @@ def weights_sha256(directory: Path) -> dict[str, str]:
     }
 
 
+def _stages(report: dict | None) -> list[dict]:
+    """A continued head's earlier training reports, first stage first."""
+    return [] if report is None else [*_stages(report.get("previous")), report]
+
+
+def _recipe(kind: str, report: dict) -> dict:
+    cfg = report["config"]
+    recipe = {k: cfg[k] for k in ("steps", "batch", "seq_len", "lr", "seed", "bf16")}
+    recipe["windows"] = report["train_windows"]
+    for key in ("ttt_steps", "tap_layers", "draft_vocab", "normalise_taps"):
+        if kind in ("eagle3", "mtp") and cfg.get(key) is not None:
+            recipe[key] = cfg[key]
+    return recipe
+
+
 def write_readme(heads: Path = HEADS, teacher: Teacher = PYREF_7M) -> None:
     """heads/README.md: recipe, seed, time, acceptance and hashes of every shipped drafter."""
     rows, hashes = [], {}
@@ -193,14 +231,15 @@ def write_readme(heads: Path = HEADS, teacher: Teacher = PYREF_7M) -> None:
         if not report_path.is_file():
             continue
         report = json.loads(report_path.read_text())
-        cfg, last = report["config"], report["learning_curve"][-1]
-        recipe = {k: cfg[k] for k in ("steps", "batch", "seq_len", "lr", "seed", "bf16")}
-        recipe["windows"] = report["train_windows"]
-        for key in ("ttt_steps", "tap_layers", "draft_vocab", "normalise_taps"):
-            if kind in ("eagle3", "mtp") and cfg.get(key) is not None:
-                recipe[key] = cfg[key]
+        stages = [*_stages(report.get("previous")), report]
+        recipe = _recipe(kind, stages[0])
+        for later in stages[1:]:  # a continued head: each stage's own steps, lr and data
+            recipe.setdefault("then", []).append(
+                {k: _recipe(kind, later)[k] for k in ("steps", "lr", "windows")}
+            )
+        last = report["learning_curve"][-1]
         depth = ", ".join(f"{a:.2f}" for a in last["acceptance_by_depth"])
-        minutes = report["train_seconds"] / 60
+        minutes = sum(stage["train_seconds"] for stage in stages) / 60
         rows.append(
             f"| {kind} | {json.dumps(recipe)} | {minutes:.0f} min | {depth} | "
             f"{last['tau_chain5_estimate']:.2f} |"
@@ -303,6 +342,10 @@ def ensure_heads(kinds: list[str], heads: Path = HEADS, retrain: bool = False) -
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--retrain", default="", help="kinds to train again and ship")
+    parser.add_argument(
+        "--continue", dest="more", default="",
+        help="kinds to train on from their shipped heads (the CONTINUE stage) and ship",
+    )  # fmt: skip
     parser.add_argument("--steps", type=int, default=None, help="instead of the recipe's")
     parser.add_argument("--heads", type=Path, default=None, help="default: the teacher's")
     parser.add_argument(
@@ -317,6 +360,8 @@ def main() -> None:
     heads = args.heads or teacher.heads
     for kind in [k for k in args.retrain.split(",") if k]:
         ship(kind, train(kind, args.steps, teacher), heads, teacher)
+    for kind in [k for k in args.more.split(",") if k]:
+        ship(kind, continue_training(kind, args.steps, heads), heads, teacher)
     write_readme(heads, teacher)
 
 

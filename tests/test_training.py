@@ -205,3 +205,45 @@ def test_normalised_taps_fold_into_the_saved_fc(teacher_dir, tmp_path):
     ).eagle3
     with torch.no_grad():
         torch.testing.assert_close(loaded.project(taps), result.model.project(taps))
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "medusa", "draft-model"])  # heads load alike
+def test_init_continues_from_a_saved_drafter(kind, teacher_dir, tmp_path):
+    """`init` starts from a saved drafter: the new run's step-0 held-out acceptance is the
+    saved run's final one (EAGLE-3's folded tap scale unfolded again), and it trains on."""
+    extra = {"tap_layers": (1, 2, 4)} if kind == "eagle3" else {}
+    first = train_drafter(teacher_dir, CORPUS, tmp_path / "a", config(kind, steps=4, **extra))
+    cfg = config(kind, steps=4, init=str(tmp_path / "a"), draft_vocab=None, seed=1)
+    second = train_drafter(teacher_dir, CORPUS, tmp_path / "b", cfg).report
+    start = second["learning_curve"][0]["acceptance_by_depth"]
+    after = first.report["learning_curve"][-1]["acceptance_by_depth"]
+    assert start == pytest.approx(after, abs=1e-5)
+    assert second["learning_curve"][-1]["acceptance"] != pytest.approx(start[0], abs=1e-6)
+    if kind == "eagle3":  # the same taps and vocabulary, read from the saved head
+        assert second["draft_vocab"] == 160
+        loaded = load_head(f"eagle3:{tmp_path / 'b'}", load_checkpoint(teacher_dir))
+        assert tuple(loaded.tap_layers) == (1, 2, 4)
+
+
+def test_init_refuses_what_would_change_its_shape(teacher_dir, tmp_path):
+    train_drafter(teacher_dir, CORPUS, tmp_path / "a", config("eagle", steps=2))
+    with pytest.raises(SpecxError, match="--draft-vocab: the --init drafter keeps"):
+        train_drafter(
+            teacher_dir, CORPUS, tmp_path / "x", config("eagle3", init=str(tmp_path / "a"))
+        )
+    with pytest.raises(SpecxError, match="no such directory"):
+        train_drafter(teacher_dir, CORPUS, tmp_path / "x", config("eagle", init=str(tmp_path / "nope")))
+    wrong = CliRunner().invoke(
+        main,
+        ["train", "medusa", str(teacher_dir), "--corpus", CORPUS[0], "-o", str(tmp_path / "m"),
+         "--init", str(tmp_path / "a"), "--steps", "2"],
+    )  # fmt: skip
+    assert wrong.exit_code != 0 and "Traceback" not in wrong.output
+    assert "medusa_lm_head.safetensors" in wrong.output or "medusa" in wrong.output.lower()
+    shaped = CliRunner().invoke(
+        main,
+        ["train", "medusa", str(teacher_dir), "--corpus", CORPUS[0], "-o", str(tmp_path / "m"),
+         "--init", str(tmp_path / "a"), "--medusa-heads", "3"],
+    )  # fmt: skip
+    assert "--medusa-heads: the --init drafter keeps" in shaped.output
+    assert not (tmp_path / "m").exists()

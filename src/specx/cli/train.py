@@ -137,6 +137,12 @@ def _tap_layers(text: str | None) -> tuple[int, ...] | None:
     help="Directory for the drafter in its public format: new, empty, or an earlier "
     "training output (whose saved state it resumes).",
 )
+@click.option(
+    "--init",
+    type=click.Path(exists=True, file_okay=False, path_type=Path),
+    help="A KIND drafter in its public format to train on from (fine-tuning it; its shape, "
+    "taps and draft vocabulary are kept) [default: a new one].",
+)
 @click.option("--steps", type=POSITIVE, default=300, show_default=True)
 @click.option("--batch", type=POSITIVE, default=8, show_default=True)
 @click.option("--seq-len", type=IntRange(min=2), default=128, show_default=True)
@@ -196,6 +202,7 @@ def train(
     data: tuple[Path, ...],
     held_out: Path | None,
     output_dir: Path,
+    init: Path | None,
     steps: int,
     batch: int,
     seq_len: int,
@@ -216,6 +223,11 @@ def train(
         flags = passed(ctx, name)
         if flags and kind not in kinds:
             raise SpecxError(only_applies(flags, f"{' and '.join(kinds)} training, not {kind}"))
+    shaped = passed(ctx, "tap_layers", "draft_vocab", "medusa_heads")
+    if init is not None and shaped:
+        raise SpecxError(
+            f"{', '.join(shaped)}: the --init drafter keeps the shape it was trained with"
+        )
     if not corpus and not data:
         raise SpecxError("give --corpus text or --data windows (or both) to train on")
     require_extra("train")
@@ -237,6 +249,7 @@ def train(
         eval_every=eval_every,
         save_every=save_every,
         bf16=bf16,
+        init=None if init is None else str(init),
     )
     result = train_drafter(
         target_dir, corpus, output_dir, config, progress=progress, data=data, held_out=held_out

@@ -15,24 +15,27 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
+from specx.export.checkpoint import Checkpoint
 from specx.export.config import TargetConfig
 from specx.export.heads.eagle import EagleHead
 from specx.export.heads.eagle3 import Eagle3Head
 from specx.export.heads.medusa import MedusaHeads
 from specx.export.heads.mtp import MTPHead
 
-__all__ = ["HEAD_KINDS", "new_head", "save_head"]
+__all__ = ["HEAD_KINDS", "new_head", "save_head", "trainable_head"]
 
 HEAD_KINDS = ("eagle3", "eagle", "medusa", "mtp")
+# The tensors each head shares with the target: copied from it and never trained.
+FROZEN = {
+    "eagle3": ("embed_tokens.weight",),
+    "eagle": ("embed_tokens.weight", "lm_head.weight"),
+    "medusa": (),
+    "mtp": ("embed_tokens.weight", "head.weight"),
+}
 
 
 def _one_layer(config: TargetConfig) -> TargetConfig:
     return dataclasses.replace(config.llama_layers(), num_layers=1)
-
-
-def _frozen(param: torch.Tensor, value: torch.Tensor) -> None:
-    param.data.copy_(value)
-    param.requires_grad_(False)
 
 
 def new_head(
@@ -57,13 +60,13 @@ def new_head(
         # Its output meets the target's lm_head, so its final norm starts as the target's
         # (pyref-7m's scale is ~2: from ones, Adam at lr 2e-3 needs ~500 steps to get there).
         head.norm.weight.data.copy_(target["model.norm.weight"])
-        _frozen(head.embed_tokens.weight, embed)
+        head.embed_tokens.weight.data.copy_(embed)
         head.lm_head.weight.data.copy_(lm_head[torch.from_numpy(ids)])
         head.d2t.copy_(torch.from_numpy(ids) - torch.arange(len(ids)))
     elif kind == "eagle":
         head = EagleHead(_one_layer(config), fc_bias=True)
-        _frozen(head.embed_tokens.weight, embed)
-        _frozen(head.lm_head.weight, lm_head)
+        head.embed_tokens.weight.data.copy_(embed)
+        head.lm_head.weight.data.copy_(lm_head)
     elif kind == "medusa":
         head = MedusaHeads(config.hidden_size, config.vocab_size, medusa_heads, 1)
         # torch types ModuleList items as plain Modules; each head is an nn.Sequential.
@@ -72,11 +75,29 @@ def new_head(
             block[-1].weight.data.copy_(lm_head)  # type: ignore[index]
     elif kind == "mtp":
         head = MTPHead(_one_layer(config), hidden_first=False)
-        _frozen(head.embed_tokens.weight, embed)
-        _frozen(head.head.weight, lm_head)
+        head.embed_tokens.weight.data.copy_(embed)
+        head.head.weight.data.copy_(lm_head)
         head.norm.weight.data.copy_(target["model.norm.weight"])  # as EAGLE-3's, above
     else:
         raise ValueError(f"unknown head {kind!r}; choose one of {', '.join(HEAD_KINDS)}")
+    for name, param in head.named_parameters():
+        param.requires_grad_(name not in FROZEN[kind])
+    return head
+
+
+def trainable_head(kind: str, directory: Path, target: Checkpoint) -> torch.nn.Module:
+    """A published head of `kind` to train further, checked against the target.
+
+    fp32, with the tensors it shares with the target frozen as in a new head.
+
+    Raises:
+        CheckpointError: the head is malformed or does not fit the target.
+    """
+    from specx.export.heads import load_head
+
+    head = load_head(f"{kind}:{directory}", target).float()
+    for name, param in head.named_parameters():
+        param.requires_grad_(name not in FROZEN[kind])
     return head
 
 

@@ -25,7 +25,7 @@ from specx.export.checkpoint import load_checkpoint
 from specx.export.config import load_target_config
 from specx.export.heads.eagle3 import Eagle3Head
 from specx.training.corpus import read_texts, token_windows
-from specx.training.heads import HEAD_KINDS, new_head, save_head
+from specx.training.heads import HEAD_KINDS, new_head, save_head, trainable_head
 from specx.training.objectives import (
     draft_model_loss,
     eagle_loss,
@@ -67,6 +67,7 @@ class TrainConfig:
     bf16: bool = False  # bf16 autocast (fast where the CPU has AVX-512 BF16 or AMX)
     mask_unreachable: bool = True  # EAGLE-3: skip positions whose target argmax is off-vocab
     normalise_taps: bool = True  # EAGLE-3: taps scaled to unit RMS per channel (folded into fc)
+    init: str | None = None  # a drafter of this kind (public format) to train on from; None: new
 
 
 @dataclass(frozen=True)
@@ -273,7 +274,21 @@ def _check_request(
             f"--draft-vocab {cfg.draft_vocab} must be in [1, {config.vocab_size}], the "
             "target's vocabulary"
         )
-    check_output(output_dir, [target_dir, *map(Path, corpus)])
+    if cfg.init is not None:
+        if not Path(cfg.init).is_dir():
+            raise SpecxError(f"--init {cfg.init}: no such directory")
+        shaped = [
+            f
+            for f, v in (("--tap-layers", cfg.tap_layers), ("--draft-vocab", cfg.draft_vocab))
+            if v
+        ]
+        if shaped:
+            raise SpecxError(
+                f"{' and '.join(shaped)}: the --init drafter keeps the shape it was trained with"
+            )
+    check_output(
+        output_dir, [target_dir, *map(Path, corpus), *([Path(cfg.init)] if cfg.init else [])]
+    )
     return tokenizer_path
 
 
@@ -342,25 +357,54 @@ def _tap_scale(teacher: Teacher, windows: np.ndarray, count: int = 16) -> torch.
     return 1.0 / taps.pow(2).mean((0, 1)).sqrt().clamp_min(1e-6)
 
 
-def _new_model(cfg: TrainConfig, checkpoint, windows: Windows, teacher: Teacher):
-    """The fresh drafter, and EAGLE-3's draft vocabulary with its measured coverage."""
+def _vocab_report(draft_ids: np.ndarray, windows: Windows, vocab: int) -> dict[str, Any]:
+    return {
+        "draft_vocab": len(draft_ids),
+        "coverage_train": _coverage(windows.train, draft_ids, vocab),
+        "coverage_held_out": _coverage(windows.held_out, draft_ids, vocab),
+    }
+
+
+def _initial(cfg: TrainConfig, checkpoint) -> torch.nn.Module | None:
+    """The --init drafter, loaded and checked against the target (None: train a new one)."""
+    if cfg.init is None:
+        return None
+    if cfg.kind != "draft-model":
+        return trainable_head(cfg.kind, Path(cfg.init), checkpoint)
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(cfg.init, torch_dtype=torch.float32)
+    if model.config.vocab_size != checkpoint.config.vocab_size:
+        raise SpecxError(
+            f"--init {cfg.init}: vocabulary {model.config.vocab_size} differs from the "
+            f"target's {checkpoint.config.vocab_size}"
+        )
+    return model
+
+
+def _new_model(cfg: TrainConfig, checkpoint, windows: Windows, teacher: Teacher, init=None):
+    """The drafter to train (`init`, or a new one); EAGLE-3's draft vocabulary's coverage."""
     config = checkpoint.config
     if cfg.kind == "draft-model":
-        return _new_draft_model(config, cfg.seed, cfg.draft_model_layers), {}
-    draft_ids, vocab = None, {}
+        return init or _new_draft_model(config, cfg.seed, cfg.draft_model_layers), {}
+    model, vocab = init, {}
     if cfg.kind == "eagle3":
-        size = cfg.draft_vocab or config.vocab_size
-        draft_ids = _draft_vocab(windows.train, size, config.vocab_size)
-        vocab = {
-            "draft_vocab": size,
-            "coverage_train": _coverage(windows.train, draft_ids, config.vocab_size),
-            "coverage_held_out": _coverage(windows.held_out, draft_ids, config.vocab_size),
-        }
-    model = new_head(
-        cfg.kind, config, checkpoint.state_dict, draft_ids, cfg.medusa_heads, cfg.tap_layers
-    )
-    if cfg.kind == "eagle3" and cfg.normalise_taps:
-        model.tap_scale = _tap_scale(teacher, windows.train)
+        if model is None:
+            draft_ids = _draft_vocab(
+                windows.train, cfg.draft_vocab or config.vocab_size, config.vocab_size
+            )
+            model = new_head(
+                cfg.kind, config, checkpoint.state_dict, draft_ids, tap_layers=cfg.tap_layers
+            )
+        else:
+            draft_ids = (torch.arange(len(model.d2t)) + model.d2t).numpy()
+        vocab = _vocab_report(draft_ids, windows, config.vocab_size)
+        if cfg.normalise_taps:  # an --init head's fc reads raw taps: unfold the scale
+            model.tap_scale = _tap_scale(teacher, windows.train)
+            if init is not None:
+                model.fc.weight.data.div_(model.tap_scale)
+    elif model is None:
+        model = new_head(cfg.kind, config, checkpoint.state_dict, medusa_heads=cfg.medusa_heads)
     return model, vocab
 
 
@@ -402,9 +446,11 @@ def train_drafter(
             windows.held_out,
             windows.regenerated + len(extra),
         )
-    teacher = Teacher(checkpoint.config, checkpoint.state_dict, cfg.tap_layers)
+    init = _initial(cfg, checkpoint)
+    taps = cfg.tap_layers if init is None else getattr(init, "tap_layers", None)
+    teacher = Teacher(checkpoint.config, checkpoint.state_dict, taps)
     torch.manual_seed(cfg.seed)
-    model, vocab = _new_model(cfg, checkpoint, windows, teacher)
+    model, vocab = _new_model(cfg, checkpoint, windows, teacher, init)
     if vocab:
         progress(
             f"draft vocabulary {vocab['draft_vocab']}: covers {vocab['coverage_train']:.4f} of "
