@@ -187,6 +187,20 @@ def test_onnx_runtime_only_build_options_are_refused_for_openvino(built):
     assert "--lowering applies only to --backend ort" in done.output
 
 
+@pytest.mark.parametrize(
+    "field, value", [("accuracy_level", 0), ("output_bits", 8), ("output_rescore", 4)]
+)
+def test_onnx_runtime_only_weight_settings_are_refused_by_the_library(built, field, value):
+    """Through the library as through the CLI: a setting the OpenVINO build would ignore."""
+    from specx.errors import BuildError
+    from specx.graphs.weight_only import WeightOnlyConfig
+
+    config = WeightOnlyConfig(4, **{field: value})
+    options = BuildOptions(backend="openvino", precision="int4", weight_only=config)
+    with pytest.raises(BuildError, match=f"^{field}: ONNX Runtime's int4 settings"):
+        build_artifact(built["llama"], options)
+
+
 def _alone_and_together(target) -> tuple[np.ndarray, np.ndarray]:
     """Logits of 5 tokens after a prompt: one forward of all 5, and 5 one-token forwards."""
     rng = np.random.default_rng(0)

@@ -232,7 +232,9 @@ def test_init_refuses_what_would_change_its_shape(teacher_dir, tmp_path):
             teacher_dir, CORPUS, tmp_path / "x", config("eagle3", init=str(tmp_path / "a"))
         )
     with pytest.raises(SpecxError, match="no such directory"):
-        train_drafter(teacher_dir, CORPUS, tmp_path / "x", config("eagle", init=str(tmp_path / "nope")))
+        train_drafter(
+            teacher_dir, CORPUS, tmp_path / "x", config("eagle", init=str(tmp_path / "nope"))
+        )
     wrong = CliRunner().invoke(
         main,
         ["train", "medusa", str(teacher_dir), "--corpus", CORPUS[0], "-o", str(tmp_path / "m"),

@@ -79,6 +79,21 @@ class _Compression:
         return cls(config.bits, config.block, config.is_symmetric)
 
 
+def _onnx_runtime_only(config: WeightOnlyConfig | None) -> list[str]:
+    """The fields of `config` set away from their defaults that only ONNX Runtime reads."""
+    if config is None:
+        return []
+    default = WeightOnlyConfig(config.bits, config.block_size, config.symmetric)
+    # output_rescore's default follows output_bits: name only what was set itself
+    rescore = dataclasses.replace(default, output_bits=config.output_bits, output_rescore=None)
+    differs = {
+        "accuracy_level": config.accuracy_level != default.accuracy_level,
+        "output_bits": config.output_bits != default.output_bits,
+        "output_rescore": config.output_rescore != rescore.output_rescore,
+    }
+    return [name for name, changed in differs.items() if changed]
+
+
 class OpenVino:
     """The target as OpenVINO IR (weights compressed), the draft graphs as ONNX Runtime's."""
 
@@ -97,6 +112,12 @@ class OpenVino:
         config = options.weight_only
         if config is not None and (config.method != "rtn" or config.scope != "all"):
             raise BuildError("an OpenVINO build rounds every graph to nearest (no GPTQ, no scope)")
+        ignored = _onnx_runtime_only(config)
+        if ignored:
+            raise BuildError(
+                f"{', '.join(ignored)}: ONNX Runtime's int4 settings; an OpenVINO build computes "
+                "in its own way and keeps the lm_head at 8 bits (leave them at their defaults)"
+            )
         _openvino()
 
     def build(self, job: BuildJob) -> BuildEntry:
