@@ -66,7 +66,7 @@ TRAIN_DATA = {"windows": 8192, "batch": 64, "shard_windows": 512, "seed": 0}
 MORE_DATA = {"windows": 16384, "batch": 64, "shard_windows": 512, "seed": 2}
 # kind -> a second stage trained from the first stage's head (TrainConfig `init`) on `train-3`,
 # prompts neither stage saw before, with its own learning-rate schedule (a warm restart).
-CONTINUE: dict[str, dict] = {"eagle3": {"steps": 2000, "lr": 1e-3}}
+CONTINUE: dict[str, dict] = {"eagle3": {"steps": 2000, "lr": 1e-3, "eval_every": 200}}
 FRESH_DATA = {"windows": 16384, "batch": 64, "shard_windows": 512, "seed": 3}
 HELD_OUT_DATA = {"windows": 256, "batch": 64, "shard_windows": 256, "seed": 1}
 DATA_SETS = {

@@ -112,7 +112,7 @@ def test_compressed_weights_are_the_rtn_codes_and_the_output_projection_keeps_8_
     logits = ops.matmul(hidden, ops.constant(out_w), False, False)
     logits.output(0).get_tensor().set_names({"logits"})
     model = ov.Model([logits], [x])
-    compression = _Compression(bits=4, block=128, symmetric=False, output_bits=8)
+    compression = _Compression(bits=4, block=128, symmetric=False, activation_group=128)
     assert compress_weights(model, compression, lambda m: None) == 2
     compiled = ov.Core().compile_model(
         model, "CPU", {"INFERENCE_PRECISION_HINT": "f32", "DYNAMIC_QUANTIZATION_GROUP_SIZE": 0}
@@ -256,3 +256,24 @@ def test_heads_draft_on_onnx_runtime_for_an_openvino_target(head_artifacts, kind
     speculative = generate_speculative(target, make_drafter(kind, target, options), PROMPTS, 20)
     assert speculative.tokens == plain.tokens
     assert speculative.stats.speculative.acceptance.rounds > 0
+
+
+def test_activations_are_quantized_per_weight_block(artifacts, tmp_path):
+    """The build records its weight block as the plugin's activation group and the runtime
+    compiles with it (not the plugin's default 32); rows stay row-invariant, chains lossless."""
+    from specx.graphs.weight_only import WeightOnlyConfig
+    from specx.runtime.ov_target import compile_graph
+
+    artifact = shutil.copytree(artifacts["llama"], tmp_path / "llama")
+    config = WeightOnlyConfig(4, block_size=64)
+    build_artifact(artifact, BuildOptions("openvino", "int4", weight_only=config))
+    manifest = load_manifest(artifact)
+    assert manifest.build.quantization["activation_group"] == 64
+    compiled = compile_graph(manifest, "target", threads=1)
+    assert compiled.get_property("DYNAMIC_QUANTIZATION_GROUP_SIZE") == 64
+    target = open_decoder(manifest, threads=1)
+    alone, together = _alone_and_together(target)
+    np.testing.assert_array_equal(alone, together)
+    plain = generate_plain(target, PROMPTS, 24)
+    drafter = make_drafter("ngram", target, DrafterOptions(3))
+    assert generate_speculative(target, drafter, PROMPTS, 24).tokens == plain.tokens

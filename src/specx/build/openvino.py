@@ -70,13 +70,18 @@ class _Compression:
     bits: int
     block: int
     symmetric: bool
+    # The group over which OpenVINO's CPU plugin quantizes a compressed MatMul's activations
+    # to int8 (DYNAMIC_QUANTIZATION_GROUP_SIZE; the runtime compiles with it). The weight
+    # block: with the plugin's default of 32 a verify's cost grows with its rows several
+    # times faster (benchmarks/README.md, "OpenVINO's activation group").
+    activation_group: int
     output_bits: int = 8  # no top-k rescoring here, so the lm_head keeps 8 bits at int4 too
 
     @classmethod
     def of(cls, config: WeightOnlyConfig | None) -> _Compression | None:
         if config is None:
             return None
-        return cls(config.bits, config.block, config.is_symmetric)
+        return cls(config.bits, config.block, config.is_symmetric, activation_group=config.block)
 
 
 def _onnx_runtime_only(config: WeightOnlyConfig | None) -> list[str]:

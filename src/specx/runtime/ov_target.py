@@ -6,7 +6,9 @@ OpenVINO without a copy (`share_inputs`), the graph reads the `L` slots its mask
 and returns the N new rows of every layer (`specx.graphs.ov_lowering`), and this module
 writes them at `write_pos`, which is where the graph's rule puts them. Activations stay
 float32 (`INFERENCE_PRECISION_HINT`): the plugin's default on CPUs with bf16 would round
-them to bf16, another model than the artifact's.
+them to bf16, another model than the artifact's. A compressed MatMul quantizes its
+activations to int8 per group of the build's `activation_group` (as ONNX Runtime's int4
+builds do per weight block), which the build records.
 
 Row invariance: greedy speculation is lossless when a token's logits are the same alone (a
 decode step) and among a verify chunk's rows. OpenVINO's compressed-weight kernels compute a
@@ -50,6 +52,9 @@ def compile_graph(manifest: Manifest, graph: str, threads: int | None) -> Any:
     stop_spinning()  # the drafts' ONNX Runtime sessions must leave the cores to OpenVINO
     path = manifest.path(manifest.runtime_graph(graph).file)
     config: dict[str, Any] = {"INFERENCE_PRECISION_HINT": "f32", "PERFORMANCE_HINT": "LATENCY"}
+    group = manifest.build.quantization.get("activation_group") if manifest.build else None
+    if group is not None:  # the build's rule for compressed MatMuls' activations
+        config["DYNAMIC_QUANTIZATION_GROUP_SIZE"] = group
     if threads:
         config["INFERENCE_NUM_THREADS"] = threads
     try:
