@@ -21,7 +21,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from pyref_heads import HEADS, KINDS  # noqa: E402
+from pyref_heads import HEADS, KINDS, stages  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 BUDGET_S = 3 * 3600
@@ -41,15 +41,27 @@ def extrapolate(curve: list[dict], key: str, tokens: float) -> float | None:
     return float(a + b * np.log(tokens))
 
 
+def joined_curve(runs: list[dict]) -> list[dict]:
+    """One curve over a head's training stages, each later stage's tokens counted on from the
+    earlier ones' (its step-0 point, the earlier stage's last head, left out)."""
+    curve: list[dict] = []
+    for run in runs:
+        offset = curve[-1]["tokens"] if curve else 0
+        points = run["learning_curve"][1:] if curve else run["learning_curve"]
+        curve += [{**c, "tokens": c["tokens"] + offset} for c in points]
+    return curve
+
+
 def main() -> None:
     report = {"benchmark": "learning_curves", "budget_seconds": BUDGET_S, "heads": {}}
     for kind in KINDS:
         path = HEADS / kind / "train_report.json"
         if not path.is_file():
             continue
-        train = json.loads(path.read_text())
-        curve = train["learning_curve"]
-        rate = RATE_ALONE.get(kind, curve[-1]["tokens"] / train["train_seconds"])
+        runs = stages(json.loads(path.read_text()))
+        curve = joined_curve(runs)
+        seconds = sum(run["train_seconds"] for run in runs)
+        rate = RATE_ALONE.get(kind, curve[-1]["tokens"] / seconds)
         at_budget = rate * BUDGET_S
         report["heads"][kind] = {
             "curve": curve,

@@ -208,9 +208,9 @@ def weights_sha256(directory: Path) -> dict[str, str]:
     }
 
 
-def _stages(report: dict | None) -> list[dict]:
-    """A continued head's earlier training reports, first stage first."""
-    return [] if report is None else [*_stages(report.get("previous")), report]
+def stages(report: dict | None) -> list[dict]:
+    """A head's training reports, first stage first (a continued head's `previous` ones)."""
+    return [] if report is None else [*stages(report.get("previous")), report]
 
 
 def _recipe(kind: str, report: dict) -> dict:
@@ -231,15 +231,15 @@ def write_readme(heads: Path = HEADS, teacher: Teacher = PYREF_7M) -> None:
         if not report_path.is_file():
             continue
         report = json.loads(report_path.read_text())
-        stages = [*_stages(report.get("previous")), report]
-        recipe = _recipe(kind, stages[0])
-        for later in stages[1:]:  # a continued head: each stage's own steps, lr and data
+        runs = stages(report)
+        recipe = _recipe(kind, runs[0])
+        for later in runs[1:]:  # a continued head: each stage's own steps, lr and data
             recipe.setdefault("then", []).append(
                 {k: _recipe(kind, later)[k] for k in ("steps", "lr", "windows")}
             )
         last = report["learning_curve"][-1]
         depth = ", ".join(f"{a:.2f}" for a in last["acceptance_by_depth"])
-        minutes = sum(stage["train_seconds"] for stage in stages) / 60
+        minutes = sum(run["train_seconds"] for run in runs) / 60
         rows.append(
             f"| {kind} | {json.dumps(recipe)} | {minutes:.0f} min | {depth} | "
             f"{last['tau_chain5_estimate']:.2f} |"
