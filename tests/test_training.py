@@ -243,4 +243,8 @@ def test_init_refuses_what_would_change_its_shape(teacher_dir, tmp_path):
         main, ["train", "medusa", str(teacher_dir), *args, "--medusa-heads", "3"]
     )
     assert "--medusa-heads: the --init drafter keeps" in shaped.output
+    with pytest.raises(SpecxError, match="not a draft model transformers can load"):
+        train_drafter(
+            teacher_dir, CORPUS, tmp_path / "x", config("draft-model", init=str(tmp_path / "a"))
+        )
     assert not (tmp_path / "m").exists()

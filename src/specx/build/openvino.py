@@ -73,7 +73,7 @@ class _Compression:
     # The group over which OpenVINO's CPU plugin quantizes a compressed MatMul's activations
     # to int8 (DYNAMIC_QUANTIZATION_GROUP_SIZE; the runtime compiles with it). The weight
     # block: with the plugin's default of 32 a verify's cost grows with its rows several
-    # times faster (benchmarks/README.md, "OpenVINO's activation group").
+    # times faster (benchmarks/README.md, ov_activation_group.py).
     activation_group: int
     output_bits: int = 8  # no top-k rescoring here, so the lm_head keeps 8 bits at int4 too
 

@@ -277,11 +277,8 @@ def _check_request(
     if cfg.init is not None:
         if not Path(cfg.init).is_dir():
             raise SpecxError(f"--init {cfg.init}: no such directory")
-        shaped = [
-            f
-            for f, v in (("--tap-layers", cfg.tap_layers), ("--draft-vocab", cfg.draft_vocab))
-            if v
-        ]
+        given = {"--tap-layers": cfg.tap_layers, "--draft-vocab": cfg.draft_vocab}
+        shaped = [flag for flag, value in given.items() if value]
         if shaped:
             raise SpecxError(
                 f"{' and '.join(shaped)}: the --init drafter keeps the shape it was trained with"
@@ -373,7 +370,10 @@ def _initial(cfg: TrainConfig, checkpoint) -> torch.nn.Module | None:
         return trainable_head(cfg.kind, Path(cfg.init), checkpoint)
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(cfg.init, torch_dtype=torch.float32)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(cfg.init, torch_dtype=torch.float32)
+    except (OSError, ValueError) as e:
+        raise SpecxError(f"--init {cfg.init}: not a draft model transformers can load ({e})") from e
     if model.config.vocab_size != checkpoint.config.vocab_size:
         raise SpecxError(
             f"--init {cfg.init}: vocabulary {model.config.vocab_size} differs from the "
@@ -386,7 +386,9 @@ def _new_model(cfg: TrainConfig, checkpoint, windows: Windows, teacher: Teacher,
     """The drafter to train (`init`, or a new one); EAGLE-3's draft vocabulary's coverage."""
     config = checkpoint.config
     if cfg.kind == "draft-model":
-        return init or _new_draft_model(config, cfg.seed, cfg.draft_model_layers), {}
+        if init is None:
+            init = _new_draft_model(config, cfg.seed, cfg.draft_model_layers)
+        return init, {}
     model, vocab = init, {}
     if cfg.kind == "eagle3":
         if model is None:
