@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 import shutil
+import time
 from dataclasses import replace
 
 import numpy as np
@@ -433,3 +434,29 @@ def test_a_batch_size_speculates_only_where_it_measured_a_clear_gain():
     assert _max_batch_spec(curve(1.4, 1.1, 1.03, 1.2)) == 2  # stops at the first short one
     assert _max_batch_spec(curve(PAYS, PAYS - 0.01)) == 1
     assert _max_batch_spec(curve(1.02, 1.3)) == 0  # a 2% gain at batch 1 stays plain
+
+
+class _ReshapingTarget:
+    """A backend that pays `prepare` seconds whenever a forward's shape differs from the
+    last one's (as OpenVINO prepares its nodes again) and `step` seconds otherwise."""
+
+    capacity, vocab_size = 64, 10
+
+    def __init__(self, prepare: float, step: float):
+        self.prepare, self.step, self.last = prepare, step, None
+
+    def allocate_cache(self, batch, capacity):
+        return None
+
+    def forward(self, cache, ids, positions, mask, write_pos):
+        time.sleep(self.prepare if ids.shape != self.last else self.step)
+        self.last = ids.shape
+
+
+def test_the_verify_curve_times_a_size_as_a_loop_repeating_it_does():
+    """A new shape's preparation is not charged to the size: a speculative loop repeats one
+    verify size, so it pays it once, not every round."""
+    from specx.calibration.costs import measure_verify_curve
+
+    curve = measure_verify_curve(_ReshapingTarget(0.02, 0.001), (1, 2, 4), 8, repeats=3)
+    assert max(curve.seconds) < 0.01, curve.seconds
