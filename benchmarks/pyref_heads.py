@@ -263,14 +263,17 @@ def write_readme(heads: Path = HEADS, teacher: Teacher = PYREF_7M) -> None:
 # What a row's training time does not say: teacher name -> kind -> note.
 NOTES: dict[str, dict[str, str]] = {
     "pyref-7m": {
-        "eagle3": "3000 steps on both regenerated sets (`train` and `train-2`: 24,576 windows, "
-        "6.1M tokens seen), two threads (`OMP_NUM_THREADS=2`), run across two sessions and "
-        "paused (SIGSTOP) while other work was timed: the row's time is wall time, pauses "
-        "included. Alone it trains at 1,137 tokens/s (40 steps timed with this recipe, "
-        "nothing else running), so the run is about 95 minutes of compute with its held-out "
-        "evaluations. Taps normalised (1/RMS per channel, folded into fc when saved). The "
-        "1500-step head on 8,192 windows it replaces reached 0.78 at depth 1 and tau 3.43; the "
-        "earlier 2000-step head on raw taps 0.77 and 3.31.",
+        "eagle3": "two stages. First, 3000 steps on both regenerated sets (`train` and "
+        "`train-2`: 24,576 windows, 6.1M tokens seen; held-out 0.83 at depth 1, chain-5 tau "
+        "3.93). Then `--continue`: 2000 steps from that head on 16,384 fresh windows (`train-3`, "
+        "prompts neither stage saw), lr 1e-3 with its own warm-up and decay; held-out depth 1 "
+        "fell to 0.81 after the restart and passed the first stage's 0.83 at step 1200. Two "
+        "threads (`OMP_NUM_THREADS=2`); both stages ran while other work shared the machine or "
+        "was timed (paused with SIGSTOP), so the row's time is wall time, pauses included. "
+        "Alone the recipe trains at 1,137-1,185 tokens/s, so the two stages are about 95 + 60 "
+        "minutes of compute with their held-out evaluations. Taps normalised (1/RMS per "
+        "channel, folded into fc when saved). Earlier heads: 1500 steps on 8,192 windows 0.78 "
+        "and tau 3.43; 2000 steps on raw taps 0.77 and 3.31.",
     },
     "pyref-1b at int4": {
         "eagle": "the pyref-7m recipe on 8192 windows the twin wrote (its own continuations of "
