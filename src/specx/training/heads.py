@@ -34,6 +34,13 @@ FROZEN = {
 }
 
 
+def _freeze_shared(kind: str, head: torch.nn.Module) -> torch.nn.Module:
+    """`head` with the tensors it shares with the target (FROZEN) out of training."""
+    for name, param in head.named_parameters():
+        param.requires_grad_(name not in FROZEN[kind])
+    return head
+
+
 def _one_layer(config: TargetConfig) -> TargetConfig:
     return dataclasses.replace(config.llama_layers(), num_layers=1)
 
@@ -80,9 +87,7 @@ def new_head(
         head.norm.weight.data.copy_(target["model.norm.weight"])  # as EAGLE-3's, above
     else:
         raise ValueError(f"unknown head {kind!r}; choose one of {', '.join(HEAD_KINDS)}")
-    for name, param in head.named_parameters():
-        param.requires_grad_(name not in FROZEN[kind])
-    return head
+    return _freeze_shared(kind, head)
 
 
 def trainable_head(kind: str, directory: Path, target: Checkpoint) -> torch.nn.Module:
@@ -96,9 +101,7 @@ def trainable_head(kind: str, directory: Path, target: Checkpoint) -> torch.nn.M
     from specx.export.heads import load_head
 
     head = load_head(f"{kind}:{directory}", target).float()
-    for name, param in head.named_parameters():
-        param.requires_grad_(name not in FROZEN[kind])
-    return head
+    return _freeze_shared(kind, head)
 
 
 def _layer_tensors(layer: torch.nn.Module, prefix: str) -> dict[str, torch.Tensor]:
