@@ -14,7 +14,12 @@ from click.testing import CliRunner
 from specx.cli import main
 from specx.errors import SpecxError
 from specx.training.loop import TrainConfig, train_drafter
-from specx.training.regenerate import RegenerateConfig, read_windows, regenerate
+from specx.training.regenerate import (
+    RegenerateConfig,
+    function_prompts,
+    read_windows,
+    regenerate,
+)
 
 CORPUS = [str(Path(sysconfig.get_paths()["stdlib"]) / "json")]
 SMALL = RegenerateConfig(windows=10, seq_len=24, prompt_tokens=8, batch=3, shard_windows=4)
@@ -60,6 +65,47 @@ def test_the_same_seed_gives_the_same_bytes_another_seed_others(target_dir, stra
     assert _shards(again) == _shards(straight)
     other = RegenerateConfig(**{**SMALL.__dict__, "seed": 1})
     assert _shards(regenerate(target_dir, CORPUS, tmp_path / "c", other)) != _shards(straight)
+
+
+STUBS = '''import os
+
+
+def documented(path):
+    """Return the path, made absolute."""
+    return os.path.abspath(path)
+
+
+def undocumented(x):
+    return x + 1
+
+
+class Box:
+    async def fetch(self, key, default=None):
+        """Look the key up,
+        or give the default.
+        """
+        return self.items.get(key, default)
+'''
+
+
+def test_function_prompts_end_where_docstrings_end(target_dir, tmp_path):
+    from specx.runtime.tokenizer import TextTokenizer
+
+    tokenizer = TextTokenizer(target_dir / "tokenizer.json")
+    pool = function_prompts([STUBS, "def broken(:\n"], tokenizer, 6)
+    assert pool.shape == (2, 6)  # the two functions with a docstring; the unparsable text skipped
+    for row, closing in zip(pool, ('absolute."""\n', 'default.\n        """\n'), strict=True):
+        end = STUBS.index(closing) + len(closing)
+        text = tokenizer.decode(row.tolist())
+        assert text.strip() and STUBS[:end].endswith(text)
+    (tmp_path / "stubs.py").write_text(STUBS)
+    config = RegenerateConfig(**{**SMALL.__dict__, "prompts": "functions", "prompt_tokens": 6})
+    windows = read_windows(regenerate(target_dir, [tmp_path / "stubs.py"], tmp_path / "f", config))
+    assert {tuple(w[:6]) for w in windows} <= {tuple(row) for row in pool}
+    (tmp_path / "bare.py").write_text("def f(x):\n    return x\n" * 20)
+    with pytest.raises(SpecxError, match="no Python function with a docstring"):
+        regenerate(target_dir, [tmp_path / "bare.py"], tmp_path / "g", config)
+    assert not list((tmp_path / "g").iterdir())  # refused before anything was exported
 
 
 def test_an_interrupted_run_resumes_to_the_same_bytes(target_dir, straight, tmp_path):
@@ -133,6 +179,8 @@ def test_cli_regenerate_and_train_on_it(target_dir, tmp_path):
     assert read_windows(out).shape == (4, 16)
     bad = CliRunner().invoke(main, [*args, "--windows", "4", "--temperatures", "0,hot"])
     assert bad.exit_code != 0 and "--temperatures must be comma-separated numbers" in bad.output
+    bad = CliRunner().invoke(main, [*args, "--windows", "4", "--prompts", "lines"])
+    assert bad.exit_code != 0 and "'lines' is not one of 'windows', 'functions'" in bad.output
     result = CliRunner().invoke(
         main, ["train", "eagle", str(target_dir), "-o", str(tmp_path / "x")]
     )

@@ -52,6 +52,14 @@ def _temperatures(text: str) -> tuple[float, ...]:
     help="Corpus tokens that start each window; the target writes the rest.",
 )
 @click.option(
+    "--prompts",
+    type=click.Choice(["windows", "functions"]),
+    default="windows",
+    show_default=True,
+    help="Prompts from random places of the corpus, or ending where a Python function's "
+    "docstring ends (the target writes the body).",
+)
+@click.option(
     "--temperatures",
     default="0,0.7,0,1",
     show_default=True,
@@ -67,6 +75,7 @@ def regenerate(
     windows: int,
     seq_len: int,
     prompt_tokens: int,
+    prompts: str,
     temperatures: str,
     batch: int,
     shard_windows: int,
@@ -87,6 +96,7 @@ def regenerate(
         batch=batch,
         shard_windows=shard_windows,
         seed=seed,
+        prompts=prompts,
     )
     require_extra("regenerate")
     from specx.training.regenerate import regenerate as run

@@ -2,9 +2,12 @@
 
 A head meets the target's own continuations at inference, so it should train on them
 (EAGLE-3, HASS and SpecForge regenerate their data with the target; DistillSpec calls it
-on-policy data). `regenerate` cuts prompts of `prompt_tokens` from random places of the
-tokenized corpus and lets the target continue each to `seq_len` tokens, batched on specx's
-own runtime (an export of the target), under a mix of temperatures.
+on-policy data). `regenerate` cuts prompts of `prompt_tokens` from the tokenized corpus and
+lets the target continue each to `seq_len` tokens, batched on specx's own runtime (an export
+of the target), under a mix of temperatures. Prompts (`prompts`) are either `windows`, from
+random places, or `functions`: the tokens that end where a Python function's docstring ends,
+so the target writes the body from its signature and docstring, as code assistants are asked
+(HumanEval's prompts are such stubs).
 
 On disk: `DIR/regenerate.json` (the settings and one sha256 per shard) and
 `DIR/shard-NNNNN.npy` ([windows, seq_len] token ids). Shard i depends only on (seed, i)
@@ -15,6 +18,7 @@ is fixed by the settings and checked against the free disk before anything is ge
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import json
 import shutil
@@ -32,6 +36,7 @@ __all__ = [
     "MANIFEST",
     "RegenerateConfig",
     "continue_windows",
+    "function_prompts",
     "is_regenerated",
     "read_windows",
     "regenerate",
@@ -39,6 +44,7 @@ __all__ = [
 
 MANIFEST = "regenerate.json"
 FORMAT = "specx-regenerated/1"
+PROMPT_KINDS = ("windows", "functions")
 
 
 @dataclass(frozen=True)
@@ -52,8 +58,11 @@ class RegenerateConfig:
     batch: int = 32
     shard_windows: int = 512
     seed: int = 0
+    prompts: str = "windows"  # a PROMPT_KINDS entry
 
     def __post_init__(self) -> None:
+        if self.prompts not in PROMPT_KINDS:
+            raise SpecxError(f"--prompts {self.prompts!r} must be one of {', '.join(PROMPT_KINDS)}")
         if not 1 <= self.prompt_tokens < self.seq_len:
             raise SpecxError(
                 f"--prompt-tokens {self.prompt_tokens} must be in [1, --seq-len {self.seq_len})"
@@ -85,10 +94,65 @@ def continue_windows(
     return np.concatenate([prompts, np.asarray(tokens, dtype=prompts.dtype)], axis=1)
 
 
-def _shard(target, stream: np.ndarray, cfg: RegenerateConfig, index: int) -> np.ndarray:
+def function_prompts(texts: Sequence[str], tokenizer, prompt_tokens: int) -> np.ndarray:
+    """Prompts [n, prompt_tokens] that end where a function's docstring ends.
+
+    One per function with a docstring in the Python `texts` (texts that do not parse are
+    skipped): the tokens up to the end of the docstring's last line.
+    """
+    rows = []
+    for text in texts:
+        try:
+            tree = ast.parse(text)
+        except (SyntaxError, ValueError):
+            continue
+        lines = text.splitlines(keepends=True)
+        line_starts = np.cumsum([0, *map(len, lines)])
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                continue
+            if ast.get_docstring(node) is None or node.body[0].end_lineno is None:
+                continue
+            end = int(line_starts[min(node.body[0].end_lineno, len(lines))])
+            # Enough text for the prompt: a token spans well under 16 characters.
+            start = max(0, end - 16 * prompt_tokens)
+            ids = tokenizer.encode(text[start:end], add_special_tokens=False)
+            if len(ids) >= prompt_tokens:
+                rows.append(ids[-prompt_tokens:])
+    return np.asarray(rows, dtype=np.int64).reshape(-1, prompt_tokens)
+
+
+Draw = Callable[[np.random.Generator, int], np.ndarray]  # (rng, n) -> [n, prompt_tokens]
+
+
+def _prompt_source(texts: Sequence[str], tokenizer, cfg: RegenerateConfig) -> tuple[str, Draw]:
+    """What the prompts are drawn from (said in the progress line), and how."""
+    p = cfg.prompt_tokens
+    if cfg.prompts == "functions":
+        pool = function_prompts(texts, tokenizer, p)
+        if not len(pool):
+            raise SpecxError(
+                f"--prompts functions: the corpus has no Python function with a docstring "
+                f"and {p} tokens before its end"
+            )
+
+        def draw_function(rng: np.random.Generator, n: int) -> np.ndarray:
+            return pool[rng.integers(0, len(pool), n)]
+
+        return f"{len(pool)} function prompts", draw_function
+    stream = np.concatenate([np.asarray(tokenizer.encode(t), np.int64) for t in texts])
+    if len(stream) <= p:
+        raise SpecxError(f"the corpus has {len(stream)} tokens; a prompt needs {p}")
+
+    def draw_window(rng: np.random.Generator, n: int) -> np.ndarray:
+        return stream[rng.integers(0, len(stream) - p, n)[:, None] + np.arange(p)]
+
+    return f"{len(stream)} corpus tokens", draw_window
+
+
+def _shard(target, draw: Draw, cfg: RegenerateConfig, index: int) -> np.ndarray:
     rng = np.random.default_rng([cfg.seed, index])
-    starts = rng.integers(0, len(stream) - cfg.prompt_tokens, cfg.shard_size(index))
-    prompts = stream[starts[:, None] + np.arange(cfg.prompt_tokens)]
+    prompts = draw(rng, cfg.shard_size(index))
     out = []
     for j, first in enumerate(range(0, len(prompts), cfg.batch)):
         global_batch = index * -(-cfg.shard_windows // cfg.batch) + j
@@ -161,6 +225,8 @@ def regenerate(
         )
     dtype = _dtype(config.vocab_size)
     settings = {**asdict(cfg), "temperatures": list(cfg.temperatures), "dtype": dtype.__name__}
+    if cfg.prompts == "windows":  # the kind before there was a choice: its earlier runs resume
+        del settings["prompts"]
     settings["target_config_sha256"] = hashlib.sha256(
         (target_dir / "config.json").read_bytes()
     ).hexdigest()
@@ -178,12 +244,10 @@ def regenerate(
         progress(f"{output_dir}: all {cfg.shards} shards of {cfg.windows} windows are written")
         return output_dir
     tokenizer = TextTokenizer(tokenizer_path)
-    stream = np.concatenate([np.asarray(tokenizer.encode(t), np.int64) for t in read_texts(corpus)])
-    if len(stream) <= cfg.prompt_tokens:
-        raise SpecxError(f"the corpus has {len(stream)} tokens; a prompt needs {cfg.prompt_tokens}")
+    source, draw = _prompt_source(read_texts(corpus), tokenizer, cfg)
     progress(
         f"regenerating {cfg.windows} windows of {cfg.seq_len} tokens in {cfg.shards} shards "
-        f"({len(done)} done; {need / 1e6:.1f} MB to write) from {len(stream)} corpus tokens"
+        f"({len(done)} done; {need / 1e6:.1f} MB to write) from {source}"
     )
     with tempfile.TemporaryDirectory(prefix="specx-regenerate-") as scratch:
         artifact = export_target(target_dir, Path(scratch) / "target", max_context=cfg.seq_len)
@@ -192,7 +256,7 @@ def regenerate(
             name = f"{index:05d}"
             if name in done:
                 continue
-            windows = _shard(target, stream, cfg, index).astype(dtype)
+            windows = _shard(target, draw, cfg, index).astype(dtype)
             done[name] = _write_shard(output_dir / f"shard-{name}.npy", windows)
             record = {"format": FORMAT, "settings": settings, "shards": done}
             atomic_write_text(output_dir / MANIFEST, json.dumps(record, indent=2) + "\n")
