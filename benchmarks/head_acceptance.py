@@ -5,7 +5,9 @@ On pyref-7m (exported with each head; the draft model as its own artifact), 18 h
 prompts (12 HumanEval stubs + 6 stdlib files the reference split holds out, as the suite),
 96 new tokens, batch 1: the acceptance length tau (tokens a round emits, the bonus counted)
 and acceptance by depth, for a chain of 5 greedy and at T=0.7 and an EAGLE-2 dynamic tree
-of 16 nodes (`dynamic:17,5,4`) greedy. Medusa drafts its chain from the top-1 of each of its
+of 16 nodes (`dynamic:17,5,4`) greedy, and tau apart for each prompt set (`tau_by_source`:
+HumanEval stubs, the edge benchmark's prompts, against stdlib files, the heads' training kind
+of text). Medusa drafts its chain from the top-1 of each of its
 heads (it has 4, so its chain stops at 4) and, drafting static trees only, its tree from the
 first 16 nodes of its default tree (mc_sim_7b_63, most likely first). Every
 greedy output is compared with plain decoding's. Writes benchmarks/results/head_acceptance.json
@@ -50,7 +52,7 @@ def artifacts(kind: str, work: Path) -> tuple[Path, str]:
     return export_target(source, work / kind, max_context=1024, drafter=head), kind
 
 
-def measure(target, spec: str, tree: str, temperature: float, prompts, new_tokens) -> dict:
+def measure(target, spec: str, tree: str, temperature: float, prompts, sources, new_tokens) -> dict:
     from specx.runtime.drafters import DrafterOptions, make_drafter
     from specx.runtime.drafters.medusa import MEDUSA_DEFAULT_TREE
     from specx.runtime.drafters.tree_search import parse_tree_spec
@@ -65,6 +67,7 @@ def measure(target, spec: str, tree: str, temperature: float, prompts, new_token
         shape = parse_tree_spec(json.dumps(MEDUSA_DEFAULT_TREE[:16]))
     drafter = make_drafter(spec, target, DrafterOptions(tree=shape))
     rounds = emitted = 0
+    by_source: dict[str, list[float]] = {s: [0, 0] for s in sources}  # [rounds, emitted]
     reached: list[int] = []
     accepted: list[int] = []
     identical = True
@@ -75,6 +78,8 @@ def measure(target, spec: str, tree: str, temperature: float, prompts, new_token
         stats = out.stats.speculative.acceptance
         rounds += stats.rounds
         emitted += stats.acceptance_length * stats.rounds
+        by_source[sources[i]][0] += stats.rounds
+        by_source[sources[i]][1] += stats.acceptance_length * stats.rounds
         for d, rate in enumerate(stats.acceptance_by_position):
             while len(reached) <= d:
                 reached.append(0)
@@ -87,6 +92,7 @@ def measure(target, spec: str, tree: str, temperature: float, prompts, new_token
         "tree": tree if spec != "medusa" else "medusa chain:4 / mc_sim_7b_63[:16]",
         "acceptance_length": emitted / rounds,
         "acceptance_by_position": [a / r for a, r in zip(accepted, reached, strict=True)],
+        "tau_by_source": {s: e / r for s, (r, e) in by_source.items()},
         "identical_to_plain": identical if temperature == 0 else None,
     }
 
@@ -105,6 +111,7 @@ def main() -> None:
     from specx.runtime.tokenizer import TextTokenizer
 
     prompts = prompts_for(TextTokenizer(SHARED / "models" / "pyref-7m" / "tokenizer.json"), 12)
+    sources = ["humaneval"] * 12 + ["stdlib"] * (len(prompts) - 12)  # prompts_for's order
     work = scratch_dir("specx-head-acceptance-")
     earlier = json.loads(args.out.read_text())["results"] if args.out.is_file() else {}
     report = {"benchmark": "head_acceptance", "prompts": len(prompts),
@@ -113,10 +120,11 @@ def main() -> None:
         artifact, spec = artifacts(kind, work / kind)
         target = OrtTarget(load_manifest(artifact), threads=1)
         for name, (tree, temperature) in CONFIGS.items():
-            row = measure(target, spec, tree, temperature, prompts, args.new_tokens)
+            row = measure(target, spec, tree, temperature, prompts, sources, args.new_tokens)
             report["results"][f"{kind} {name}"] = row
             depth = ", ".join(f"{a:.2f}" for a in row["acceptance_by_position"])
-            log(f"{kind} {name}: tau {row['acceptance_length']:.2f} ({depth})")
+            split = ", ".join(f"{s} {v:.2f}" for s, v in row["tau_by_source"].items())
+            log(f"{kind} {name}: tau {row['acceptance_length']:.2f} ({depth}; {split})")
             args.out.write_text(json.dumps(report, indent=2) + "\n")
 
 

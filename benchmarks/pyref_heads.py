@@ -12,6 +12,11 @@ on (8192 windows of 256 tokens, half greedy, a quarter each at T=0.7 and T=1), a
 held-out acceptance, prompts from the 26 files it holds out (256 windows). Both are written
 to ~/.cache/specx/pyref-data once (13 minutes here) and resumed if interrupted; training
 resumes from its last saved state too (`~/.cache/specx/pyref-heads-train/<kind>`).
+`--continue KINDS` trains a shipped head on from where it is, the next of its CONTINUE
+stages, on sets no stage saw: fresh stdlib prompts (`train-3`), then the target writing the
+bodies of the training split's functions from the 64 tokens that end with their docstrings
+(`functions`: `specx regenerate --prompts functions`; the edge benchmark's HumanEval prompts
+are such stubs).
 
 pyref-deep (benchmarks/pyref_deep.py) shares pyref-7m's residual stream, so the same heads
 draft for it: `for_deep` renumbers what a layout names by layer (MTP's layer index,
@@ -22,7 +27,8 @@ EAGLE-3's taps) for the 32-layer target.
 int4 build computes): its own data (`~/.cache/specx/pyref-int4-data`), runs and shipped heads
 (`benchmarks/heads/pyref-1b-int4/`, which pyref_wide.py widens for pyref-1b).
 
-    python benchmarks/pyref_heads.py [--retrain eagle3,eagle,...] [--steps N] [--int4-twin WIDE]
+    python benchmarks/pyref_heads.py [--retrain eagle3,eagle,...] [--continue eagle3] [--steps N]
+        [--int4-twin WIDE]
 """
 
 from __future__ import annotations
@@ -64,16 +70,29 @@ RECIPES: dict[str, dict] = {
 TRAIN_DATA = {"windows": 8192, "batch": 64, "shard_windows": 512, "seed": 0}
 # More of the same (other prompts: another seed), for the recipes that name it.
 MORE_DATA = {"windows": 16384, "batch": 64, "shard_windows": 512, "seed": 2}
-# kind -> a second stage trained from the first stage's head (TrainConfig `init`) on `train-3`,
-# prompts neither stage saw before, with its own learning-rate schedule (a warm restart).
-CONTINUE: dict[str, dict] = {"eagle3": {"steps": 2000, "lr": 1e-3, "eval_every": 200}}
+# kind -> the stages after the first, in order: each trains from the head the stages before
+# it shipped (TrainConfig `init`) on `data`, sets no stage saw before, with its own
+# learning-rate schedule (a warm restart).
+CONTINUE: dict[str, list[dict]] = {
+    "eagle3": [
+        {"steps": 2000, "lr": 1e-3, "eval_every": 200, "data": ("train-3",)},
+        {"steps": 700, "lr": 5e-4, "eval_every": 100, "data": ("functions",)},
+    ]
+}
 FRESH_DATA = {"windows": 16384, "batch": 64, "shard_windows": 512, "seed": 3}
+# The target writing function bodies from their signature and docstring (the edge
+# benchmark's HumanEval prompts are such stubs), from the training split's functions.
+FUNCTION_DATA = {
+    "windows": 8192, "batch": 64, "shard_windows": 512, "seed": 4, "prompts": "functions",
+    "prompt_tokens": 64,
+}  # fmt: skip
 HELD_OUT_DATA = {"windows": 256, "batch": 64, "shard_windows": 256, "seed": 1}
 DATA_SETS = {
     "held-out": HELD_OUT_DATA,
     "train": TRAIN_DATA,
     "train-2": MORE_DATA,
     "train-3": FRESH_DATA,
+    "functions": FUNCTION_DATA,
 }
 # pyref-7m's residual stream entering layer i (0..5) is pyref-deep's entering DEEP_LAYER[i].
 DEEP_LAYER = (0, 1, 2, 16, 29, 32)
@@ -141,17 +160,22 @@ def train(kind: str, steps: int | None = None, teacher: Teacher = PYREF_7M) -> P
 
 
 def continue_training(kind: str, steps: int | None = None, heads: Path = HEADS) -> Path:
-    """Trains the CONTINUE stage from the head shipped under `heads` (a copy, as that one is
-    replaced when this ships); the new report holds the shipped one as `previous`."""
-    start = TRAIN / f"{kind}-start"
+    """Trains the next CONTINUE stage from the head shipped under `heads` (a copy, as that
+    one is replaced when this ships); the new report holds the shipped one as `previous`."""
+    shipped = json.loads((heads / kind / "train_report.json").read_text())
+    stage = len(stages(shipped)) + 1
+    if stage - 2 >= len(CONTINUE.get(kind, [])):
+        raise SystemExit(f"{kind}: the shipped head has {stage - 1} stages, CONTINUE no more")
+    start = TRAIN / f"{kind}-stage{stage}-start"
     if not (start / "train_report.json").is_file():  # else: a resumed stage keeps its start
         shutil.copytree(heads / kind, start, dirs_exist_ok=True)
-    recipe = {**COMMON, **CONTINUE[kind], **({"steps": steps} if steps else {})}
+    recipe = {**COMMON, **CONTINUE[kind][stage - 2], **({"steps": steps} if steps else {})}
+    sets = recipe.pop("data")
     first = json.loads((start / "train_report.json").read_text())
     for key in ("ttt_steps", "normalise_taps"):  # the stage trains as the first did
         recipe[key] = first["config"][key]
     recipe["init"] = str(start)
-    out = _train_run(kind, recipe, ("train-3",), TRAIN / f"{kind}-continued")
+    out = _train_run(kind, recipe, sets, TRAIN / f"{kind}-stage{stage}")
     report = json.loads((out / "train_report.json").read_text())
     report["previous"] = first
     (out / "train_report.json").write_text(json.dumps(report, indent=2) + "\n")
@@ -347,7 +371,7 @@ def main() -> None:
     parser.add_argument("--retrain", default="", help="kinds to train again and ship")
     parser.add_argument(
         "--continue", dest="more", default="",
-        help="kinds to train on from their shipped heads (the CONTINUE stage) and ship",
+        help="kinds to train on from their shipped heads (their next CONTINUE stage) and ship",
     )  # fmt: skip
     parser.add_argument("--steps", type=int, default=None, help="instead of the recipe's")
     parser.add_argument("--heads", type=Path, default=None, help="default: the teacher's")
