@@ -14,6 +14,7 @@ greedy output is compared with plain decoding's. Writes benchmarks/results/head_
 (the kinds measured replace theirs; others are kept).
 
     python benchmarks/head_acceptance.py [--kinds eagle3,eagle,mtp,medusa,draft-model]
+        [--heads benchmarks/heads/pyref-7m] [--out FILE]
 """
 
 from __future__ import annotations
@@ -40,15 +41,15 @@ def log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def artifacts(kind: str, work: Path) -> tuple[Path, str]:
-    """(target artifact, drafter spec) for a committed drafter on pyref-7m."""
+def artifacts(kind: str, work: Path, heads: Path) -> tuple[Path, str]:
+    """(target artifact, drafter spec) for the drafter `heads/kind` on pyref-7m."""
     from specx.export.target_export import export_target
 
     source = SHARED / "models" / "pyref-7m"
     if kind == "draft-model":
-        draft = export_target(pyref_heads.HEADS / kind, work / "draft", max_context=1024)
+        draft = export_target(heads / kind, work / "draft", max_context=1024)
         return export_target(source, work / "plain", max_context=1024), f"{kind}:{draft}"
-    head = f"{kind}:{pyref_heads.HEADS / kind}"
+    head = f"{kind}:{heads / kind}"
     return export_target(source, work / kind, max_context=1024, drafter=head), kind
 
 
@@ -100,6 +101,9 @@ def measure(target, spec: str, tree: str, temperature: float, prompts, sources, 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--kinds", default=",".join(pyref_heads.KINDS))
+    parser.add_argument(
+        "--heads", type=Path, default=pyref_heads.HEADS, help="a folder of <kind>/ drafters"
+    )
     parser.add_argument("--new-tokens", type=int, default=96)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/head_acceptance.json"))
     args = parser.parse_args()
@@ -117,7 +121,7 @@ def main() -> None:
     report = {"benchmark": "head_acceptance", "prompts": len(prompts),
               "new_tokens": args.new_tokens, "results": earlier}  # fmt: skip
     for kind in args.kinds.split(","):
-        artifact, spec = artifacts(kind, work / kind)
+        artifact, spec = artifacts(kind, work / kind, args.heads)
         target = OrtTarget(load_manifest(artifact), threads=1)
         for name, (tree, temperature) in CONFIGS.items():
             row = measure(target, spec, tree, temperature, prompts, sources, args.new_tokens)
