@@ -287,17 +287,22 @@ def write_readme(heads: Path = HEADS, teacher: Teacher = PYREF_7M) -> None:
 # What a row's training time does not say: teacher name -> kind -> note.
 NOTES: dict[str, dict[str, str]] = {
     "pyref-7m": {
-        "eagle3": "two stages. First, 3000 steps on both regenerated sets (`train` and "
+        "eagle3": "three stages. First, 3000 steps on both regenerated sets (`train` and "
         "`train-2`: 24,576 windows, 6.1M tokens seen; held-out 0.83 at depth 1, chain-5 tau "
         "3.93). Then `--continue`: 2000 steps from that head on 16,384 fresh windows (`train-3`, "
         "prompts neither stage saw), lr 1e-3 with its own warm-up and decay; held-out depth 1 "
-        "fell to 0.81 after the restart and passed the first stage's 0.83 at step 1200. Two "
-        "threads (`OMP_NUM_THREADS=2`); both stages ran while other work shared the machine or "
-        "was timed (paused with SIGSTOP), so the row's time is wall time, pauses included. "
-        "Alone the recipe trains at 1,137-1,185 tokens/s, so the two stages are about 95 + 60 "
-        "minutes of compute with their held-out evaluations. Taps normalised (1/RMS per "
-        "channel, folded into fc when saved). Earlier heads: 1500 steps on 8,192 windows 0.78 "
-        "and tau 3.43; 2000 steps on raw taps 0.77 and 3.31.",
+        "fell to 0.81 after the restart and passed the first stage's 0.83 at step 1200, ending "
+        "at 0.847. Then `--continue` again: 700 steps, lr 5e-4, on 8,192 windows of pyref-7m "
+        "writing the bodies of the training split's functions from the 64 tokens that end with "
+        "their docstrings (`functions`: `specx regenerate --prompts functions`, 6,892 "
+        "functions); held-out depth 1 (stdlib windows) went 0.847 -> 0.835 while acceptance on "
+        "the benchmarks' HumanEval stubs rose (head_acceptance.py, greedy chain 5: 3.64 -> "
+        "4.10). Two threads (`OMP_NUM_THREADS=2`); the stages ran while other work shared the "
+        "machine or was timed (paused with SIGSTOP), so the row's time is wall time, pauses "
+        "included. Alone the recipe trains at 1,100-1,185 tokens/s, so the three stages are "
+        "about 95 + 60 + 22 minutes of compute with their held-out evaluations. Taps normalised "
+        "(1/RMS per channel, folded into fc when saved). Earlier heads: 1500 steps on 8,192 "
+        "windows 0.78 and tau 3.43; 2000 steps on raw taps 0.77 and 3.31.",
     },
     "pyref-1b at int4": {
         "eagle": "the pyref-7m recipe on 8192 windows the twin wrote (its own continuations of "
