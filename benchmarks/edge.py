@@ -405,6 +405,7 @@ def section(name: str, runners: dict, prompts, args, curves: dict) -> dict:
     peers = {n: r for n, r in rows.items() if not n.startswith("specx")}
     loop = in_loop_costs(runners)
     fastest_peer = min(peers, key=lambda n: peers[n]["decode_ms_per_token"])
+    fastest_ttft = min(r["ttft_ms"] for r in peers.values())
     best = min(
         (n for n in rows if n.startswith("specx")), key=lambda n: rows[n]["decode_ms_per_token"]
     )
@@ -416,8 +417,9 @@ def section(name: str, runners: dict, prompts, args, curves: dict) -> dict:
         / rows[best]["decode_ms_per_token"],
         "specx_best_vs_fastest_peer": rows[fastest_peer]["decode_ms_per_token"]
         / rows[best]["decode_ms_per_token"],
-        "specx_ttft_vs_fastest_peer_ttft": rows["specx plain"]["ttft_ms"]
-        / min(r["ttft_ms"] for r in peers.values()),
+        # TTFT of what specx's best row runs (its build and drafter), and of its plain ORT build.
+        "specx_ttft_vs_fastest_peer_ttft": rows[best]["ttft_ms"] / fastest_ttft,
+        "specx_plain_ttft_vs_fastest_peer_ttft": rows["specx plain"]["ttft_ms"] / fastest_ttft,
         "target_ms_per_call_in_loop": loop,
     }
 
@@ -447,8 +449,9 @@ def markdown(report: dict) -> str:
             f"\n{name}: best specx = {result['specx_best']}, "
             f"{result['specx_best_vs_genai_plain']:.2f}x genai plain, "
             f"{result['specx_best_vs_fastest_peer']:.2f}x the fastest peer "
-            f"({result['fastest_peer']}); specx TTFT / fastest peer's "
-            f"{result['specx_ttft_vs_fastest_peer_ttft']:.2f}\n",
+            f"({result['fastest_peer']}); TTFT / the fastest peer's: its "
+            f"{result['specx_ttft_vs_fastest_peer_ttft']:.2f}, specx plain's "
+            f"{result['specx_plain_ttft_vs_fastest_peer_ttft']:.2f}\n",
             "target ms per call inside each loop, by tokens per call: "
             + "; ".join(
                 f"{side} " + ", ".join(f"t({n}) {ms:.1f}" for n, ms in sorted(costs.items()))
