@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import pyref_heads  # noqa: E402
 from runners import scratch_dir  # noqa: E402
-from suite import SHARED, prompts_for  # noqa: E402
+from suite import SHARED, prompt_sets, prompts_for  # noqa: E402
 
 CONFIGS = {
     "chain 5 greedy": ("chain:5", 0.0),
@@ -115,7 +115,7 @@ def main() -> None:
     from specx.runtime.tokenizer import TextTokenizer
 
     prompts = prompts_for(TextTokenizer(SHARED / "models" / "pyref-7m" / "tokenizer.json"), 12)
-    sources = ["humaneval"] * 12 + ["stdlib"] * (len(prompts) - 12)  # prompts_for's order
+    sources = prompt_sets(12)
     work = scratch_dir("specx-head-acceptance-")
     earlier = json.loads(args.out.read_text())["results"] if args.out.is_file() else {}
     report = {"benchmark": "head_acceptance", "prompts": len(prompts),

@@ -59,6 +59,12 @@ def prompts_for(tokenizer, count: int) -> list[list[int]]:
     return [tokenizer.encode(t)[-320:] for t in texts]
 
 
+def prompt_sets(count: int) -> list[str]:
+    """Which set each of `prompts_for(tokenizer, count)`'s prompts comes from, in its order."""
+    _, held = stdlib_split()
+    return ["humaneval"] * count + ["stdlib"] * len(held[: count // 2])
+
+
 def run_config(target, drafter, prompts, new_tokens, sampling, repeats: int = 3) -> dict:
     """Each prompt decoded `repeats` times; its fastest run counts (interference only adds time).
 
