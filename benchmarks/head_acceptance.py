@@ -4,12 +4,14 @@ run beside other work.
 On pyref-7m (exported with each head; the draft model as its own artifact), 18 held-out
 prompts (12 HumanEval stubs + 6 stdlib files the reference split holds out, as the suite),
 96 new tokens, batch 1: the acceptance length tau (tokens a round emits, the bonus counted)
-and acceptance by depth, for a chain of 5 greedy and at T=0.7 and an EAGLE-2 dynamic tree
-of 16 nodes (`dynamic:17,5,4`) greedy, and tau apart for each prompt set (`tau_by_source`:
-HumanEval stubs, the edge benchmark's prompts, against stdlib files, the heads' training kind
-of text). Medusa drafts its chain from the top-1 of each of its
-heads (it has 4, so its chain stops at 4) and, drafting static trees only, its tree from the
-first 16 nodes of its default tree (mc_sim_7b_63, most likely first). Every
+and acceptance by depth, for a chain of 5 greedy and at T=0.7 and two EAGLE-2 dynamic trees
+of 16 nodes greedy (`dynamic:17,5,4`: depth 5, top 4 per node; `dynamic:17,8,2`: depth 8,
+top 2, the best of a sweep of 16-node shapes for EAGLE-3: benchmarks/README.md), and tau apart
+for each prompt set (`tau_by_source`: HumanEval stubs, the edge benchmark's prompts, against
+stdlib files, the heads' training kind of text). Medusa drafts its chain from the top-1 of
+each of its heads (it has 4, so its chain stops at 4) and, drafting static trees only, its tree
+from the first 16 nodes of its default tree (mc_sim_7b_63, most likely first); it has no deeper
+tree. Every
 greedy output is compared with plain decoding's. Writes benchmarks/results/head_acceptance.json
 (the kinds measured replace theirs; others are kept).
 
@@ -34,7 +36,9 @@ CONFIGS = {
     "chain 5 greedy": ("chain:5", 0.0),
     "chain 5 T=0.7": ("chain:5", 0.7),
     "tree 16 greedy": ("dynamic:17,5,4", 0.0),
+    "deep tree 16 greedy": ("dynamic:17,8,2", 0.0),
 }
+STATIC_ONLY = {"medusa"}  # a tree from its 4 heads' default: no deeper shape to try
 
 
 def log(message: str) -> None:
@@ -124,6 +128,8 @@ def main() -> None:
         artifact, spec = artifacts(kind, work / kind, args.heads)
         target = OrtTarget(load_manifest(artifact), threads=1)
         for name, (tree, temperature) in CONFIGS.items():
+            if kind in STATIC_ONLY and name.startswith("deep"):
+                continue
             row = measure(target, spec, tree, temperature, prompts, sources, args.new_tokens)
             report["results"][f"{kind} {name}"] = row
             depth = ", ".join(f"{a:.2f}" for a in row["acceptance_by_position"])
