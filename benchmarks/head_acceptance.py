@@ -11,9 +11,8 @@ for each prompt set (`tau_by_source`: HumanEval stubs, the edge benchmark's prom
 stdlib files, the heads' training kind of text). Medusa drafts its chain from the top-1 of
 each of its heads (it has 4, so its chain stops at 4) and, drafting static trees only, its tree
 from the first 16 nodes of its default tree (mc_sim_7b_63, most likely first); it has no deeper
-tree. Every
-greedy output is compared with plain decoding's. Writes benchmarks/results/head_acceptance.json
-(the kinds measured replace theirs; others are kept).
+tree. Every greedy output is compared with plain decoding's. Writes
+benchmarks/results/head_acceptance.json (the kinds measured replace theirs; others are kept).
 
     python benchmarks/head_acceptance.py [--kinds eagle3,eagle,mtp,medusa,draft-model]
         [--heads benchmarks/heads/pyref-7m] [--out FILE]
