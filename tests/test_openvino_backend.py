@@ -155,6 +155,21 @@ def test_the_lowering_leaves_no_tree_attention_and_outputs_new_rows(artifacts):
     assert not model.functions
 
 
+def test_openvino_fuses_every_layers_rope_in_the_lowered_graph(built):
+    """rotate_half respelled (RotateHalfPass): the CPU plugin runs each RoPE as one node."""
+    from specx.runtime.ov_target import compile_graph
+
+    manifest = load_manifest(built["llama"])
+    compiled = compile_graph(manifest, "target", threads=1)
+    kinds = [
+        op.get_rt_info()["layerType"].astype(str) for op in compiled.get_runtime_model().get_ops()
+    ]
+    layers = manifest.model.num_layers
+    assert kinds.count("RoPE") == 2 * layers  # queries and keys
+    lowered = lower_for_openvino(ir.load(manifest.path(manifest.graph("target").file)))
+    assert not [n for n in lowered.graph if n.op_type == "Neg"]
+
+
 def test_generate_on_an_openvino_build_needs_neither_torch_nor_onnx(built):
     """The default build is the last one (openvino-fp32); the runtime opens it with openvino."""
     import json
