@@ -86,6 +86,24 @@ def test_the_fp32_build_computes_the_exported_graph(built, family):
         np.testing.assert_allclose(mine[:, :, :13], theirs[:, :, :13], atol=2e-5)
 
 
+def test_requests_taking_turns_on_one_target_each_read_their_own_cache(built):
+    """The cache is bound to the request once per cache: a forward on another cache rebinds."""
+    manifest = load_manifest(built["llama"]).with_build("openvino-fp32")
+    shared = open_decoder(manifest, threads=1)
+    alone = [open_decoder(manifest, threads=1) for _ in range(2)]  # one cache each, ever
+    caches = [(shared.allocate_cache(1), target.allocate_cache(1)) for target in alone]
+    for step in range(3):  # a prefill of 8 tokens, then one token at a time, in turns
+        for i, (turns, own) in enumerate(caches):
+            start = 0 if step == 0 else 7 + step
+            ids = np.array([PROMPTS[i][:8]]) if step == 0 else np.array([[3 + i + step]])
+            width = ids.shape[1]
+            mask = causal_mask(np.array([start]), width, start + width)
+            args = (ids, start + np.arange(width)[None], mask, np.array([start]))
+            np.testing.assert_array_equal(
+                shared.forward(turns, *args).logits, alone[i].forward(own, *args).logits
+            )
+
+
 def test_a_forward_whose_rows_pass_the_mask_is_refused(built):
     from specx.errors import GenerationError
 

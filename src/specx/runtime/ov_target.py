@@ -1,10 +1,11 @@
 """`OvTarget`: an OpenVINO build's decoder graph on OpenVINO's CPU plugin.
 
 Imported only when the manifest's default build is an OpenVINO one (`specx build --backend
-openvino`). The cache stays specx's numpy `KVCache`: each forward passes its buffers to
-OpenVINO without a copy (`share_inputs`), the graph reads the `L` slots its mask covers
-and returns the N new rows of every layer (`specx.graphs.ov_lowering`), and this module
-writes them at `write_pos`, which is where the graph's rule puts them. Activations stay
+openvino`). The cache stays specx's numpy `KVCache`: its buffers are bound to the request's inputs
+without a copy, once per cache (each forward then passes only its few small inputs), the
+graph reads the `L` slots its mask covers and returns the N new rows of every layer
+(`specx.graphs.ov_lowering`), and this module copies them from the request's own output
+memory to `write_pos`, which is where the graph's rule puts them. Activations stay
 float32 (`INFERENCE_PRECISION_HINT`): the plugin's default on CPUs with bf16 would round
 them to bf16, another model than the artifact's. A compressed MatMul quantizes its
 activations to int8 per group of the build's `activation_group` (as ONNX Runtime's int4
@@ -79,6 +80,7 @@ class OvTarget(DecoderBackend):
             for i in range(self.num_layers)
             for kind in ("key", "value")
         ]
+        self._bound: list[np.ndarray] = []  # the cache buffers bound as inputs (`_bind`)
 
     def allocate_cache(self, batch: int, capacity: int | None = None) -> KVCache:
         """A zeroed cache for `batch` sequences; capacity defaults to the artifact's."""
@@ -120,9 +122,10 @@ class OvTarget(DecoderBackend):
         if self._feature_input is not None:
             feeds[self._feature_input] = np.ascontiguousarray(features, dtype=np.float32)
         buffers = [b for pair in zip(cache.keys, cache.values, strict=True) for b in pair]
-        for (past, _), buffer in zip(self._cache_names, buffers, strict=True):
-            feeds[past] = buffer
-        results = self._request.infer(feeds, share_inputs=True)
+        self._bind(buffers)
+        # Shared outputs: the request's own memory, valid until its next call; what is kept
+        # is copied out below.
+        results = self._request.infer(feeds, share_inputs=True, share_outputs=True)
         for (_, new), buffer in zip(self._cache_names, buffers, strict=True):
             rows = results[self._outputs[new]]
             for b, start in enumerate(write_pos):
@@ -132,6 +135,23 @@ class OvTarget(DecoderBackend):
         if self.has_taps:
             taps = np.array(results[self._outputs[self._hidden_output]][:, :n])
         return StepOutput(logits=logits, taps=taps)
+
+    def _bind(self, buffers: list[np.ndarray]) -> None:
+        """Binds the cache's buffers as the `past_*` inputs, unless they already are.
+
+        Bound once per cache rather than passed with every call, which wraps 2 x layers
+        arrays each time (what that costs: benchmarks/README.md, edge.py). The bound arrays
+        are kept, so their memory cannot go to another array while bound.
+        """
+        if len(buffers) == len(self._bound) and all(
+            a is b for a, b in zip(buffers, self._bound, strict=True)
+        ):
+            return
+        import openvino as ov
+
+        for (past, _), buffer in zip(self._cache_names, buffers, strict=True):
+            self._request.set_tensor(past, ov.Tensor(buffer, shared_memory=True))
+        self._bound = buffers
 
 
 def _with_pad_row(input_ids, position_ids, mask, write_pos, features):
