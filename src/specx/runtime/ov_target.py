@@ -1,9 +1,9 @@
 """`OvTarget`: an OpenVINO build's decoder graph on OpenVINO's CPU plugin.
 
 Imported only when the manifest's default build is an OpenVINO one (`specx build --backend
-openvino`). The cache stays specx's numpy `KVCache`: its buffers are bound to the request's inputs
-without a copy, once per cache (each forward then passes only its few small inputs), the
-graph reads the `L` slots its mask covers and returns the N new rows of every layer
+openvino`). The cache stays specx's numpy `KVCache`: its buffers are bound to the request's
+inputs without a copy, once per cache (each forward then passes only its few small inputs),
+the graph reads the `L` slots its mask covers and returns the N new rows of every layer
 (`specx.graphs.ov_lowering`), and this module copies them from the request's own output
 memory to `write_pos`, which is where the graph's rule puts them. Activations stay
 float32 (`INFERENCE_PRECISION_HINT`): the plugin's default on CPUs with bf16 would round
