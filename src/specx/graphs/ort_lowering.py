@@ -47,6 +47,7 @@ from onnx_ir.passes.common import RemoveUnusedNodesPass
 
 from specx.graphs import tree_attention as tree_op
 from specx.graphs.ir_values import input_at, inputs_of, name_of
+from specx.graphs.rotate_half import match_rotate_half
 
 __all__ = ["GroupQueryAttentionPass", "gqa_available"]
 
@@ -268,7 +269,7 @@ def _flat_rotated(build: _Builder, node: ir.Node, value: ir.Value) -> ir.Value:
 class RopeMatch:
     """The exporter's `x * cos + rotate_half(x) * sin` on xt = Transpose(x, [0, 2, 1, 3]).
 
-    Matched as Add(Mul(xt, cos_u), Mul(Concat(Neg(Split(xt)[1]), Split(xt)[0]), sin_u)),
+    Matched as Add(Mul(xt, cos_u), Mul(rotate_half(xt), sin_u)) (`match_rotate_half`),
     cos_u = Unsqueeze(cos, [1]) and sin_u likewise; `x` is [B, N, H, D], cos/sin [B, N, D].
     """
 
@@ -289,18 +290,13 @@ def _match_rope(value: ir.Value) -> RopeMatch | None:
     xt, cos_u = inputs_of(direct)
     x = _heads_first(xt)
     concat = input_at(rotated, 0).producer()
-    if x is None or concat is None or concat.op_type != "Concat":
-        return None
-    neg, first_half = input_at(concat, 0).producer(), input_at(concat, 1)
-    split = first_half.producer()
-    if neg is None or neg.op_type != "Neg" or split is None or split.op_type != "Split":
-        return None
-    if split.inputs[0] is not xt or neg.inputs[0] is not split.outputs[1]:
+    turned = match_rotate_half(concat) if concat is not None else None
+    if x is None or turned is None or turned.x is not xt:
         return None
     cos, sin = _unsqueezed_source(cos_u), _unsqueezed_source(input_at(rotated, 1))
     if cos is None or sin is None:
         return None
-    return RopeMatch(x, cos, sin, split, concat)
+    return RopeMatch(x, cos, sin, turned.split, turned.concat)
 
 
 def _rope_on_tokens_first(build: _Builder, node: ir.Node, value: ir.Value) -> ir.Value | None:

@@ -29,7 +29,8 @@ from onnx_ir.passes import InPlacePass, PassResult
 from onnx_ir.passes import common as onnx_ir_passes
 
 from specx.graphs import tree_attention as tree_op
-from specx.graphs.ir_values import input_at, inputs_of
+from specx.graphs.ir_values import inputs_of
+from specx.graphs.rotate_half import match_rotate_half
 
 __all__ = ["NEW_ROWS_PREFIX", "OpenvinoAttentionPass", "RotateHalfPass", "lower_for_openvino"]
 
@@ -158,8 +159,9 @@ class RotateHalfPass(InPlacePass):
         """Respells every rotate_half of the main graph."""
         graph = model.graph
         constants = _Constants(graph)
-        matches = [m for m in (_rotate_half_input(n) for n in graph) if m is not None]
-        for concat, x, half in matches:
+        matches = [m for m in map(match_rotate_half, graph) if m is not None]
+        for match in matches:
+            x, half = match.x, match.half
             tape = ir.tape.Tape()
             last = constants.ints(-1)
             second = tape.op("Slice", [x, constants.ints(half), constants.ints(2 * half), last])
@@ -167,40 +169,11 @@ class RotateHalfPass(InPlacePass):
             minus_one = constants("minus_one", np.array(-1.0, np.float32))
             negated = tape.op("Mul", [second, minus_one])
             turned = tape.op("Concat", [negated, first], attributes={"axis": -1})
-            graph.insert_before(concat, tape.nodes)
-            concat.outputs[0].replace_all_uses_with(turned)
+            graph.insert_before(match.concat, tape.nodes)
+            match.concat.outputs[0].replace_all_uses_with(turned)
         if matches:  # the Split / Neg / Concat left without uses
             onnx_ir_passes.RemoveUnusedNodesPass()(model)
         return PassResult(model, modified=bool(matches))
-
-
-def _rotate_half_input(concat: ir.Node) -> tuple[ir.Node, ir.Value, int] | None:
-    """(concat, x, D/2) for Concat(Neg(Split(x)[1]), Split(x)[0]) halving x's last axis.
-
-    None for any other node.
-    """
-    if concat.op_type != "Concat" or len(concat.inputs) != 2:
-        return None
-    negated, first = concat.inputs
-    neg = negated.producer() if negated is not None else None
-    if neg is None or neg.op_type != "Neg":
-        return None
-    split = input_at(neg, 0).producer()
-    if split is None or split.op_type != "Split" or list(split.outputs) != [first, neg.inputs[0]]:
-        return None
-    x = input_at(split, 0)
-    shape = x.shape
-    if shape is None or not isinstance(shape[-1], int) or shape[-1] % 2:
-        return None
-    last = (-1, len(shape) - 1)
-    axes = split.attributes.get_int("axis", 0), concat.attributes.get_int("axis")
-    if any(axis not in last for axis in axes):
-        return None
-    sizes = split.inputs[1] if len(split.inputs) > 1 else None
-    halves = sizes.const_value if sizes is not None else None
-    if halves is not None and halves.numpy().tolist() != [shape[-1] // 2] * 2:
-        return None
-    return concat, x, shape[-1] // 2
 
 
 def lower_for_openvino(model: ir.Model) -> ir.Model:
