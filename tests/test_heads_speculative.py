@@ -162,3 +162,54 @@ def test_eagle3_d2t_maps_draft_ids_to_target_ids(head_target, head_dirs, head_ar
             drafter.propose = spy
             generate_speculative(target, drafter, [[1, 2, 3], [5, 5, 5]], 20, sampling)
             assert seen and set(seen) <= in_draft_vocab
+
+
+def test_eagle3_projects_taps_once_per_proposal_with_the_drafts_of_eager_projection(
+    head_artifacts,
+):
+    """Taps wait unprojected until the head reads them: one projection call per proposal
+    (every row's pending taps together), none at the end of a stretch the head never reads,
+    and the drafts are those of projecting every stretch's taps as they arrive."""
+    from specx.runtime.controller import FixedSizes
+
+    target = OrtTarget(load_manifest(head_artifacts["eagle3"]), threads=2)
+    prompts = [[1, 2, 3, 4, 5], [9, 8, 7], [4, 4, 6, 2]]
+
+    def run(eager: bool) -> tuple[list, int, int]:
+        drafter = make_drafter("eagle3", target, DrafterOptions(tree=StaticTree.chain(2)))
+        projection, propose, calls = drafter.projection, drafter.propose, [0, 0]
+
+        def counted(x):
+            calls[0] += 1
+            return projection(x)
+
+        def counted_propose(*args, **kwargs):
+            calls[1] += 1
+            return propose(*args, **kwargs)
+
+        drafter.projection, drafter.propose = counted, counted_propose
+        if eager:  # the former rule: project each accepted stretch at once
+            accept = drafter.accept
+
+            def accept_and_project(*args):
+                accept(*args)
+                drafter._project_pending()
+
+            drafter.accept = accept_and_project
+        drafts: list = []
+        result = generate_speculative(
+            target,
+            drafter,
+            prompts,
+            40,
+            controller=FixedSizes([0, 0, 0, 0, 0, 2]),
+            observer=lambda row, draft, verdict: drafts.append((row, draft.tokens.tolist())),
+        )
+        assert result.tokens == generate_plain(target, prompts, 40).tokens
+        return drafts, calls[0], calls[1]
+
+    lazy, lazy_calls, proposals = run(eager=False)
+    eager, eager_calls, _ = run(eager=True)
+    assert lazy and lazy == eager
+    assert lazy_calls == 1 + proposals  # the prompt's, then one per proposing round
+    assert eager_calls > lazy_calls

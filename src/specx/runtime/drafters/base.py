@@ -63,6 +63,7 @@ class Drafter(Protocol):
 
         `taps` [n, W] are the target's taps of the tokens whose KV the target kept since
         the last call: the root and the accepted nodes (n = 1 + len(accepted)) or, after a
-        stretch of plain steps (`draft` empty), the root of each step.
+        stretch of plain steps (`draft` empty), the root of each step. The caller does not
+        reuse `taps`' memory, so a drafter may keep the array rather than copy it.
         """
         ...

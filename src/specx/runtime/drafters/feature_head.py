@@ -90,19 +90,37 @@ class FeatureHeadDrafter:
         self.cache = self.head.allocate_cache(batch, capacity)
         self.features = np.zeros((batch, capacity, self.head.tap_width), dtype=np.float32)
         self.known = np.zeros(batch, dtype=np.int64)
-        for b in range(batch):
-            self._add_features(b, taps[b])
+        self.unprojected: list[list[np.ndarray]] = [[t] for t in taps]
         # The head's own prefill goes with the target's, not into the first round: every
         # prompt position whose next token is known.
         self._catch_up(prompts)
 
-    def _add_features(self, row: int, taps: np.ndarray) -> None:
-        start = int(self.known[row])
-        self.features[row, start : start + len(taps)] = self._project(taps)
-        self.known[row] += len(taps)
+    def _project_pending(self) -> None:
+        """Projects the taps `accept` kept, every row's in one call, into `features`.
+
+        Lazily, when the head next reads features: a request the controller keeps plain
+        would otherwise pay EAGLE-3's projection at the end of every stretch, one call per
+        row, for positions no draft may ever read (what that cost: benchmarks/README.md,
+        controller.py).
+        """
+        chunks = [np.concatenate(row) if row else None for row in self.unprojected]
+        pending = [c for c in chunks if c is not None and len(c)]
+        if not pending:
+            return
+        projected = self._project(np.concatenate(pending))
+        offset = 0
+        for b, chunk in enumerate(chunks):
+            if chunk is None or not len(chunk):
+                continue
+            start, count = int(self.known[b]), len(chunk)
+            self.features[b, start : start + count] = projected[offset : offset + count]
+            self.known[b] += count
+            offset += count
+        self.unprojected = [[] for _ in self.unprojected]
 
     def _pending(self, histories):
         """Per row: the first unseen slot, how many positions, their tokens and features."""
+        self._project_pending()
         starts = self.cache.lengths.copy()
         counts = np.maximum(np.array([len(h) - 1 for h in histories]) - starts, 0)
         tokens = [h[s + 1 : s + 1 + n] for h, s, n in zip(histories, starts, counts, strict=True)]
@@ -183,4 +201,4 @@ class FeatureHeadDrafter:
         return [t if a else DraftTree.empty() for t, a in zip(trees, active, strict=True)]
 
     def accept(self, row: int, draft: DraftTree, accepted: list[int], taps) -> None:  # noqa: D102
-        self._add_features(row, taps)
+        self.unprojected[row].append(taps)  # projected when the head next reads features
