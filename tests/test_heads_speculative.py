@@ -168,14 +168,15 @@ def test_eagle3_projects_taps_once_per_proposal_with_the_drafts_of_eager_project
     head_artifacts,
 ):
     """Taps wait unprojected until the head reads them: one projection call per proposal
-    (every row's pending taps together), none at the end of a stretch the head never reads,
-    and the drafts are those of projecting every stretch's taps as they arrive."""
+    (every row's pending taps together, the prompts' with the first), none at the end of a
+    stretch the head never reads, none at all in a request that never drafts, and the
+    drafts are those of projecting every stretch's taps as they arrive."""
     from specx.runtime.controller import FixedSizes
 
     target = OrtTarget(load_manifest(head_artifacts["eagle3"]), threads=2)
     prompts = [[1, 2, 3, 4, 5], [9, 8, 7], [4, 4, 6, 2]]
 
-    def run(eager: bool) -> tuple[list, int, int]:
+    def run(eager: bool, cycle=(0, 0, 0, 0, 0, 2)) -> tuple[list, int, int]:
         drafter = make_drafter("eagle3", target, DrafterOptions(tree=StaticTree.chain(2)))
         projection, propose, calls = drafter.projection, drafter.propose, [0, 0]
 
@@ -202,7 +203,7 @@ def test_eagle3_projects_taps_once_per_proposal_with_the_drafts_of_eager_project
             drafter,
             prompts,
             40,
-            controller=FixedSizes([0, 0, 0, 0, 0, 2]),
+            controller=FixedSizes(list(cycle)),
             observer=lambda row, draft, verdict: drafts.append((row, draft.tokens.tolist())),
         )
         assert result.tokens == generate_plain(target, prompts, 40).tokens
@@ -211,5 +212,99 @@ def test_eagle3_projects_taps_once_per_proposal_with_the_drafts_of_eager_project
     lazy, lazy_calls, proposals = run(eager=False)
     eager, eager_calls, _ = run(eager=True)
     assert lazy and lazy == eager
-    assert lazy_calls == 1 + proposals  # the prompt's, then one per proposing round
+    assert lazy_calls == proposals
     assert eager_calls > lazy_calls
+    assert run(eager=False, cycle=(0,))[1:] == (0, 0)
+
+
+@pytest.mark.parametrize("name", ["eagle3", "eagle", "mtp-deepseek", "draft-model"])
+@pytest.mark.parametrize("tree", ["chain:3", "dynamic:9,2,3"])
+def test_prepare_leaves_the_first_proposal_as_without_it(name, tree, head_artifacts):
+    """`prepare` (the drafter's deferred prefill) feeds up to the roots' positions only: the
+    first proposal after it drafts what a proposal straight after `start` does."""
+    from specx.runtime.drafters.draft_model import DraftModelDrafter
+    from specx.runtime.plain_decoding import prefill
+
+    target = OrtTarget(load_manifest(head_artifacts["eagle3" if name == "draft-model" else name]))
+    prompts = [[1, 2, 3, 4, 5], [9, 8, 7]]
+    first = generate_plain(target, prompts, 1).tokens
+    histories = [p + t for p, t in zip(prompts, first, strict=True)]
+    _, step = prefill(target, target.allocate_cache(2, 32), prompts)
+    taps = [step.taps[b, : len(p)] for b, p in enumerate(prompts)]
+
+    def first_proposal(prepared: bool):
+        if name == "draft-model":  # the target drafting for itself
+            drafter = DraftModelDrafter(target, parse_tree_spec(tree))
+        else:
+            drafter = drafter_for(target, name, tree)
+        drafter.start(prompts, 64, taps)
+        if prepared:
+            drafter.prepare(histories)
+        return drafter.propose(histories, np.array([True, True]), SamplingParams(), None)
+
+    for with_prepare, without in zip(first_proposal(True), first_proposal(False), strict=True):
+        np.testing.assert_array_equal(with_prepare.tokens, without.tokens)
+        np.testing.assert_array_equal(with_prepare.parents, without.parents)
+        np.testing.assert_allclose(with_prepare.confidence, without.confidence, rtol=1e-5)
+
+
+def test_prepare_runs_once_before_the_first_proposal_outside_the_rounds_timing(head_artifacts):
+    """Both loops (a static batch, continuous batching) call a drafter's deferred prefill
+    once per request, before its first proposal, and keep its time out of what the
+    controller is told a round's drafting cost."""
+    import time
+
+    from specx.runtime.continuous import BatchSequence, ContinuousBatch
+    from specx.runtime.controller import FixedSizes
+
+    target = OrtTarget(load_manifest(head_artifacts["eagle3"]), threads=2)
+    prompts = [[1, 2, 3, 4, 5], [9, 8, 7]]
+    slow = 0.2  # a prefill far slower than any round here
+
+    def instrumented():
+        drafter, calls = drafter_for(target, "eagle3", "chain:2"), []
+        prepare, propose = drafter.prepare, drafter.propose
+
+        def slow_prepare(histories):
+            calls.append("prepare")
+            time.sleep(slow)
+            prepare(histories)
+
+        def counted_propose(*args, **kwargs):
+            calls.append("propose")
+            return propose(*args, **kwargs)
+
+        drafter.prepare, drafter.propose = slow_prepare, counted_propose
+        return drafter, calls
+
+    class Recorder(FixedSizes):  # drafts 2 nodes every round; keeps the timings it is told
+        def timed(self, width: int, verify_s: float, draft_s: float) -> None:
+            self.draft_times.append(draft_s)
+
+    def recorder() -> Recorder:
+        controller = Recorder([2])
+        controller.draft_times = []
+        return controller
+
+    drafter, calls = instrumented()
+    controller = recorder()
+    result = generate_speculative(target, drafter, prompts, 12, controller=controller)
+    assert result.tokens == generate_plain(target, prompts, 12).tokens
+    assert calls[0] == "prepare" and calls.count("prepare") == 1 and "propose" in calls
+    assert controller.draft_times and max(controller.draft_times) < slow
+
+    batch, rows = ContinuousBatch(target, 2), []
+    for prompt in prompts:
+        drafter, calls = instrumented()
+        controller = recorder()
+        row = BatchSequence(
+            prompt, 12, SamplingParams(), frozenset(), lambda _r, _t: True, drafter, controller
+        )
+        batch.admit(row)
+        rows.append((row, calls, controller))
+    while batch.running:
+        batch.step()
+    for row, calls, controller in rows:
+        assert row.emitted == generate_plain(target, [row.prompt], 12).tokens[0]
+        assert calls[0] == "prepare" and calls.count("prepare") == 1 and "propose" in calls
+        assert controller.draft_times and max(controller.draft_times) < slow

@@ -61,6 +61,7 @@ class BatchSequence:
     stats: AcceptanceStats = field(default_factory=AcceptanceStats)
     drafted: int = 0  # draft nodes the target verified
     finished: bool = False
+    prepared: bool = False  # its drafter's deferred prefill ran (`Drafter.prepare`)
 
     def __post_init__(self) -> None:
         self.history = list(self.prompt)
@@ -166,8 +167,10 @@ class ContinuousBatch:
         high = max(i for i, row in enumerate(self.rows) if row is not None) + 1
         rows = self.rows[:high]
         tick = time.perf_counter()
-        proposed, drafts = self._draft(rows)
+        proposed, drafts, prepare_s = self._draft(rows)
         tock = time.perf_counter()
+        self.draft_s += prepare_s
+        tick += prepare_s  # a drafter's deferred prefill is not this round's drafting cost
         cache = self._view(high)
         roots = np.array([r.history[-1] if r else 0 for r in rows], dtype=np.int64)
         lengths = np.array([cache.lengths[i] if r else 0 for i, r in enumerate(rows)])
@@ -197,8 +200,12 @@ class ContinuousBatch:
         output = self.target.forward(cache, input_ids, positions, mask, lengths)
         return output, input_ids.shape[1]
 
-    def _draft(self, rows: list[BatchSequence | None]) -> tuple[list[DraftTree], list[DraftTree]]:
-        """Each running sequence's proposal and the prefix it keeps this round.
+    def _draft(
+        self, rows: list[BatchSequence | None]
+    ) -> tuple[list[DraftTree], list[DraftTree], float]:
+        """Each running sequence's proposal, the prefix it keeps, and the prefills' seconds.
+
+        The seconds: drafters' deferred prefills (`Drafter.prepare`, once per sequence).
 
         The verify forward is as wide as the widest kept draft, and every row writes that
         many slots past its history (padding included), so no row keeps more nodes than
@@ -210,6 +217,7 @@ class ContinuousBatch:
         running = self.running
         lengths = [int(self.cache.lengths[b]) for b, row in enumerate(rows) if row is not None]
         room = self.cache.capacity - max(lengths) - 1  # nodes past the root that fit every row
+        prepare_s = 0.0
         for b, row in enumerate(rows):
             if row is None or row.drafter is None or room < 1:
                 continue
@@ -220,6 +228,12 @@ class ContinuousBatch:
             if row.controller is not None:
                 size = min(int(row.controller.sizes(active, peers=running - 1)[0]), size)
             if size:
+                prepare = getattr(row.drafter, "prepare", None)
+                if prepare is not None and not row.prepared:
+                    started = time.perf_counter()
+                    prepare([row.history])
+                    prepare_s += time.perf_counter() - started
+                row.prepared = True
                 # Budgets only where the draft is cut (third-party drafters may not take one).
                 cut = row.controller is not None or size < row.drafter.max_nodes
                 budget = {"budget": size} if cut else {}
@@ -229,7 +243,7 @@ class ContinuousBatch:
                 kept[b] = truncated(proposed[b], size)
                 if row.controller is not None:
                     kept[b] = row.controller.keep([kept[b]])[0]
-        return proposed, kept
+        return proposed, kept, prepare_s
 
     def _commit(self, b, row: BatchSequence, output, length, proposed, draft) -> None:
         """Verifies row b's tree under its own sampling, keeps the path, emits the tokens."""

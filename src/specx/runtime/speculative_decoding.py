@@ -173,6 +173,7 @@ def generate_speculative(
                  max_new_tokens, stats, sink, verifier, observer, controller)  # fmt: skip
     draft_s = verify_s = 0.0
     forwards = 0
+    prepare = getattr(drafter, "prepare", None)  # the drafter's deferred prefill (base.py)
     if controller is not None:
         controller.start(batch, drafter.max_nodes)
     while active.any():
@@ -189,6 +190,11 @@ def generate_speculative(
         drafting = active if sizes is None else active & (sizes > 0)
         proposed = drafts = None
         if drafting.any():
+            if prepare is not None:  # once, and not this round's drafting cost
+                prepare(histories)
+                prepare, prepared = None, time.perf_counter()
+                draft_s += prepared - tick
+                tick = prepared
             if controller is None or sizes is None:  # no controller: a drafter may take no budget
                 proposed = drafts = drafter.propose(histories, drafting, sampling, rng)
             else:

@@ -29,6 +29,10 @@ class Drafter(Protocol):
     # confidences: a controller trims the whole draft (`ConfidenceController`) rather than
     # asking for a size before it. Optional: absent means False.
     sizes_own_drafts: bool
+    # Optional: `prepare(histories)` runs what `start` deferred, a model's prefill of the
+    # prompts. The loops call it once per request, before its first proposal and outside
+    # that round's timing: a request that never drafts never pays it, its first token does
+    # not wait for it, and a controller prices a round's drafting, not a prefill.
 
     def start(
         self, prompts: Sequence[Sequence[int]], capacity: int, taps: list[np.ndarray] | None

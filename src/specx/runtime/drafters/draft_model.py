@@ -75,12 +75,12 @@ class DraftModelDrafter:
         self.pool_ids: list[np.ndarray] = []
 
     def start(self, prompts: Sequence[Sequence[int]], capacity: int, taps=None) -> None:
-        """A cache for the batch, the prompts already in it.
-
-        The draft model's prefill goes with the target's, not into the first round.
-        """
+        """An empty cache for the batch: the prompts go in at `prepare` (or a catch-up)."""
         self.cache = self.model.allocate_cache(len(prompts), capacity)
-        self._catch_up(prompts)
+
+    def prepare(self, histories: Sequence[Sequence[int]]) -> None:
+        """The draft model's prefill, the roots left out: the proposal feeds them."""
+        self._catch_up([h[:-1] for h in histories])
 
     def _live_cache(self) -> KVCache:
         """The batch's cache, which `start` made."""

@@ -90,10 +90,13 @@ class FeatureHeadDrafter:
         self.cache = self.head.allocate_cache(batch, capacity)
         self.features = np.zeros((batch, capacity, self.head.tap_width), dtype=np.float32)
         self.known = np.zeros(batch, dtype=np.int64)
-        self.unprojected: list[list[np.ndarray]] = [[t] for t in taps]
-        # The head's own prefill goes with the target's, not into the first round: every
-        # prompt position whose next token is known.
-        self._catch_up(prompts)
+        # Copied: a backend may reuse its prefill's output memory. The head's own prefill
+        # waits for `prepare` (or the first proposal).
+        self.unprojected: list[list[np.ndarray]] = [[np.array(t, np.float32)] for t in taps]
+
+    def prepare(self, histories) -> None:
+        """The head's prefill, up to the root's position: the proposal feeds that one."""
+        self._catch_up([h[:-1] for h in histories])
 
     def _project_pending(self) -> None:
         """Projects the taps `accept` kept, every row's in one call, into `features`.
