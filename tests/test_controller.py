@@ -223,6 +223,24 @@ def test_an_engine_shares_round_costs_per_plan_and_batch(artifacts):
     assert [d.tokens for d in done] == [plain, plain]
 
 
+def test_reset_drafters_drops_only_drafters_that_learn_across_requests(artifacts):
+    """Suffix drafting's shared trie is dropped; an n-gram drafter, whose proposals depend on
+    its request alone, stays pooled (the same object serves the next request)."""
+    engine = load(artifacts["llama"], threads=2)
+    prompt = [5, 9, 5, 9, 5, 9, 13]
+    plans = {d: engine.plan(Speculation(d), SamplingParams()) for d in ("ngram", "suffix")}
+    for drafter in [*plans, *plans]:  # suffix remembers a text at its next request's start
+        engine.generate(prompt, max_new_tokens=12, ignore_eos=True, speculation=drafter)
+    pooled = {d: engine.take_drafter(plan) for d, plan in plans.items()}
+    for d, plan in plans.items():
+        engine.give_back(plan, pooled[d])
+    assert len(pooled["suffix"].shared) > 1  # nodes past the root: it learnt a text
+    engine.reset_drafters()
+    assert engine.take_drafter(plans["ngram"]) is pooled["ngram"]
+    fresh = engine.take_drafter(plans["suffix"])
+    assert fresh is not pooled["suffix"] and len(fresh.shared) == 1  # the root alone
+
+
 def test_an_engine_remembers_when_asking_pays_per_plan_batch_and_setting(artifacts):
     engine = load(artifacts["llama"], threads=2)
     plan = engine.plan(Speculation("suffix"), SamplingParams())

@@ -535,13 +535,17 @@ class Engine:
             return self._asking.setdefault(key, AskingMemory())
 
     def reset_drafters(self) -> None:
-        """Drops the pooled drafters and what they learnt across requests.
+        """Drops the pooled drafters that learn across requests, and what they learnt.
 
         Suffix drafting's shared trie remembers earlier requests' outputs; after this the
-        next request drafts as on a fresh engine.
+        next request drafts as on a fresh engine. A drafter whose proposals depend on its
+        request alone (`learns_across_requests` False: heads, draft models, n-gram) stays
+        pooled with its sessions open, as a server keeps it (what reopening them cost each
+        request: benchmarks/README.md, idle_cost.py).
         """
         with self._pool_lock:
-            self._drafters.clear()
+            for pool in self._drafters.values():
+                pool[:] = [d for d in pool if not getattr(d, "learns_across_requests", True)]
 
     def check_drafter(self, plan: DraftPlan) -> int:
         """Builds `plan`'s drafter once (pooled), raising SpecxError if it cannot be built.

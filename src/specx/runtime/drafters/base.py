@@ -29,6 +29,9 @@ class Drafter(Protocol):
     # confidences: a controller trims the whole draft (`ConfidenceController`) rather than
     # asking for a size before it. Optional: absent means False.
     sizes_own_drafts: bool
+    # Its proposals depend on earlier requests (suffix drafting's shared trie), so
+    # `Engine.reset_drafters` drops it. Optional: absent means True (it may remember).
+    learns_across_requests: bool
     # Optional: `prepare(histories)` runs what `start` deferred, a model's prefill of the
     # prompts. The loops call it once per request, before its first proposal and outside
     # that round's timing: a request that never drafts never pays it, its first token does

@@ -61,6 +61,7 @@ class DraftModelDrafter:
 
     name = "draft-model"
     sizes_own_drafts = False
+    learns_across_requests = False
     taps = "none"
 
     def __init__(self, model: DecoderBackend, shape: TreeShape, iid_siblings: bool = False):

@@ -37,6 +37,7 @@ class FeatureHeadDrafter:
     """Drafts with the artifact's autoregressive head (`drafter.kind` eagle3, eagle or mtp)."""
 
     sizes_own_drafts = False
+    learns_across_requests = False
 
     def __init__(
         self,

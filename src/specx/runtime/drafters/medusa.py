@@ -37,6 +37,7 @@ class MedusaDrafter:
 
     name = "medusa"
     sizes_own_drafts = False
+    learns_across_requests = False
     taps = "last"
     scratch_slots = 0
 

@@ -116,6 +116,7 @@ class NGramDrafter:
 
     name = "ngram"
     sizes_own_drafts = False
+    learns_across_requests = False
     taps = "none"
     scratch_slots = 0
 

@@ -171,6 +171,7 @@ class SuffixDrafter:
     scratch_slots = 0
     drafts_chains = False
     sizes_own_drafts = True
+    learns_across_requests = True  # the shared trie
 
     def __init__(self, options: SuffixOptions | None = None, shared: SuffixTrie | None = None):
         self.options = options or SuffixOptions()
