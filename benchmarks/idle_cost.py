@@ -11,7 +11,8 @@ drafter but no draft ever verified, in three ways:
   probe;
 and plain decoding again (`control`, the run's noise band). Groups of --batch prompts, every
 mode per group in an order rotated by repeat, fresh drafters each run, fastest of --repeats
-per group, decode time only; ratios are plain's time over the mode's (1.0: free).
+per group, decode and total time (with the prefill) apart; ratios are plain's time over the
+mode's (1.0: free).
 
     python benchmarks/idle_cost.py [--drafter eagle3] [--batches 1,4] [--repeats 15]
 
@@ -48,8 +49,9 @@ def artifact(drafter: str, work: Path) -> Path:
     return out
 
 
-def measure(engine, drafter: str, groups, temperature: float, repeats: int) -> dict[str, float]:
-    """Plain's decode time over each mode's, summed over the groups' fastest runs."""
+def measure(engine, drafter: str, groups, temperature: float, repeats: int) -> dict[str, dict]:
+    """Plain's time over each mode's (decode, and total with the prefill), summed over the
+    groups' fastest runs."""
     from specx.runtime.controller import FixedSizes
     from specx.runtime.engine import Speculation
     from specx.runtime.sampling import SamplingParams
@@ -62,18 +64,20 @@ def measure(engine, drafter: str, groups, temperature: float, repeats: int) -> d
     sampling = SamplingParams(temperature, seed=0)
     options = {"max_new_tokens": 64, "temperature": temperature, "seed": 0, "ignore_eos": True}
 
-    def idle(group, controller) -> float:
+    def idle(group, controller) -> tuple[float, float]:
         fresh = engine.new_drafter(engine.plan(Speculation(drafter), sampling))
         target = engine.target
         done = generate_speculative(target, fresh, group, 64, sampling, controller=controller)
-        return done.stats.decode_s
+        return done.stats.decode_s, done.stats.total_s
 
-    def default(group) -> float:
+    def default(group) -> tuple[float, float]:
         engine.reset_drafters()
-        return engine.generate_batch(group, **options, speculation=drafter)[0].stats.decode_s
+        run = engine.generate_batch(group, **options, speculation=drafter)[0].stats.run
+        return run.decode_s, run.total_s
 
-    def plain(group) -> float:
-        return engine.generate_batch(group, **options)[0].stats.decode_s
+    def plain(group) -> tuple[float, float]:
+        run = engine.generate_batch(group, **options)[0].stats.run
+        return run.decode_s, run.total_s
 
     run = {
         "plain": plain,
@@ -82,15 +86,20 @@ def measure(engine, drafter: str, groups, temperature: float, repeats: int) -> d
         "default": default,
         "control": plain,
     }
-    best = [dict.fromkeys(MODES, float("inf")) for _ in groups]
+    inf = (float("inf"), float("inf"))
+    best = [{mode: [*inf] for mode in MODES} for _ in groups]  # fastest decode, total
     for r in range(repeats):
         order = MODES[r % len(MODES) :] + MODES[: r % len(MODES)]
         for group, fastest in zip(groups, best, strict=True):
             plain(group)  # untimed: the group's shapes warm
             for mode in order:
-                fastest[mode] = min(fastest[mode], run[mode](group))
-    total = {mode: sum(f[mode] for f in best) for mode in MODES}
-    return {mode: round(total["plain"] / total[mode], 4) for mode in MODES[1:]}
+                times = run[mode](group)
+                fastest[mode] = [min(a, b) for a, b in zip(fastest[mode], times, strict=True)]
+    ratios: dict[str, dict] = {}
+    for i, measure_name in enumerate(("decode", "total")):
+        summed = {mode: sum(f[mode][i] for f in best) for mode in MODES}
+        ratios[measure_name] = {m: round(summed["plain"] / summed[m], 4) for m in MODES[1:]}
+    return ratios
 
 
 def main() -> None:
