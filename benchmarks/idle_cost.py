@@ -10,7 +10,8 @@ drafter but no draft ever verified, in three ways:
 - `default`: the engine's default (`generate_batch(..., speculation=DRAFTER)`), which may
   probe;
 and plain decoding again (`control`, the run's noise band). Groups of --batch prompts, every
-mode per group in an order rotated by repeat, fresh drafters each run, fastest of --repeats
+mode per group in an order rotated by repeat, the engine's pooled drafter (`reset_drafters`
+before each run: fresh where it learns across requests), fastest of --repeats
 per group, decode and total time (with the prefill) apart; ratios are plain's time over the
 mode's (1.0: free).
 
@@ -65,9 +66,15 @@ def measure(engine, drafter: str, groups, temperature: float, repeats: int) -> d
     options = {"max_new_tokens": 64, "temperature": temperature, "seed": 0, "ignore_eos": True}
 
     def idle(group, controller) -> tuple[float, float]:
-        fresh = engine.new_drafter(engine.plan(Speculation(drafter), sampling))
-        target = engine.target
-        done = generate_speculative(target, fresh, group, 64, sampling, controller=controller)
+        engine.reset_drafters()  # as `default`: a drafter that learns starts fresh
+        plan = engine.plan(Speculation(drafter), sampling)
+        pooled = engine.take_drafter(plan)
+        try:
+            done = generate_speculative(
+                engine.target, pooled, group, 64, sampling, controller=controller
+            )
+        finally:
+            engine.give_back(plan, pooled)
         return done.stats.decode_s, done.stats.total_s
 
     def default(group) -> tuple[float, float]:
