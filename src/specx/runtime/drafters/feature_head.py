@@ -105,7 +105,7 @@ class FeatureHeadDrafter:
         Lazily, when the head next reads features: a request the controller keeps plain
         would otherwise pay EAGLE-3's projection at the end of every stretch, one call per
         row, for positions no draft may ever read (what that cost: benchmarks/README.md,
-        controller.py).
+        idle_cost.py).
         """
         chunks = [np.concatenate(row) if row else None for row in self.unprojected]
         pending = [c for c in chunks if c is not None and len(c)]
