@@ -16,8 +16,9 @@ decode time only. All three go through one `Engine`.
 With --calibrate, every drafter is first calibrated at each temperature (`specx calibrate
 --temperature T`, batches 1, 2, 4; suffix drafting, which sizes its own trees, gets its
 batch threshold only) on --prompts other prompts of the same sets, as a deployment would at
-build time. Every timed run starts with cold drafters (`Engine.reset_drafters`): a pooled
-suffix drafter would otherwise have seen the same prompt's output in the previous repeat.
+build time. Every timed run starts after `Engine.reset_drafters`: a pooled suffix drafter
+would otherwise have seen the same prompt's output in the previous repeat (drafters that do
+not learn across requests stay pooled, as on a server).
 --only DRAFTERS --merge re-measures some drafters into an existing report.
 
     python benchmarks/controller.py [--prompts 8] [--new-tokens 64] [--repeats 2] [--calibrate]

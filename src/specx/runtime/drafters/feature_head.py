@@ -107,20 +107,17 @@ class FeatureHeadDrafter:
         row, for positions no draft may ever read (what that cost: benchmarks/README.md,
         idle_cost.py).
         """
-        chunks = [np.concatenate(row) if row else None for row in self.unprojected]
-        pending = [c for c in chunks if c is not None and len(c)]
-        if not pending:
+        rows = [b for b, taps in enumerate(self.unprojected) if taps]
+        if not rows:
             return
-        projected = self._project(np.concatenate(pending))
-        offset = 0
-        for b, chunk in enumerate(chunks):
-            if chunk is None or not len(chunk):
-                continue
+        chunks = [np.concatenate(self.unprojected[b]) for b in rows]
+        projected, offset = self._project(np.concatenate(chunks)), 0
+        for b, chunk in zip(rows, chunks, strict=True):
             start, count = int(self.known[b]), len(chunk)
             self.features[b, start : start + count] = projected[offset : offset + count]
             self.known[b] += count
             offset += count
-        self.unprojected = [[] for _ in self.unprojected]
+            self.unprojected[b] = []
 
     def _pending(self, histories):
         """Per row: the first unseen slot, how many positions, their tokens and features."""
