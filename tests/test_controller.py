@@ -248,14 +248,15 @@ def test_an_engine_remembers_when_asking_pays_per_plan_batch_and_setting(artifac
     assert hot is engine.asking_memory(plan, 1, SamplingParams(1.0, seed=2))  # seeds aside
     assert hot is not engine.asking_memory(plan, 1, SamplingParams(0.0))
     assert hot is not engine.asking_memory(plan, 4, SamplingParams(1.0))
-    hot.wait = 64  # earlier requests at T = 1 found that asking lost
+    hot.probe_at = 64  # earlier requests at T = 1 found that asking lost
     engine.reset_drafters()  # learnt from the target's verdicts: it stays
     options = {"max_new_tokens": 24, "temperature": 1.0, "seed": 3, "ignore_eos": True}
     done = engine.generate([5, 9, 5, 9, 5, 9, 13], **options, speculation="suffix")
-    assert done.stats.run.speculative.controller.sizes_chosen == {0: 23}  # never asked
+    speculative = done.stats.run.speculative
+    assert speculative.controller.sizes_chosen == {0: 23} and speculative.draft_s == 0  # unasked
     assert done.tokens == engine.generate([5, 9, 5, 9, 5, 9, 13], **options).tokens
     # Greedy, a remembered wait of 8: plain rounds, then a probe and drafts; plain's tokens.
-    engine.asking_memory(plan, 1, SamplingParams()).wait = 8
+    engine.asking_memory(plan, 1, SamplingParams()).probe_at = 8
     greedy = {"max_new_tokens": 40, "ignore_eos": True}
     done = engine.generate([5, 9, 5, 9, 5, 9, 13], **greedy, speculation="suffix")
     chosen = done.stats.run.speculative.controller.sizes_chosen
@@ -263,7 +264,7 @@ def test_an_engine_remembers_when_asking_pays_per_plan_batch_and_setting(artifac
     assert done.tokens == engine.generate([5, 9, 5, 9, 5, 9, 13], **greedy).tokens
     for i in range(ASKING_SETTINGS):  # as many other settings as it keeps: it starts over
         engine.asking_memory(plan, 1, SamplingParams(0.5 + i / 1000))
-    assert engine.asking_memory(plan, 1, SamplingParams(1.0)).wait == 0
+    assert engine.asking_memory(plan, 1, SamplingParams(1.0)).probe_at == 0
 
 
 def test_peers_that_wait_for_a_draft_raise_the_bar_for_it():
@@ -354,8 +355,8 @@ def play(
     """
     kept: list[int | None] = []
     while len(kept) < rounds:
-        idle = controller.idle_rounds(np.array([True]))
-        if idle:
+        idle = min(controller.idle_rounds(np.array([True])), rounds - len(kept))
+        if idle:  # as the loop, no further than the request's budget
             kept += [None] * idle
             controller.idled(idle, idle, 1.0)
             continue
@@ -398,25 +399,30 @@ def test_confidence_stops_proposing_where_proposals_cost_more_than_they_earn():
     assert all(often[2:])
 
 
-def test_requests_after_losing_ones_ask_later_and_a_paying_one_resets_that():
-    memory = AskingMemory()  # an engine's, shared by its requests of one plan and setting
+def test_the_wait_between_windows_of_asking_goes_on_across_requests_until_one_pays():
+    memory = AskingMemory(max_interval=64)  # an engine's, shared by its requests of one plan
     nothing = lambda r: False  # noqa: E731
-    first = proposals(ConfidenceController(memory=memory), 60, nothing)
-    assert first[2] and memory.wait == 32  # asked from round 3; its windows doubled the wait
-    second = proposals(ConfidenceController(memory=memory), 60, nothing)
-    assert second.index(True) == 31 and memory.wait == 64  # its first probe: round 32
-    assert not any(proposals(ConfidenceController(memory=memory), 60, nothing))
-    assert memory.wait == 32  # it ended before its probe: the next one probes sooner
-    # Its probe finds a match that pays: the next request asks at once.
-    paying = proposals(ConfidenceController(memory=memory), 60, found=lambda r: r >= 32)
-    assert paying.index(True) == 31 and memory.wait == 0
+    asked: list[bool] = []  # every request's rounds, one after the other
+    for rounds in (60, 60, 20, 20, 20, 60, 60):  # short requests end before their window
+        asked += proposals(ConfidenceController(memory=memory), rounds, nothing)
+    windows = [i for i in range(1, len(asked)) if asked[i] and not asked[i - 1]]
+    # Windows of 5 asks; each that paid nothing doubles the wait, whichever request plays
+    # it, up to the memory's most (past one request's `max_probe_every`, 64 here too). The
+    # window opened at 138 is cut by its request's end at 140: the next request does not
+    # open it again, but waits the interval from its opening (64, not 64 + 4 past its end).
+    assert windows[0] == 2 and np.diff(windows).tolist() == [12, 20, 36, 68, 64, 68]
+    assert memory.interval == 64
+    # A window that pays: the next request asks after its first two plain rounds.
+    paying = proposals(ConfidenceController(memory=memory), 60, found=lambda r: True)
+    assert not any(paying[:3]) and any(paying) and memory.interval == memory.probe_at == 0
     assert proposals(ConfidenceController(memory=memory), 10, nothing)[2]
     # Without an engine's memory every request starts afresh.
     assert proposals(ConfidenceController(), 60, nothing)[2]
     # A request that paid keeps the next one asking at once, whatever its later windows did.
     memory = AskingMemory()
     early = proposals(ConfidenceController(memory=memory), 60, found=lambda r: r < 8)
-    assert early[2] and not all(early[8:]) and memory.wait == 0
+    assert early[2] and not all(early[8:]) and memory.probe_at == 0
+    assert proposals(ConfidenceController(memory=memory), 10, nothing)[2]
 
 
 def test_a_batch_keeps_one_width_and_peers_raise_the_bar():

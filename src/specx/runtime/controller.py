@@ -353,29 +353,49 @@ class AdaptiveController:
 
 
 @dataclass
+@dataclass
 class AskingMemory:
-    """When a request first asks its drafter, learnt from the requests before it.
+    """When the next window of asking opens, counted in rounds across an engine's requests.
 
     An engine keeps one per drafting plan, batch size and sampling setting
     (`Engine.asking_memory`). Where drafts do not pay (suffix drafting at T > 0 on a small
-    target), each window of asking costs a few plain steps, and a request that starts
-    afresh pays them again (benchmarks/README.md, controller.py). A round whose accepted
-    tokens beat its time sets `wait` to 0: the next request asks after its first plain
-    rounds. In a request that had no such round, a window that ended sets it to the
-    interval its rows moved to (doubled, up to `max_probe_every`): the next request plays
-    that many rounds plain before its first probe, so after a run of losing requests a
-    short one does not ask at all. Each request halves the wait it starts from, so that
-    short requests, which end before their probe, still bring a probe back every few
-    requests.
+    target), each window of asking costs a few plain steps: the probe round, wider than a
+    plain step, and the slower first step after it (benchmarks/README.md, idle_cost.py).
+    So the wait between windows is one countdown that goes on from request to request:
+    a window that ended in a request without a round that paid doubles `interval` (up to
+    `max_interval`, past one request's `max_probe_every`) and sets the next probe that many
+    rounds on, whichever request plays them; a round whose accepted tokens beat its time
+    sets both back to 0, and the next request asks after its first plain rounds. Short
+    requests that end before the probe bring it nearer for the next ones; one that ends
+    inside a window leaves the next request the interval from the window's opening.
     """
 
-    wait: int = 0  # the round of a request's first probe (0: it asks from the start)
+    max_interval: int = 256
+    rounds: int = 0  # rounds played by the requests of this memory
+    probe_at: int = 0  # the value of `rounds` at which the next window opens (0: now)
+    interval: int = 0  # rounds between windows that did not pay (0: the last one paid)
 
-    def start(self, longest: int) -> int:
-        """A request starts: the round of its first probe (at most `longest`)."""
-        wait = min(self.wait, longest)
-        self.wait = wait // 2
-        return wait
+    def start(self) -> int:
+        """A request starts: rounds before its first window of asking (0: none to wait)."""
+        return max(0, self.probe_at - self.rounds)
+
+    def played(self, rounds: int) -> None:
+        """A request played `rounds` more rounds."""
+        self.rounds += rounds
+
+    def opened(self) -> None:
+        """A window opened: a request that starts before it closes waits out the interval."""
+        self.probe_at = max(self.probe_at, self.rounds + self.interval)
+
+    def paid(self) -> None:
+        """A round of asking paid: the next request asks at once."""
+        self.probe_at = self.interval = 0
+
+    def lost(self, interval: int) -> int:
+        """A window that paid nothing ended: the rounds until the next (at least `interval`)."""
+        self.interval = min(max(2 * self.interval, interval), self.max_interval)
+        self.probe_at = self.rounds + self.interval
+        return self.interval
 
 
 class ConfidenceController:
@@ -455,16 +475,17 @@ class ConfidenceController:
         self.kept: list[DraftTree | None] = [None] * batch  # this round's kept drafts
         self.misses = [0] * batch  # drafts in a row trimmed to nothing
         # The round each row proposes again (0: it proposes); the first as earlier learnt.
-        wait = self.memory.start(self.max_probe_every)
+        wait = self.memory.start()
         self.idle_until = [wait] * batch
-        self.interval = [max(self.probe_every, wait)] * batch
+        self.interval = [self.probe_every] * batch
         self.probing = [False] * batch
         self.asked = [False] * batch
         self.judged = [[0] * self.max_depth for _ in range(batch)]  # levels judged per depth
         # What asking lost since it last paid (`timed`); a request whose predecessors'
         # windows did not pay goes on doubling their wait.
-        self.loss, self.paid = 0.0, wait == 0
+        self.loss, self.paid = 0.0, self.memory.interval == 0
         self.request_paid = False
+        self.wait = 0  # rounds the last window that paid nothing set (`AskingMemory.lost`)
         self._gained = [0] * batch  # draft tokens each row accepted this round
         self._rows = [False] * batch  # the rows decoding this round
         self.round = 0
@@ -473,6 +494,7 @@ class ConfidenceController:
     def sizes(self, active: np.ndarray, peers: int = 0) -> np.ndarray:  # noqa: D102
         # Python lists, not numpy: per-round work here is what the loop adds to a step.
         self.round += 1
+        self.memory.played(1)
         self._peers, self._active = peers, int(active.sum())
         self._rows = active.tolist()
         chosen = []
@@ -483,6 +505,8 @@ class ConfidenceController:
                 self.probing[b] = asked
                 if asked:
                     self.idle_until[b] = 0
+                    if not self.request_paid:
+                        self.memory.opened()
             self.asked[b] = asked
             chosen.append(self.max_nodes if asked else 0)
         self._chosen[0] += self._active - sum(self.asked)
@@ -493,6 +517,7 @@ class ConfidenceController:
 
     def idled(self, rounds: int, row_rounds: int, step_s: float) -> None:  # noqa: D102
         self.round += rounds
+        self.memory.played(rounds)
         self._chosen[0] += row_rounds
         self.asked = [False] * len(self.asked)  # the last round that asked is accounted for
         self.costs.record_stretch(step_s)
@@ -566,12 +591,16 @@ class ConfidenceController:
             self._idle(b)
 
     def _idle(self, b: int) -> None:
-        """Row b proposes again in `interval` rounds, or as many as keep probes affordable."""
+        """Row b proposes again in `interval` rounds, or as many as keep probes affordable.
+
+        In a request that has not paid, at least as many as the engine's memory says.
+        """
         self.misses[b] = 0
         # A probe widens the forward by a node for every row in it, peers included.
         probe = self.costs.verify(2) / self.costs.verify(1)
         affordable = _affordable_interval(probe, self.probe_budget)
-        self.idle_until[b] = self.round + max(self.interval[b], affordable)
+        wait = 0 if self.request_paid else self.wait
+        self.idle_until[b] = self.round + max(self.interval[b], affordable, wait)
 
     def observe(self, row: int, depth: int, accepted: list[int]) -> None:  # noqa: D102
         draft = self.kept[row]
@@ -626,7 +655,7 @@ class ConfidenceController:
         net = gained + rows * (1.0 - (draft_s + verify_s) / plain)
         if gained > 0 and net >= 0:  # a lone round timed fast by chance is no pay
             self.paid = self.request_paid = True
-            self.memory.wait = 0
+            self.memory.paid()
         self.loss = max(0.0, self.loss - net)
         if self.loss <= self.loss_budget * rows:
             return
@@ -635,10 +664,11 @@ class ConfidenceController:
                 self.interval[b] = self.probe_every
             else:
                 self.interval[b] = min(2 * self.interval[b], self.max_probe_every)
+        if not self.request_paid:  # one request that paid keeps the next asking at once
+            self.wait = self.memory.lost(min(self.interval[b] for b in asked))
+        for b in asked:
             if not self.idle_until[b]:
                 self._idle(b)
-        if not self.request_paid:  # one request that paid keeps the next asking at once
-            self.memory.wait = min(self.interval[b] for b in asked)
         self.loss, self.paid = 0.0, False
 
     def summary(self) -> ControllerSummary:  # noqa: D102
