@@ -11,7 +11,9 @@ layer is renumbered for pyref-deep, `pyref_heads.for_deep`), temperature (0, 0.7
 calibration entry nearest the temperature when there is one, and the per-round controller),
 on the ORT-lowered build; each repeat runs every group of prompts in turn (an untimed plain
 run, then the modes in an order rotated by repeat), fastest of --repeats per group;
-decode time only. All three go through one `Engine`.
+decode time only. All three go through one `Engine`. Beside it, `paired`: per group the
+median over repeats of plain's time over the mode's in the same repeat (`_paired`), which a
+drift in the machine's speed does not move.
 
 With --calibrate, every drafter is first calibrated at each temperature (`specx calibrate
 --temperature T`, batches 1, 2, 4; suffix drafting, which sizes its own trees, gets its
@@ -32,7 +34,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import platform
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -116,12 +120,13 @@ def measure_cell(engine, drafter, prompts, batch, temperature, args) -> dict:
     identical, sizes, calibration = True, {}, None
     groups = [prompts[start : start + batch] for start in range(0, len(prompts), batch)]
     bests: list[dict[str, list]] = [{} for _ in groups]
+    runs: list[dict[str, list[float]]] = [{name: [] for name in modes} for _ in groups]
     # Repeats outside groups: what the engine learnt across requests (round costs, when to
     # ask a drafter) comes from the other prompts' runs, as on a server, never from this
     # prompt's previous repeat.
     for r in range(args.repeats):
         names = list(modes)[r % len(modes) :] + list(modes)[: r % len(modes)]
-        for group, best in zip(groups, bests, strict=True):
+        for group, best, run in zip(groups, bests, runs, strict=True):
             # Untimed: the timed runs find this group's shapes warm, as back-to-back repeats
             # of one group did (cold, a group's fastest of 9 spread 0.10 against 0.06).
             engine.generate_batch(group, **options)
@@ -130,6 +135,7 @@ def measure_cell(engine, drafter, prompts, batch, temperature, args) -> dict:
                 # this very prompt's output in the previous repeat.
                 engine.reset_drafters()
                 done = engine.generate_batch(group, **options, speculation=modes[name])
+                run[name].append(done[0].stats.decode_s)
                 if name not in best or done[0].stats.decode_s < best[name][0].stats.decode_s:
                     best[name] = done
     for best in bests:
@@ -146,6 +152,7 @@ def measure_cell(engine, drafter, prompts, batch, temperature, args) -> dict:
         chosen = spec.controller.sizes_chosen if spec and spec.controller else {}
         for size, count in chosen.items():
             sizes[size] = sizes.get(size, 0) + count
+    paired = {name: [_paired(run["plain"], run[name]) for run in runs] for name in ratios}
     return {
         "fixed_speedup": decode["plain"] / decode["fixed"] if "fixed" in decode else None,
         "default_speedup": decode["plain"] / decode["default"],
@@ -153,11 +160,32 @@ def measure_cell(engine, drafter, prompts, batch, temperature, args) -> dict:
         "default_interval": bootstrap_interval(ratios["default"]),
         "control_interval": bootstrap_interval(ratios["control"]) if "control" in ratios else None,
         "group_speedups": {name: [round(r, 4) for r in rs] for name, rs in ratios.items()},
+        "paired_group_speedups": {n: [round(r, 4) for r in rs] for n, rs in paired.items()},
+        "paired_speedup": _geometric_mean(paired["default"]),
+        "paired_interval": bootstrap_interval(paired["default"]),
+        "paired_control": _geometric_mean(paired["control"]) if "control" in paired else None,
+        "paired_control_interval": (
+            bootstrap_interval(paired["control"]) if "control" in paired else None
+        ),
         "identical_to_plain": identical if temperature == 0 else None,
         "default_sizes_chosen": sizes,
         "calibration_entry": calibration,
         "default_speculation": stats.speculation,
     }
+
+
+def _paired(plain: list[float], mode: list[float]) -> float:
+    """A group's median over repeats of plain's time over the mode's, both of one repeat.
+
+    The runs of a repeat follow one another within a second or two, so a drift in the
+    machine's speed (this host ran ~15% faster for seconds at a time: a fastest-of-N that
+    lands in such a burst for one mode only reads as that mode's gain or loss) falls on both.
+    """
+    return statistics.median(p / m for p, m in zip(plain, mode, strict=True))
+
+
+def _geometric_mean(ratios: list[float]) -> float:
+    return float(math.exp(sum(map(math.log, ratios)) / len(ratios)))
 
 
 def bootstrap_interval(ratios: list[float], draws: int = 2000) -> list[float]:
@@ -174,12 +202,17 @@ def bootstrap_interval(ratios: list[float], draws: int = 2000) -> list[float]:
     return [round(float(q), 4) for q in np.quantile(means, [0.025, 0.975])]
 
 
-def pooled(results: dict, drafter: str, mode: str = "default") -> tuple[float, list[float]]:
-    """A drafter's geometric-mean speedup over every group of every cell, with its interval."""
+def pooled(
+    results: dict, drafter: str, mode: str = "default", groups: str = "group_speedups"
+) -> tuple[float, list[float]]:
+    """A drafter's geometric-mean speedup over every group of every cell, with its interval.
+
+    `groups`: the groups' fastest-of-N speedups, or `paired_group_speedups`.
+    """
     import numpy as np
 
     ratios = [r for key, row in results.items() if f" {drafter} " in key
-              for r in row.get("group_speedups", {}).get(mode, [])]  # fmt: skip
+              for r in row.get(groups, {}).get(mode, [])]  # fmt: skip
     if not ratios:
         return float("nan"), []
     return float(np.exp(np.log(ratios).mean())), bootstrap_interval(ratios)
@@ -279,8 +312,8 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     print("| cell | fixed draft | default (controller) | 95% interval | default / fixed "
-          "| plain / plain | its interval |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|")
+          "| plain / plain | its interval | paired default | paired plain / plain |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|")
     for key, row in report["results"].items():
         fixed, default = row["fixed_speedup"], row["default_speedup"]
         control = row.get("control_speedup")
@@ -291,14 +324,22 @@ def main() -> None:
             f"{default / fixed:.0%}" if fixed else "-",
             f"{control:.2f}x" if control else "-",
             _interval(row.get("control_interval")),
+            _paired_cell(row.get("paired_speedup"), row.get("paired_interval")),
+            _paired_cell(row.get("paired_control"), row.get("paired_control_interval")),
         ]
         print(f"| {key} | " + " | ".join(cells) + " |")
     drafters = sorted({key.split()[1] for key in report["results"]})
     for drafter in drafters:
-        for mode in ("default", "control"):
-            mean, interval = pooled(report["results"], drafter, mode)
-            if interval:
-                print(f"pooled {drafter} {mode}: {mean:.3f}x, 95% {_interval(interval)}")
+        for groups, label in (("group_speedups", ""), ("paired_group_speedups", " paired")):
+            for mode in ("default", "control"):
+                mean, interval = pooled(report["results"], drafter, mode, groups)
+                if interval:
+                    print(f"pooled {drafter} {mode}{label}: {mean:.3f}x, "
+                          f"95% {_interval(interval)}")  # fmt: skip
+
+
+def _paired_cell(speedup: float | None, interval: list[float] | None) -> str:
+    return f"{speedup:.2f}x ({_interval(interval)})" if speedup else "-"
 
 
 def _interval(interval: list[float] | None) -> str:
