@@ -353,7 +353,6 @@ class AdaptiveController:
 
 
 @dataclass
-@dataclass
 class AskingMemory:
     """When the next window of asking opens, counted in rounds across an engine's requests.
 
