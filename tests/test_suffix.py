@@ -105,37 +105,3 @@ def test_a_budget_drafts_the_prefix_of_the_full_tree():
     (cut,) = drafter.propose([history], np.array([True]), SamplingParams(), None, budget=3)
     assert len(full) > 3 and cut.tokens.tolist() == full.tokens[:3].tolist()
     assert cut.parents.tolist() == full.parents[:3].tolist()
-
-
-def test_start_indexes_nothing_and_prepare_indexes_what_the_first_proposal_would():
-    """Indexing is deferred to `prepare` (or the first proposal): a request that never
-    drafts never pays it, and what it drafts does not depend on which of the two indexed."""
-    previous, history = [10, 11, 12, 13, 14], [20, 11, 12, 7, 8, 7]
-    drafts = []
-    for prepared in (True, False):
-        drafter = SuffixDrafter(SuffixOptions(max_nodes=4, alpha=4))
-        drafter.start([previous], 64)
-        drafter.propose([previous], np.array([True]), SamplingParams(), None)
-        drafter.start([history], 64)
-        assert len(drafter.shared) == 1  # the root alone: the previous text waits too
-        if prepared:
-            drafter.prepare([history])
-            assert trie_counts(drafter.shared) == substring_counts(previous, 32)
-        (draft,) = drafter.propose([history], np.array([True]), SamplingParams(), None)
-        drafts.append(draft.tokens.tolist())
-    assert drafts[0] == drafts[1] == [8, 7]  # its own text: 7 -> 8 -> 7
-
-
-def test_a_request_that_never_drafted_leaves_its_prompt_and_old_texts_make_way():
-    options = SuffixOptions(max_nodes=4, alpha=4, max_match=2, depth=4, shared_nodes=40)
-    drafter = SuffixDrafter(options)
-    texts = [[1, 2, 3], [4, 5, 6], [7, 8, 9], [30, 31, 32]]
-    for text in texts:  # requests that never draft: nothing indexed
-        drafter.start([text], 64)
-    drafter.start([[31]], 64)
-    drafter.prepare([[31]])
-    # At most shared_nodes / depth = 10 tokens wait: the oldest texts went, the rest stay.
-    remembered = trie_counts(drafter.shared)
-    assert (1, 2) not in remembered and (4, 5) in remembered and (30, 31, 32) in remembered
-    (draft,) = drafter.propose([[31]], np.array([True]), SamplingParams(), None)
-    assert draft.tokens.tolist() == [32]

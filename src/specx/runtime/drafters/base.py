@@ -33,10 +33,9 @@ class Drafter(Protocol):
     # `Engine.reset_drafters` drops it. Optional: absent means True (it may remember).
     learns_across_requests: bool
     # Optional: `prepare(histories)` runs what `start` deferred, a model's prefill of the
-    # prompts or suffix drafting's indexing of them. The loops call it once per request,
-    # before its first proposal and outside that round's timing: a request that never
-    # drafts never pays it, its first token does not wait for it, and a controller prices
-    # a round's drafting, not a prefill.
+    # prompts. The loops call it once per request, before its first proposal and outside
+    # that round's timing: a request that never drafts never pays it, its first token does
+    # not wait for it, and a controller prices a round's drafting, not a prefill.
 
     def start(
         self, prompts: Sequence[Sequence[int]], capacity: int, taps: list[np.ndarray] | None

@@ -178,33 +178,16 @@ class SuffixDrafter:
         self.max_nodes = self.options.max_nodes
         self.shared = shared if shared is not None else SuffixTrie(self.options.depth)
         self._rows: list[_Row] = []
-        self._finished: list[Sequence[int]] = []  # texts `prepare` remembers
 
     def start(self, prompts: Sequence[Sequence[int]], capacity: int, taps=None) -> None:
-        """New rows; indexing the prompts and the previous batch's texts waits for `prepare`.
+        """Remembers the previous batch's texts and indexes the new prompts.
 
-        Indexing costs O(depth) Python work per token: deferred, the first token does not
-        wait for it and a request that never drafts never pays it (benchmarks/README.md,
-        idle_cost.py). A row that never drafted leaves its prompt to remember.
+        Indexing a prompt is prompt work: it is done with the prefill, not in a round.
         """
-        self._finished.extend(row.history or row.prompt for row in self._rows)
-        # Texts past what the shared trie holds would only clear it again: the oldest go.
-        held = self.options.shared_nodes // self.options.depth
-        while len(self._finished) > 1 and sum(map(len, self._finished)) > held:
-            self._finished.pop(0)
-        self._rows = [_Row(self.options.depth, prompt) for prompt in prompts]
-
-    def prepare(self, histories: Sequence[Sequence[int]]) -> None:
-        """Remembers the previous batches' texts, then indexes each row's history."""
-        self._remember_finished()
-        for row, history in zip(self._rows, histories, strict=True):
-            row.catch_up(history, self.shared)
-
-    def _remember_finished(self) -> None:
-        """Before a row of this batch follows the shared trie (a loop may skip `prepare`)."""
-        if self._finished:
-            self.remember(self._finished)
-            self._finished = []
+        self.remember(row.history for row in self._rows)
+        self._rows = [_Row(self.options.depth) for _ in prompts]
+        for row, prompt in zip(self._rows, prompts, strict=True):
+            row.catch_up(prompt, self.shared)
 
     def remember(self, documents: Iterable[Sequence[int]]) -> None:
         """Adds finished texts (prompt + output) to the shared trie."""
@@ -216,7 +199,6 @@ class SuffixDrafter:
 
     def propose(self, histories, active, sampling: SamplingParams, rng, budget=None):  # noqa: D102
         nodes = self.max_nodes if budget is None else min(self.max_nodes, budget)
-        self._remember_finished()
         drafts = []
         for row, history, is_active in zip(self._rows, histories, active, strict=True):
             row.catch_up(history, self.shared)
@@ -243,9 +225,8 @@ class SuffixDrafter:
 class _Row:
     """One sequence: its own trie, and where its tail stands in the shared trie."""
 
-    def __init__(self, depth: int, prompt: Sequence[int]):
+    def __init__(self, depth: int):
         self.trie = SuffixTrie(depth)
-        self.prompt = prompt
         self.history: list[int] = []
         self.shared_open: list[int] = []
 
