@@ -183,6 +183,9 @@ class SuffixDrafter:
         """Remembers the previous batch's texts and indexes the new prompts.
 
         Indexing a prompt is prompt work: it is done with the prefill, not in a round.
+        Deferred to the first draft (as heads defer their prefill), it cost the decode of
+        every request that asked at all more than it saved those that never did
+        (benchmarks/README.md, controller.py).
         """
         self.remember(row.history for row in self._rows)
         self._rows = [_Row(self.options.depth) for _ in prompts]
