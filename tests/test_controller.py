@@ -118,23 +118,6 @@ def test_the_controller_backs_off_probes_and_comes_back():
     assert chosen[-4:] == [8] * 4
 
 
-@pytest.mark.parametrize("rule", [AdaptiveController, ConfidenceController])
-def test_a_verify_right_after_a_prefill_or_a_stretch_prices_nothing(rule):
-    """Such a forward runs slow; priced, it kept the widths probes use out of the rule."""
-    costs = RoundCosts()
-    controller = rule(costs=costs)
-    controller.start(1, 4)
-    controller.sizes(np.array([True]))
-    controller.timed(3, 5.0, 0.1)  # the request's first forward follows its prefill
-    assert 3 not in costs.by_width
-    controller.timed(3, 1.2, 0.1)  # the next one is a round like the others
-    assert costs.by_width[3] == 1.2
-    controller.idled(4, 4, 1.0)
-    controller.timed(3, 5.0, 0.1)  # a probe after a stretch of plain steps
-    controller.timed(1, 1.0, 0.0)  # a plain step has its own rule: after a stretch, none
-    assert costs.by_width == {1: 1.0, 3: 1.2}
-
-
 def test_the_controller_weighs_acceptance_against_cost():
     cheap, dear = AdaptiveController(), AdaptiveController()
     for controller in (cheap, dear):
@@ -350,9 +333,8 @@ def test_confidence_learns_what_the_target_accepts_idles_and_comes_back():
     def rounds(count, accepted):
         return play(controller, count, lambda r: sure, accepted, draft_s=0.02)
 
-    # Two plain steps, then the drafter is trusted, as wide as the widths timed allow: the
-    # first asking round follows the plain stretch, so its width is not priced (`_prices`).
-    assert rounds(5, 8) == [None, None, 1, 1, 2]
+    # Two plain steps, then the drafter is trusted, as wide as the widths timed allow.
+    assert rounds(5, 8) == [None, None, 1, 2, 4]
     # The target stops agreeing: a whole draft rejected loses over half a step, so the row
     # idles, and probes ever more rarely (8 rounds apart, then 16, the most).
     kept = rounds(60, 0)

@@ -240,7 +240,6 @@ class AdaptiveController:
         self._floor: list[float] | None = None
         self._peers = 0
         self._sizes = np.zeros(batch, dtype=np.int64)
-        self._cold = True  # the next forward follows a prefill (`_prices`)
 
     def sizes(self, active: np.ndarray, peers: int = 0) -> np.ndarray:  # noqa: D102
         self.round += 1
@@ -270,7 +269,6 @@ class AdaptiveController:
         self.round += rounds
         self._chosen[0] += row_rounds
         self.costs.record_stretch(step_s)
-        self._cold = True
 
     def keep(self, proposed: list[DraftTree]) -> list[DraftTree]:  # noqa: D102
         return list(map(truncated, proposed, self._sizes.tolist()))
@@ -348,8 +346,6 @@ class AdaptiveController:
             self.accept[row, d] += step * (hit - self.accept[row, d])
 
     def timed(self, width: int, verify_s: float, draft_s: float) -> None:  # noqa: D102
-        if not _prices(self, width):
-            return
         self.costs.record(width, verify_s, draft_s)
 
     def summary(self) -> ControllerSummary:  # noqa: D102
@@ -493,7 +489,6 @@ class ConfidenceController:
         self._rows = [False] * batch  # the rows decoding this round
         self.round = 0
         self._peers = self._active = 0
-        self._cold = True  # the next forward follows a prefill (`_prices`)
 
     def sizes(self, active: np.ndarray, peers: int = 0) -> np.ndarray:  # noqa: D102
         # Python lists, not numpy: per-round work here is what the loop adds to a step.
@@ -525,7 +520,6 @@ class ConfidenceController:
         self._chosen[0] += row_rounds
         self.asked = [False] * len(self.asked)  # the last round that asked is accounted for
         self.costs.record_stretch(step_s)
-        self._cold = True
 
     def keep(self, proposed: list[DraftTree]) -> list[DraftTree]:  # noqa: D102
         paths = [
@@ -649,8 +643,7 @@ class ConfidenceController:
         """
         asked = [b for b, a in enumerate(self.asked) if a]
         plain = self.costs.verify(1) if self.costs.plain_timed else None
-        if _prices(self, width):
-            self.costs.record(width, verify_s, draft_s)
+        self.costs.record(width, verify_s, draft_s)
         # As in `_best`: a batch gains the tokens its least lucky row accepted, each row.
         row_gains = [g for g, on in zip(self._gained, self._rows, strict=True) if on]
         gained = len(row_gains) * min(row_gains, default=0)
@@ -692,19 +685,6 @@ FIRST_PLAIN_ROUNDS = 2
 # benchmarks/README.md#controllerpy), so the first probe of a batch waits until it is
 # affordable rather than landing on round `probe_every`.
 UNTIMED_BATCH_PROBE = 2.0
-
-
-def _prices(controller: AdaptiveController | ConfidenceController, width: int) -> bool:
-    """Whether the round just timed prices its width in the controller's `RoundCosts`.
-
-    Not a verify forward right after a prefill or a stretch of plain steps: it runs slower
-    than the same width in a run of rounds, and a width timed mostly there (a probe's, a
-    request's first) was priced so high that the rule stopped picking it, and the widths
-    priced from it (benchmarks/README.md, controller.py). Its cost still counts where the
-    controller weighs what asking lost. A plain step has its own rule (`RoundCosts.record`).
-    """
-    cold, controller._cold = controller._cold, False
-    return width == 1 or not cold
 
 
 def _idle_rounds(until: list[int], active: np.ndarray, played: int) -> int:
