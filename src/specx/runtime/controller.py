@@ -359,7 +359,7 @@ class AskingMemory:
     An engine keeps one per drafting plan, batch size and sampling setting
     (`Engine.asking_memory`). Where drafts do not pay (suffix drafting at T > 0 on a small
     target), each window of asking costs a few plain steps: the probe round, wider than a
-    plain step, and the slower first step after it (benchmarks/README.md, idle_cost.py).
+    plain step, and the slower first step after it (benchmarks/README.md, controller.py).
     So the wait between windows is one countdown that goes on from request to request:
     a window that ended in a request without a round that paid doubles `interval` (up to
     `max_interval`, past one request's `max_probe_every`) and sets the next probe that many
@@ -434,7 +434,8 @@ class ConfidenceController:
     steps (`timed`), or after `patience` rounds in a row that kept nothing in a batch: a
     probe is a round, after `probe_every` rounds (doubling up to `max_probe_every` while
     probes fail, and never so often that probes cost more than `probe_budget` of the
-    time), that keeps at least one node (see `_after_proposal`).
+    time; in a request that has not paid, at least the engine's `AskingMemory` countdown),
+    that keeps at least one node (see `_after_proposal`).
 
     Lossless: a deterministic draft is a function of the history, so a prefix chosen from
     it is too. A sampled draft (`probs` set) is kept whole: dropping its nodes by their own
