@@ -238,10 +238,6 @@ class AdaptiveController:
         self.probing = np.zeros(batch, dtype=bool)
         self.hit = np.zeros(batch, dtype=bool)  # the row's last round accepted a draft token
         self._floor: list[float] | None = None
-        # How often an asked row's drafter found a draft at all (a moving average from 1):
-        # a round that finds none is a plain step that paid for the asking.
-        self.found = np.ones(batch)
-        self._found_floor: float | None = None
         self._peers = 0
         self._sizes = np.zeros(batch, dtype=np.int64)
 
@@ -260,7 +256,6 @@ class AdaptiveController:
             # A batch ends with its slowest row: rows of a batch size by the lowest acceptance.
             estimates = [self._estimates(b) for b in rows.tolist()]
             self._floor = [min(p) for p in zip(*estimates, strict=True)] if len(rows) > 1 else None
-            self._found_floor = float(self.found[rows].min()) if len(rows) > 1 else None
             for b in rows.tolist():
                 chosen[b] = self._size(b)
         self._chosen.update(chosen[active].tolist())
@@ -328,23 +323,17 @@ class AdaptiveController:
             reach *= p
             expected.append(expected[-1] + reach)
         margin = 0.0 if self._floor is None else self.batch_margin
-        found = float(self.found[row]) if self._found_floor is None else self._found_floor
         # Peers emit one token a round whatever this row does, and wait for its draft: the
-        # draft must raise the whole forward's tokens per second, not just this row's. A
-        # round whose drafter finds nothing is a plain step plus the asking.
-        peers, plain = self._peers, self.costs.time(0)
-        missed = (1.0 - found) * (plain + self.costs.draft)
-        best, best_rate = 0, (peers + 1.0 + margin) / plain
+        # draft must raise the whole forward's tokens per second, not just this row's.
+        peers = self._peers
+        best, best_rate = 0, (peers + 1.0 + margin) / self.costs.time(0)
         for size in self.candidates[1:]:
-            gain = found * (expected[min(size, self.max_depth)] - 1.0)
-            rate = (peers + 1.0 + gain) / (found * self.costs.time(size) + missed)
+            rate = (peers + expected[min(size, self.max_depth)]) / self.costs.time(size)
             if rate > best_rate:
                 best, best_rate = size, rate
         return best
 
     def observe(self, row: int, depth: int, accepted: list[int]) -> None:  # noqa: D102
-        if self._sizes[row]:  # asked: whether its drafter found anything to verify
-            self.found[row] += self.smoothing * (float(depth > 0) - self.found[row])
         count = len(accepted)
         self.hit[row] = count > 0
         for d in range(min(depth, count + 1, self.max_depth)):  # depths the target judged
