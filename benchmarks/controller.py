@@ -209,13 +209,11 @@ def pooled(
 
     `groups`: the groups' fastest-of-N speedups, or `paired_group_speedups`.
     """
-    import numpy as np
-
     ratios = [r for key, row in results.items() if f" {drafter} " in key
               for r in row.get(groups, {}).get(mode, [])]  # fmt: skip
     if not ratios:
         return float("nan"), []
-    return float(np.exp(np.log(ratios).mean())), bootstrap_interval(ratios)
+    return _geometric_mean(ratios), bootstrap_interval(ratios)
 
 
 def calibrate(artifact, drafter, temperature, prompts, args) -> None:

@@ -32,7 +32,7 @@ import numpy as np
 
 from specx.runtime.controller import Controller, truncated
 from specx.runtime.decoder_backend import DecoderBackend, StepOutput
-from specx.runtime.drafters.base import Drafter
+from specx.runtime.drafters.base import Drafter, prepare_drafter
 from specx.runtime.kv_cache import KVCache
 from specx.runtime.metrics import AcceptanceStats
 from specx.runtime.plain_decoding import TokenSink, check_prompts, prefill
@@ -228,12 +228,9 @@ class ContinuousBatch:
             if row.controller is not None:
                 size = min(int(row.controller.sizes(active, peers=running - 1)[0]), size)
             if size:
-                prepare = getattr(row.drafter, "prepare", None)
-                if prepare is not None and not row.prepared:
-                    started = time.perf_counter()
-                    prepare([row.history])
-                    prepare_s += time.perf_counter() - started
-                row.prepared = True
+                if not row.prepared:
+                    prepare_s += prepare_drafter(row.drafter, [row.history])
+                    row.prepared = True
                 # Budgets only where the draft is cut (third-party drafters may not take one).
                 cut = row.controller is not None or size < row.drafter.max_nodes
                 budget = {"budget": size} if cut else {}

@@ -23,7 +23,7 @@ import numpy as np
 from specx.errors import GenerationError
 from specx.runtime.controller import Controller
 from specx.runtime.decoder_backend import DecoderBackend
-from specx.runtime.drafters.base import Drafter
+from specx.runtime.drafters.base import Drafter, prepare_drafter
 from specx.runtime.kv_cache import KVCache
 from specx.runtime.metrics import AcceptanceStats, RunStats, SpeculativeStats
 from specx.runtime.plain_decoding import (
@@ -173,7 +173,7 @@ def generate_speculative(
                  max_new_tokens, stats, sink, verifier, observer, controller)  # fmt: skip
     draft_s = verify_s = 0.0
     forwards = 0
-    prepare = getattr(drafter, "prepare", None)  # the drafter's deferred prefill (base.py)
+    prepared = False  # the drafter's deferred prefill ran (`prepare_drafter`)
     if controller is not None:
         controller.start(batch, drafter.max_nodes)
     while active.any():
@@ -190,11 +190,10 @@ def generate_speculative(
         drafting = active if sizes is None else active & (sizes > 0)
         proposed = drafts = None
         if drafting.any():
-            if prepare is not None:  # once, and not this round's drafting cost
-                prepare(histories)
-                prepare, prepared = None, time.perf_counter()
-                draft_s += prepared - tick
-                tick = prepared
+            if not prepared:  # once, and not this round's drafting cost
+                spent, prepared = prepare_drafter(drafter, histories), True
+                draft_s += spent
+                tick += spent
             if controller is None or sizes is None:  # no controller: a drafter may take no budget
                 proposed = drafts = drafter.propose(histories, drafting, sampling, rng)
             else:

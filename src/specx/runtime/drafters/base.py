@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -10,7 +11,7 @@ import numpy as np
 from specx.runtime.sampling import SamplingParams
 from specx.runtime.trees import DraftTree
 
-__all__ = ["Drafter"]
+__all__ = ["Drafter", "prepare_drafter"]
 
 
 class Drafter(Protocol):
@@ -74,3 +75,17 @@ class Drafter(Protocol):
         reuse `taps`' memory, so a drafter may keep the array rather than copy it.
         """
         ...
+
+
+def prepare_drafter(drafter: Drafter, histories: Sequence[Sequence[int]]) -> float:
+    """Runs the drafter's deferred prefill (`prepare`, optional); the seconds it took.
+
+    The loops call it once per request, before its first proposal, and keep the seconds out
+    of that round's drafting time.
+    """
+    prepare = getattr(drafter, "prepare", None)
+    if prepare is None:
+        return 0.0
+    started = time.perf_counter()
+    prepare(histories)
+    return time.perf_counter() - started
