@@ -12,6 +12,7 @@ from conftest import HEAD_VOCAB
 from cost_curves import FixedCurve
 from specx.artifact import load_manifest
 from specx.runtime.controller import (
+    AcceptanceMemory,
     AdaptiveController,
     AskingMemory,
     ConfidenceController,
@@ -160,6 +161,45 @@ def test_costs_an_earlier_request_timed_spare_the_plain_first_round():
     assert rounds(fresh, accepted_at=8, count=1) == [0]
 
 
+def test_a_request_starts_from_the_acceptance_earlier_requests_found():
+    """An engine's requests share what the target accepted: a request starts from it."""
+    timing = AdaptiveController()
+    timing.start(1, 8)
+    rounds(timing, accepted_at=8, count=6)  # costs known: no plain first round from here on
+    missed = AcceptanceMemory()
+    first = AdaptiveController(costs=timing.costs, acceptance=missed)
+    first.start(1, 8)
+    rounds(first, accepted_at=0, count=12)  # every draft rejected
+    # Its misses, as a row counts its first ones: the mean of the prior (0.5, weight 2) and them.
+    assert missed.judged[0] >= 2 and missed.accept[0] == pytest.approx(1 / (missed.judged[0] + 2))
+    second = AdaptiveController(costs=timing.costs, acceptance=missed)
+    second.start(1, 8)
+    assert rounds(second, accepted_at=0, count=1) == [0]  # plain from its first round
+    held = AcceptanceMemory()
+    for depth in itertools.chain.from_iterable(itertools.repeat(range(8), 20)):
+        held.learn(depth, True)
+    deep = AdaptiveController(costs=timing.costs, acceptance=held)
+    deep.start(1, 8)
+    assert rounds(deep, accepted_at=8, count=1) == [8]  # as deep as drafts held
+    flat = AdaptiveController(costs=timing.costs)  # nothing learnt: the prior's one draft
+    flat.start(1, 8)
+    assert 0 < rounds(flat, accepted_at=8, count=1)[0] < 8
+
+
+def test_acceptance_memory_counts_the_first_verdicts_fully_then_moves_slowly():
+    memory = AcceptanceMemory(prior=0.5, smoothing=0.05)
+    memory.learn(0, False)
+    assert memory.accept[0] == pytest.approx(0.5 * 2 / 3)  # a prior of weight 2
+    for _ in range(40):
+        memory.learn(0, False)
+    low = memory.accept[0]
+    memory.learn(0, True)
+    assert memory.accept[0] == pytest.approx(low + 0.05 * (1 - low))
+    assert memory.accept[1:] == [0.5] * 15 and memory.judged[:2] == [41 + 1, 0]
+    memory.learn(16, True)  # deeper than it keeps: ignored
+    assert len(memory.accept) == 16
+
+
 def test_one_slow_round_does_not_price_a_width_out_for_good():
     """Shared costs outlive requests, and the rule only re-times widths it picks."""
     for rise, later_chose in ((1.5, [4] * 7 + [8] * 5), (math.inf, [4] * 12)):
@@ -265,6 +305,22 @@ def test_an_engine_remembers_when_asking_pays_per_plan_batch_and_setting(artifac
     for i in range(ASKING_SETTINGS):  # as many other settings as it keeps: it starts over
         engine.asking_memory(plan, 1, SamplingParams(0.5 + i / 1000))
     assert engine.asking_memory(plan, 1, SamplingParams(1.0)).probe_at == 0
+
+
+def test_an_engine_remembers_acceptance_per_plan_and_setting(artifacts):
+    """Where a request starts from it: `test_a_request_starts_from_the_acceptance_...`."""
+    engine = load(artifacts["llama"], threads=2)
+    plan = engine.plan(Speculation("ngram"), SamplingParams())
+    hot = engine.acceptance_memory(plan, SamplingParams(1.0, seed=1))
+    assert hot is engine.acceptance_memory(plan, SamplingParams(1.0, seed=2))  # seeds aside
+    greedy = engine.acceptance_memory(plan, SamplingParams())
+    assert hot is not greedy
+    prompt, options = [5, 9, 5, 9, 5, 9, 13], {"max_new_tokens": 40, "ignore_eos": True}
+    plain = engine.generate(prompt, **options).tokens
+    assert engine.generate(prompt, **options, speculation="ngram").tokens == plain
+    assert greedy.judged[0] > 0 and hot.judged == [0] * 16  # the request's verdicts, there
+    engine.reset_drafters()  # learnt from the target's verdicts: it stays
+    assert engine.acceptance_memory(plan, SamplingParams()) is greedy
 
 
 def test_peers_that_wait_for_a_draft_raise_the_bar_for_it():

@@ -34,9 +34,10 @@ Never losing without calibration is the controllers' job, from a request's first
 what they assume before measuring is cheap to be wrong about (a plain first round, one-node
 first drafts, a weak prior that the first misses overrule, a batch's first probe only once
 it is affordable), and rounds in which no row drafts are played by plain decoding's own
-loop (`idle_rounds`), so an idle speculative request costs what a plain one does. Suffix
-drafting's rule also remembers across an engine's requests when asking last paid
-(`AskingMemory`), so that a setting where it loses stops paying for windows of asking.
+loop (`idle_rounds`), so an idle speculative request costs what a plain one does. Both
+rules remember across an engine's requests at one setting: the sized rule the acceptance
+its rows start from (`AcceptanceMemory`), suffix drafting's rule when asking last paid
+(`AskingMemory`), so that a setting where drafts lose stops paying for them.
 Calibration adds the batch threshold and the tree. Starting from a calibration's recorded
 acceptance and costs instead was measured worse (benchmarks/README.md, controller.py): its
 prompts misjudge a given request more than a measured plain round and a one-node probe.
@@ -56,6 +57,7 @@ from specx.runtime.metrics import ControllerSummary
 from specx.runtime.trees import DraftTree
 
 __all__ = [
+    "AcceptanceMemory",
     "AdaptiveController",
     "AskingMemory",
     "ConfidenceController",
@@ -191,9 +193,10 @@ class AdaptiveController:
       batch size: costs are the machine's, not the request's), neither of the two above
       happens: the first round drafts at the size the rule picks (`RoundCosts` says how
       shared costs stay fresh);
-    - p_d starts as the mean of a Beta prior of weight 2 at `prior` and the evidence, so
-      the first misses count fully (a drafter the target rejects stops within a few rounds)
-      until the moving average's weight `smoothing` is reached;
+    - p_d starts as the mean of a Beta prior of weight 2 and the evidence, so the first
+      misses count fully (a drafter the target rejects stops within a few rounds) until
+      the moving average's weight `smoothing` is reached; the prior is what the engine's
+      earlier requests at this setting found (`acceptance`), `prior` before any;
     - a row that stopped drafting is not re-evaluated until its probe; the interval doubles
       after each probe that found nothing (`probe_every` up to `max_probe_every` rounds)
       and is never shorter than keeps probes within `probe_budget` of the time;
@@ -214,6 +217,7 @@ class AdaptiveController:
         batch_margin: float = 0.5,
         probe_budget: float = 0.02,
         costs: RoundCosts | None = None,
+        acceptance: AcceptanceMemory | None = None,
     ):
         self.prior, self.smoothing, self.max_depth = prior, smoothing, max_depth
         # In a batch a draft must beat a plain step by this many tokens a row: the rows'
@@ -223,12 +227,16 @@ class AdaptiveController:
         self.probe_budget = probe_budget  # the share of time probes may cost
         self.probe_every, self.max_probe_every = probe_every, max_probe_every
         self.costs = costs or RoundCosts()
+        # p_d where a request's rows start: earlier requests' (an engine's), or the prior
+        self.acceptance = acceptance or AcceptanceMemory(prior, max_depth)
         self._chosen: Counter = Counter()
 
     def start(self, batch: int, max_nodes: int) -> None:  # noqa: D102
         self.max_nodes = max_nodes
         self.candidates = sorted({0, max_nodes, *(2**i for i in range(8) if 2**i < max_nodes)})
-        self.accept = np.full((batch, self.max_depth), self.prior)  # p_d per row
+        start = self.acceptance.accept[: self.max_depth]
+        start += [self.prior] * (self.max_depth - len(start))
+        self.accept = np.tile(start, (batch, 1))  # p_d per row
         self.judged = np.zeros((batch, self.max_depth), dtype=np.int64)  # rounds that tested d
         self.round = int(self.costs.known)  # known costs: no plain first round to time them
         # 0: the row drafts; else the round of its next probe (a batch waits for its first).
@@ -338,8 +346,9 @@ class AdaptiveController:
         self.hit[row] = count > 0
         for d in range(min(depth, count + 1, self.max_depth)):  # depths the target judged
             hit = float(d < count)
+            self.acceptance.learn(d, d < count)
             self.judged[row, d] += 1
-            # The mean of a Beta prior of weight 2 at `prior` and the evidence, until the
+            # The mean of a Beta prior of weight 2 and the evidence, until the
             # moving average's weight is reached: the first misses count fully, so a
             # drafter the target rejects stops within a few rounds, not a dozen.
             step = max(self.smoothing, 1.0 / (self.judged[row, d] + 2))
@@ -350,6 +359,38 @@ class AdaptiveController:
 
     def summary(self) -> ControllerSummary:  # noqa: D102
         return ControllerSummary("adaptive", dict(sorted(self._chosen.items())))
+
+
+@dataclass
+class AcceptanceMemory:
+    """p_d over an engine's requests with one drafter and sampling setting: where rows start.
+
+    `Engine.acceptance_memory` keeps one per drafting plan and sampling setting. Every
+    verdict an `AdaptiveController` learns from moves it too (per depth, the mean of the
+    prior and the evidence, then a moving average slower than a row's own), and a
+    request's rows start from it rather than from the flat prior: where drafts mostly miss
+    (n-gram at T = 1) a request that started at the prior spent its first round on a draft
+    and its next on the slower step after it; where they mostly hold it drafts at once,
+    as deep as they held (benchmarks/README.md, controller.py).
+    """
+
+    prior: float = 0.5
+    depths: int = 16
+    smoothing: float = 0.05
+    accept: list[float] = field(init=False)  # p_d per depth (index 0: the first)
+    judged: list[int] = field(init=False)  # verdicts at each depth
+
+    def __post_init__(self) -> None:
+        # Fixed length: requests decoding in other threads update it in place.
+        self.accept = [self.prior] * self.depths
+        self.judged = [0] * self.depths
+
+    def learn(self, depth: int, hit: bool) -> None:
+        """The target judged a node at `depth` (0: the first) and accepted it or not."""
+        if depth < self.depths:
+            self.judged[depth] += 1
+            step = max(self.smoothing, 1.0 / (self.judged[depth] + 2))
+            self.accept[depth] += step * (float(hit) - self.accept[depth])
 
 
 @dataclass
@@ -720,7 +761,10 @@ def _judged_levels(draft: DraftTree, accepted: list[int]) -> list[float]:
 
 
 def controller_for(
-    drafter, costs: RoundCosts | None = None, memory: AskingMemory | None = None
+    drafter,
+    costs: RoundCosts | None = None,
+    memory: AskingMemory | None = None,
+    acceptance: AcceptanceMemory | None = None,
 ) -> Controller:
     """A fresh per-round controller suited to `drafter` (see the two rules above).
 
@@ -728,10 +772,11 @@ def controller_for(
     goes on updating (suffix drafting's rule learns its own). `memory`: when earlier
     requests' windows of asking last paid, for suffix drafting's rule only
     (`AdaptiveController` with it lost n-gram's greedy gains: benchmarks/README.md).
+    `acceptance`: the p_d earlier requests ended with, where `AdaptiveController` starts.
     """
     if getattr(drafter, "sizes_own_drafts", False):  # absent on drafters written before it
         return ConfidenceController(memory=memory)
-    return AdaptiveController(costs=costs)
+    return AdaptiveController(costs=costs, acceptance=acceptance)
 
 
 class RoundCosts:

@@ -35,7 +35,13 @@ from specx.errors import GenerationError
 from specx.runtime.backends import backend_name, build_name, open_decoder, select_build
 from specx.runtime.calibrated import CalibratedChoice, calibrated_choice, greedy_identity
 from specx.runtime.chat import ChatTemplate
-from specx.runtime.controller import AskingMemory, Controller, RoundCosts, controller_for
+from specx.runtime.controller import (
+    AcceptanceMemory,
+    AskingMemory,
+    Controller,
+    RoundCosts,
+    controller_for,
+)
 from specx.runtime.detokenize import TextStream
 from specx.runtime.drafters import DrafterOptions, make_drafter
 from specx.runtime.drafters.tree_search import parse_tree_spec
@@ -76,8 +82,8 @@ class Speculation:
     adaptive: bool = True
 
 
-# Sampling settings an engine remembers `AskingMemory` for at once (a server's clients may
-# send any temperature); past it the engine starts over.
+# Sampling settings an engine remembers `AskingMemory` and `AcceptanceMemory` for at once (a
+# server's clients may send any temperature); past it the engine starts over.
 ASKING_SETTINGS = 256
 
 
@@ -101,13 +107,18 @@ class DraftPlan:
         return (self.drafter, repr(self.options))
 
     def controller(
-        self, drafter, costs: RoundCosts | None = None, memory: AskingMemory | None = None
+        self,
+        drafter,
+        costs: RoundCosts | None = None,
+        memory: AskingMemory | None = None,
+        acceptance: AcceptanceMemory | None = None,
     ) -> Controller | None:
         """A fresh per-round controller for `drafter` (None when drafts are kept whole).
 
-        `costs`, `memory`: what earlier requests timed and learnt (`controller_for`).
+        `costs`, `memory`, `acceptance`: what earlier requests timed and learnt
+        (`controller_for`).
         """
-        return controller_for(drafter, costs, memory) if self.adaptive else None
+        return controller_for(drafter, costs, memory, acceptance) if self.adaptive else None
 
 
 @dataclass(frozen=True)
@@ -250,6 +261,7 @@ class Engine:
         self._round_costs: dict[tuple, RoundCosts] = {}
         # (plan key, batch, sampling setting) -> when its requests start asking the drafter
         self._asking: dict[tuple, AskingMemory] = {}
+        self._acceptance: dict[tuple, AcceptanceMemory] = {}
 
     @property
     def name(self) -> str:
@@ -494,6 +506,7 @@ class Engine:
                     drafter,
                     self.round_costs(plan, len(request.prompts)),
                     self.asking_memory(plan, len(request.prompts), request.sampling),
+                    self.acceptance_memory(plan, request.sampling),
                 ),
                 sink=sink,
             )
@@ -533,6 +546,18 @@ class Engine:
             if key not in self._asking and len(self._asking) >= ASKING_SETTINGS:
                 self._asking.clear()  # bounded, whatever settings clients send: start over
             return self._asking.setdefault(key, AskingMemory())
+
+    def acceptance_memory(self, plan: DraftPlan, sampling: SamplingParams) -> AcceptanceMemory:
+        """The acceptance `plan`'s requests at this sampling setting learn and start from.
+
+        Per sampling setting (the seed aside), not per batch size: a draft's acceptance
+        is the target's verdict on each sequence. Outlives `reset_drafters`.
+        """
+        key = (plan.key, sampling.temperature, sampling.top_k, sampling.top_p)
+        with self._pool_lock:
+            if key not in self._acceptance and len(self._acceptance) >= ASKING_SETTINGS:
+                self._acceptance.clear()  # bounded, as `asking_memory`
+            return self._acceptance.setdefault(key, AcceptanceMemory())
 
     def reset_drafters(self) -> None:
         """Drops the pooled drafters that learn across requests, and what they learnt.

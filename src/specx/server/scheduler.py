@@ -233,7 +233,8 @@ class Scheduler:
         controller = None
         if job.plan is not None:  # each sequence of the batch is sized as a batch of 1
             memory = self.engine.asking_memory(job.plan, 1, job.sampling)
-            controller = job.plan.controller(drafter, memory=memory)
+            acceptance = self.engine.acceptance_memory(job.plan, job.sampling)
+            controller = job.plan.controller(drafter, memory=memory, acceptance=acceptance)
         sequence = BatchSequence(
             job.prompt,
             job.max_new_tokens,
