@@ -186,6 +186,29 @@ def test_a_request_starts_from_the_acceptance_earlier_requests_found():
     assert 0 < rounds(flat, accepted_at=8, count=1)[0] < 8
 
 
+def test_a_batch_starts_from_the_prior_whatever_earlier_requests_found():
+    """A batch is paid by its least lucky row: a mean over earlier sequences overstates it."""
+    timing = AdaptiveController()
+    timing.start(2, 8)
+    both = np.array([True, True])
+    for size in (0, 1, 2, 4):  # costs known: a plain step and drafts of 1-4 nodes timed
+        timing.timed(1 + size, 1.0 + 0.1 * size, 0.2 if size else 0.0)
+    held = AcceptanceMemory()
+    for depth in itertools.chain.from_iterable(itertools.repeat(range(8), 20)):
+        held.learn(depth, True)
+    chosen = []
+    for acceptance in (held, AcceptanceMemory()):
+        batch = AdaptiveController(costs=timing.costs, acceptance=acceptance)
+        batch.start(2, 8)
+        sizes = []
+        for _ in range(40):  # to the first probe and past it: drafts of 2 held, every row
+            sizes.append(batch.sizes(both).tolist())
+            for row in range(2):
+                batch.observe(row, int(sizes[-1][row]), list(range(min(2, sizes[-1][row]))))
+        chosen.append(sizes)
+    assert chosen[0] == chosen[1] and any(max(s) for s in chosen[0])
+
+
 def test_acceptance_memory_counts_the_first_verdicts_fully_then_moves_slowly():
     memory = AcceptanceMemory(prior=0.5, smoothing=0.05)
     memory.learn(0, False)

@@ -195,8 +195,8 @@ class AdaptiveController:
       shared costs stay fresh);
     - p_d starts as the mean of a Beta prior of weight 2 and the evidence, so the first
       misses count fully (a drafter the target rejects stops within a few rounds) until
-      the moving average's weight `smoothing` is reached; the prior is what the engine's
-      earlier requests at this setting found (`acceptance`), `prior` before any;
+      the moving average's weight `smoothing` is reached; a row alone takes for prior what
+      the engine's earlier requests at this setting found (`acceptance`), a batch `prior`;
     - a row that stopped drafting is not re-evaluated until its probe; the interval doubles
       after each probe that found nothing (`probe_every` up to `max_probe_every` rounds)
       and is never shorter than keeps probes within `probe_budget` of the time;
@@ -234,7 +234,9 @@ class AdaptiveController:
     def start(self, batch: int, max_nodes: int) -> None:  # noqa: D102
         self.max_nodes = max_nodes
         self.candidates = sorted({0, max_nodes, *(2**i for i in range(8) if 2**i < max_nodes)})
-        start = self.acceptance.accept[: self.max_depth]
+        # A batch is paid by its least lucky row, and a mean over earlier sequences
+        # overstates it: a batch's rows start from the prior (benchmarks/README.md).
+        start = self.acceptance.accept[: self.max_depth] if batch == 1 else []
         start += [self.prior] * (self.max_depth - len(start))
         self.accept = np.tile(start, (batch, 1))  # p_d per row
         self.judged = np.zeros((batch, self.max_depth), dtype=np.int64)  # rounds that tested d
@@ -368,10 +370,11 @@ class AcceptanceMemory:
     `Engine.acceptance_memory` keeps one per drafting plan and sampling setting. Every
     verdict an `AdaptiveController` learns from moves it too (per depth, the mean of the
     prior and the evidence, then a moving average slower than a row's own), and a
-    request's rows start from it rather than from the flat prior: where drafts mostly miss
-    (n-gram at T = 1) a request that started at the prior spent its first round on a draft
-    and its next on the slower step after it; where they mostly hold it drafts at once,
-    as deep as they held (benchmarks/README.md, controller.py).
+    sequence decoded alone (a request of one, or a row of a continuous batch) starts from
+    it rather than from the flat prior: where drafts mostly miss (n-gram at T = 1) a
+    request that started at the prior spent its first round on a draft and its next on
+    the slower step after it; where they mostly hold it drafts at once, as deep as they
+    held. The rows of a batch start from the prior (benchmarks/README.md, controller.py).
     """
 
     prior: float = 0.5
