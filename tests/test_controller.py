@@ -30,7 +30,7 @@ from specx.runtime.engine import ASKING_SETTINGS, Speculation, load
 from specx.runtime.ort_target import OrtTarget
 from specx.runtime.plain_decoding import generate_plain
 from specx.runtime.sampling import SamplingParams
-from specx.runtime.speculative_decoding import generate_speculative
+from specx.runtime.speculative_decoding import PROBE_TAIL, generate_speculative
 from specx.runtime.trees import DraftTree
 
 SWITCHING = [0, 3, 1, 0, 0, 0, 5, 2, 8]  # sizes change every round; none, and idle stretches
@@ -57,6 +57,17 @@ def test_model_free_drafters_switching_sizes_equal_plain(family, artifacts, rng)
     prompts = loopy(rng, target.vocab_size, 3)
     assert_switching_equals_plain(target, lambda: NGramDrafter(8, max_matches=3), prompts)
     assert_switching_equals_plain(target, lambda: SuffixDrafter(SuffixOptions(8)), prompts)
+
+
+def test_a_stretch_that_would_end_just_before_the_budget_runs_to_it(artifacts, rng):
+    """A probe that late cannot pay for itself: the request plays out plainly."""
+    target = OrtTarget(load_manifest(artifacts["llama"]), threads=2)
+    prompts = loopy(rng, target.vocab_size, 2)
+    for tokens, late in ((1 + 12 + PROBE_TAIL - 1, True), (1 + 12 + PROBE_TAIL, False)):
+        controller = FixedSizes([0] * 12 + [4] * 30)  # 12 rounds idle, then drafts of 4
+        spec = generate_speculative(target, NGramDrafter(8), prompts, tokens, controller=controller)
+        assert spec.tokens == generate_plain(target, prompts, tokens).tokens
+        assert (4 not in spec.stats.speculative.controller.sizes_chosen) == late
 
 
 def test_a_draft_model_switching_sizes_equals_plain(artifacts, draft_artifacts, rng):

@@ -181,7 +181,9 @@ def generate_speculative(
         idle = 0 if controller is None else controller.idle_rounds(active)
         if idle:
             assert controller is not None  # idle rounds are a controller's choice
-            steps, row_steps, step_s = _plain_stretch(loop, idle, progress)
+            steps, row_steps, step_s = _plain_stretch(
+                loop, _past_a_late_probe(loop, idle), progress
+            )
             verify_s += time.perf_counter() - tick
             forwards += steps
             controller.idled(steps, row_steps, step_s)
@@ -310,6 +312,18 @@ def _verify_round(loop: _Loop, proposed: list[DraftTree], drafts: list[DraftTree
         if loop.controller is not None:
             loop.controller.observe(int(b), depth, verdict.accepted)
     return input_ids.shape[1]
+
+
+# A probe's cost is paid at once (a wider forward, and the slower step after it) and all it
+# can buy is the rounds left: a stretch that would end with fewer tokens left than this runs
+# to the request's end instead (benchmarks/README.md, controller.py).
+PROBE_TAIL = 8
+
+
+def _past_a_late_probe(loop: _Loop, idle: int) -> int:
+    """The stretch's rounds: `idle`, or to the end where the round after it comes too late."""
+    left = loop.max_new_tokens - min(len(loop.emitted[b]) for b in np.flatnonzero(loop.active))
+    return left if left - idle < PROBE_TAIL else idle
 
 
 def _plain_round(loop: _Loop, tried: np.ndarray | None = None) -> None:
