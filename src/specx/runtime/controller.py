@@ -775,7 +775,7 @@ def controller_for(
     goes on updating (suffix drafting's rule learns its own). `memory`: when earlier
     requests' windows of asking last paid, for suffix drafting's rule only
     (`AdaptiveController` with it lost n-gram's greedy gains: benchmarks/README.md).
-    `acceptance`: the p_d earlier requests ended with, where `AdaptiveController` starts.
+    `acceptance`: the p_d earlier requests found, where `AdaptiveController`'s lone rows start.
     """
     if getattr(drafter, "sizes_own_drafts", False):  # absent on drafters written before it
         return ConfidenceController(memory=memory)

@@ -261,6 +261,7 @@ class Engine:
         self._round_costs: dict[tuple, RoundCosts] = {}
         # (plan key, batch, sampling setting) -> when its requests start asking the drafter
         self._asking: dict[tuple, AskingMemory] = {}
+        # (plan key, sampling setting) -> what the target accepted of its drafts
         self._acceptance: dict[tuple, AcceptanceMemory] = {}
 
     @property
