@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections import Counter
 from types import SimpleNamespace
+from unittest import mock
 
 import pytest
 
@@ -17,6 +18,7 @@ from chi_square import p_values
 from conftest import perturbed_copy
 from cost_curves import FixedCurve
 from specx.artifact import load_manifest
+from specx.runtime import speculative_decoding
 from specx.runtime.controller import ConfidenceController, FixedSizes
 from specx.runtime.drafters.draft_model import DraftModelDrafter
 from specx.runtime.drafters.ngram import NGramDrafter
@@ -153,7 +155,8 @@ def run_trimmed(pair, sampling, verifier, chunk=8, positions=8):
     small batches, each with its own controller at fixed steep costs, make what is kept
     depend on a few rows' drafts and on what their earlier rounds accepted (over more
     positions than `run`'s: the first two are plain steps); a patience of 1 and quick
-    probes add idle rows.
+    probes add idle rows. Such short requests would be played plainly from their first
+    stretch on (`PROBE_TAIL`, a cost rule that only lengthens plain stretches): it is off.
 
     Returns:
         (plain result, the speculative tokens as a result's `tokens`, sizes chosen: count).
@@ -167,8 +170,9 @@ def run_trimmed(pair, sampling, verifier, chunk=8, positions=8):
         )
         drafter = SuffixDrafter(SuffixOptions(max_nodes=6, min_prob=0.0))
         params = sampling_with(sampling, 1000 + start)
-        spec = generate_speculative(target, drafter, [prompt] * chunk, positions, params,
-                                    verifier=verifier, controller=controller)  # fmt: skip
+        with mock.patch.object(speculative_decoding, "PROBE_TAIL", 0):
+            spec = generate_speculative(target, drafter, [prompt] * chunk, positions, params,
+                                        verifier=verifier, controller=controller)  # fmt: skip
         tokens += spec.tokens
         sizes.update(spec.stats.speculative.controller.sizes_chosen)
     return plain, SimpleNamespace(tokens=tokens), sizes
