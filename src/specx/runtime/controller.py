@@ -347,14 +347,14 @@ class AdaptiveController:
         count = len(accepted)
         self.hit[row] = count > 0
         for d in range(min(depth, count + 1, self.max_depth)):  # depths the target judged
-            hit = float(d < count)
-            self.acceptance.learn(d, d < count)
+            hit = d < count
+            self.acceptance.learn(d, hit)
             self.judged[row, d] += 1
-            # The mean of a Beta prior of weight 2 and the evidence, until the
-            # moving average's weight is reached: the first misses count fully, so a
-            # drafter the target rejects stops within a few rounds, not a dozen.
-            step = max(self.smoothing, 1.0 / (self.judged[row, d] + 2))
-            self.accept[row, d] += step * (hit - self.accept[row, d])
+            # The first misses count fully: a drafter the target rejects stops within a
+            # few rounds, not a dozen.
+            self.accept[row, d] = _learnt(
+                self.accept[row, d], self.judged[row, d], hit, self.smoothing
+            )
 
     def timed(self, width: int, verify_s: float, draft_s: float) -> None:  # noqa: D102
         self.costs.record(width, verify_s, draft_s)
@@ -392,8 +392,9 @@ class AcceptanceMemory:
         """The target judged a node at `depth` (0: the first) and accepted it or not."""
         if depth < self.depths:
             self.judged[depth] += 1
-            step = max(self.smoothing, 1.0 / (self.judged[depth] + 2))
-            self.accept[depth] += step * (float(hit) - self.accept[depth])
+            self.accept[depth] = _learnt(
+                self.accept[depth], self.judged[depth], hit, self.smoothing
+            )
 
 
 @dataclass
@@ -740,6 +741,16 @@ def _idle_rounds(until: list[int], active: np.ndarray, played: int) -> int:
     after = played + 1  # the next round
     waits = [u - after if u else 0 for u, on in zip(until, active.tolist(), strict=True) if on]
     return max(min(waits, default=0), FIRST_PLAIN_ROUNDS if after == 1 else 0)
+
+
+def _learnt(estimate: float, judged: int, hit: bool, smoothing: float) -> float:
+    """`estimate` after its `judged`-th verdict.
+
+    The mean of a Beta prior of weight 2 (the estimate it started from) and the evidence,
+    until the moving average's weight `smoothing` is reached; then that moving average.
+    """
+    step = max(smoothing, 1.0 / (judged + 2))
+    return estimate + step * (float(hit) - estimate)
 
 
 def _affordable_interval(probe: float, budget: float) -> int:

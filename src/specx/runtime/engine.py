@@ -25,10 +25,10 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from specx.artifact import Manifest, load_manifest
 from specx.errors import GenerationError
@@ -85,6 +85,23 @@ class Speculation:
 # Sampling settings an engine remembers `AskingMemory` and `AcceptanceMemory` for at once (a
 # server's clients may send any temperature); past it the engine starts over.
 ASKING_SETTINGS = 256
+
+
+def _setting(sampling: SamplingParams) -> tuple:
+    """What a request's sampling setting is for what the engine remembers: the seed aside."""
+    return sampling.temperature, sampling.top_k, sampling.top_p
+
+
+Remembered = TypeVar("Remembered")
+
+
+def _remembered(
+    store: dict[tuple, Remembered], key: tuple, make: Callable[[], Remembered]
+) -> Remembered:
+    """`store[key]`, made if absent; a store full of `ASKING_SETTINGS` starts over."""
+    if key not in store and len(store) >= ASKING_SETTINGS:
+        store.clear()  # bounded, whatever settings clients send
+    return store.setdefault(key, make())
 
 
 @dataclass(frozen=True)
@@ -542,11 +559,8 @@ class Engine:
         Per sampling setting (the seed aside): whether drafts pay depends on it. Outlives
         `reset_drafters`, like the round costs: it is learnt from the target's verdicts.
         """
-        key = (plan.key, batch, sampling.temperature, sampling.top_k, sampling.top_p)
         with self._pool_lock:
-            if key not in self._asking and len(self._asking) >= ASKING_SETTINGS:
-                self._asking.clear()  # bounded, whatever settings clients send: start over
-            return self._asking.setdefault(key, AskingMemory())
+            return _remembered(self._asking, (plan.key, batch, *_setting(sampling)), AskingMemory)
 
     def acceptance_memory(self, plan: DraftPlan, sampling: SamplingParams) -> AcceptanceMemory:
         """The acceptance `plan`'s requests at this sampling setting learn and start from.
@@ -554,11 +568,8 @@ class Engine:
         Per sampling setting (the seed aside), not per batch size: a draft's acceptance
         is the target's verdict on each sequence. Outlives `reset_drafters`.
         """
-        key = (plan.key, sampling.temperature, sampling.top_k, sampling.top_p)
         with self._pool_lock:
-            if key not in self._acceptance and len(self._acceptance) >= ASKING_SETTINGS:
-                self._acceptance.clear()  # bounded, as `asking_memory`
-            return self._acceptance.setdefault(key, AcceptanceMemory())
+            return _remembered(self._acceptance, (plan.key, *_setting(sampling)), AcceptanceMemory)
 
     def reset_drafters(self) -> None:
         """Drops the pooled drafters that learn across requests, and what they learnt.
