@@ -29,7 +29,7 @@ from specx.graphs.weight_only import (
     WeightOnlyQuantizePass,
     quantize_rtn,
 )
-from specx.runtime.calibrated import chains_only
+from specx.runtime.calibrated import row_exact
 from specx.runtime.drafters import DrafterOptions, make_drafter
 from specx.runtime.drafters.tree_search import DynamicTree, StaticTree
 from specx.runtime.ort_target import OrtTarget, load_session
@@ -154,7 +154,7 @@ def test_the_int4_build_is_recorded_with_its_method(int4, artifacts):
     assert record["symmetric"] is False and record["accuracy_level"] == 4  # int4: zero points
     assert record["output_projection_bits"] == 4 and record["greedy_identity"] == "chains"
     assert record["output_projection_rescored_top_k"] == 16
-    assert chains_only(manifest)
+    assert row_exact(manifest)
     graph = onnx.load(
         manifest.path(manifest.build.graphs["target"].file), load_external_data=False
     ).graph
@@ -214,7 +214,6 @@ def test_chain_speculation_equals_plain_on_the_int4_build(
     target = OrtTarget(load_manifest(request.getfixturevalue(build)), threads=2)
     spec = "ngram" if drafter == "ngram" else f"draft-model:{draft_artifacts['llama']}"
     making = make_drafter(spec, target, DrafterOptions(num_draft_tokens=4))
-    assert making.drafts_chains
     prompts = REPEATING + [rng.integers(1, 500, 9).tolist()]
     accepted = 0
     for batch in (1, 3):
@@ -387,7 +386,7 @@ def test_a_draft_only_build_quantizes_the_head_and_keeps_the_float_target(
     record = manifest.build.quantization
     assert record["scope"] == "draft" and "greedy_identity" not in record
     assert set(record["quantized_matmuls"]) == {"draft_head"}
-    assert not chains_only(manifest)  # the target is float: trees keep greedy identity
+    assert not row_exact(manifest)  # the target is float: every logit is exact
 
     def ops(name: str) -> list[str]:
         path = manifest.path(manifest.build.graphs[name].file)

@@ -23,8 +23,9 @@ Steps, all on this machine and the artifact's default build:
 The model narrows hundreds of trees to a handful; measuring the handful keeps what the
 model misses (per-round bookkeeping, rank correlations across depths) out of the choice.
 
-On a build that keeps only chains identical to plain decoding (INT8, see
-`specx.runtime.calibrated.chains_only`), every chain is a candidate and no tree is.
+On a build whose greedy identity rests on row invariance (INT8, int4 / int8 weight-only,
+OpenVINO; `specx.runtime.calibrated.row_exact`) greedy trees are verified through their
+spine (`specx.runtime.spine`), which the timed candidates include: trees stay candidates.
 
 Acceptance is measured under the rule the loop applies at the calibrated sampling
 setting: greedy verification by default; with `temperature` > 0 (and `top_p`) every run,
@@ -58,7 +59,7 @@ from specx.calibration.tree_selection import RankedTree, best_trees, chain_expec
 from specx.errors import CalibrationError, SpecxError
 from specx.manifest_types import CalibratedSampling, CalibrationEntry, DynamicChoice, TreeChoice
 from specx.runtime.backends import build_name, open_decoder
-from specx.runtime.calibrated import calibration_key, chains_only, choice_shape
+from specx.runtime.calibrated import calibration_key, choice_shape, row_exact
 from specx.runtime.decoder_backend import DecoderBackend
 from specx.runtime.drafters import DrafterOptions, make_drafter
 from specx.runtime.drafters.tree_search import DynamicTree, StaticTree
@@ -191,10 +192,7 @@ def calibrate_artifact(
         drafting = (chain_cost if chain else cost)(depth_, nodes)
         return curve(nodes + 1) + max(overhead, 0.0) + drafting
 
-    # On a build that keeps only chains identical to plain decoding (INT8), trees are not
-    # candidates: the choice must stay lossless.
-    restricted = chains_only(manifest)
-    trees = best_trees(p, target.max_tree_tokens - 1) if top_k > 1 and not restricted else []
+    trees = best_trees(p, target.max_tree_tokens - 1) if top_k > 1 else []
     scored = [
         (predicted_speedup(t.expected_accepted, round_seconds(t.depth, t.nodes), plain_s), t)
         for t in trees
@@ -203,7 +201,7 @@ def calibrate_artifact(
         (predicted_speedup(chain_expected(p, n), round_seconds(n, n, chain=True), plain_s), n)
         for n in range(1, depth + 1)
     ]
-    candidates = _candidates(scored, chains, p, spec, every_chain=restricted)
+    candidates = _candidates(scored, chains, p, spec)
     progress(f"[5/5] measuring {len(candidates)} candidates, then the batch curve")
     measured = []
     for candidate in candidates:
@@ -248,7 +246,7 @@ def calibrate_artifact(
             for s, t in scored
         ],
         "chains": [{"length": n, "predicted_speedup": s} for s, n in chains],
-        "chains_only": restricted,
+        "spine_only": sampling.greedy and row_exact(manifest),
     }
     entry = _entry(choice, batch_curve, sampling, report)
     key = calibration_key(spec.partition(":")[0], sampling)
@@ -449,17 +447,16 @@ def _candidates(
     chains: list[tuple[float, int]],
     p: np.ndarray,
     spec: str,
-    every_chain: bool = False,
 ) -> list[TreeChoice]:
     """The shapes the model ranks best, to be measured.
 
-    The three best static trees, the two best chains (every chain for n-gram or
-    `every_chain`), and EAGLE-2 parameters from the best tree where the drafter grows
-    dynamic trees. A shape that is a chain is measured once, as a chain.
+    The three best static trees, the two best chains (every chain for n-gram), and EAGLE-2
+    parameters from the best tree where the drafter grows dynamic trees. A shape that is a
+    chain is measured once, as a chain.
     """
     candidates = []
     chain_lengths = [n for _, n in sorted(chains, reverse=True)]
-    lengths = set(chain_lengths if spec == "ngram" or every_chain else chain_lengths[:2])
+    lengths = set(chain_lengths if spec == "ngram" else chain_lengths[:2])
     for speedup, tree in sorted(scored, key=lambda item: -item[0])[:3]:
         if tree.nodes == tree.depth:  # a chain: measured once, as one
             lengths.add(tree.nodes)

@@ -23,7 +23,7 @@ __all__ = [
     "CalibratedChoice",
     "calibrated_choice",
     "calibration_key",
-    "chains_only",
+    "row_exact",
     "choice_shape",
     "greedy_identity",
 ]
@@ -126,12 +126,12 @@ def greedy_identity(manifest: Manifest) -> str:
     return "all" if build is None else build.greedy_identity
 
 
-def chains_only(manifest: Manifest) -> bool:
-    """True when the default build keeps greedy speculation identical to plain for chains only.
+def row_exact(manifest: Manifest) -> bool:
+    """True when the default build keeps greedy speculation identical to plain by rows alone.
 
-    An INT8 build (`specx quantize`) computes a token's logits bit-identically whether it
-    comes alone or in a verify chunk, but a tree's accepted path sits at other cache slots
-    than the same tokens in plain decoding, and the attention sums it changes by a last bit
-    can flip an int8 activation (`specx.graphs.row_invariance`). Chains do not move.
+    An INT8 or int8-compute build (greedy identity "chains") computes a token's logits
+    bit-identically alone or in a verify chunk while its keys sit where plain decoding puts
+    them: chains as they are, trees only along their spine. Greedy decoding there verifies
+    trees through their spine (`specx.runtime.spine`).
     """
     return greedy_identity(manifest) == "chains"

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from specx.runtime.calibrated import row_exact
 from specx.runtime.controller import Controller, truncated
 from specx.runtime.decoder_backend import DecoderBackend, StepOutput
 from specx.runtime.drafters.base import Drafter, prepare_drafter
@@ -38,9 +39,16 @@ from specx.runtime.metrics import AcceptanceStats
 from specx.runtime.plain_decoding import TokenSink, check_prompts, prefill
 from specx.runtime.prefix_cache import PrefixCache
 from specx.runtime.sampling import SamplingParams, next_tokens, sampling_probs
-from specx.runtime.speculative_decoding import EMPTY_DRAFT, depth_of, scratch_of, verify_inputs
+from specx.runtime.speculative_decoding import (
+    EMPTY_DRAFT,
+    accept,
+    depth_of,
+    scratch_of,
+    verify_inputs,
+)
+from specx.runtime.spine import Arranged, arrange, settle
 from specx.runtime.trees import DraftTree
-from specx.runtime.verification import RandomCoin, verify
+from specx.runtime.verification import RandomCoin, Verdict, verify
 
 __all__ = ["BatchSequence", "ContinuousBatch"]
 
@@ -62,6 +70,7 @@ class BatchSequence:
     drafted: int = 0  # draft nodes the target verified
     finished: bool = False
     prepared: bool = False  # its drafter's deferred prefill ran (`Drafter.prepare`)
+    carry: list[int] = field(default_factory=list)  # provisional tokens (`specx.runtime.spine`)
 
     def __post_init__(self) -> None:
         self.history = list(self.prompt)
@@ -95,6 +104,8 @@ class ContinuousBatch:
         self._views: dict[int, KVCache] = {}
         self.draft_s = self.verify_s = 0.0
         self.rounds = 0
+        # Greedy rows verify trees through their spine here (`specx.runtime.spine`).
+        self.spine_only = row_exact(target.manifest)
 
     @property
     def running(self) -> int:
@@ -167,17 +178,17 @@ class ContinuousBatch:
         high = max(i for i, row in enumerate(self.rows) if row is not None) + 1
         rows = self.rows[:high]
         tick = time.perf_counter()
-        proposed, drafts, prepare_s = self._draft(rows)
+        proposed, trees, prepare_s = self._draft(rows)
         tock = time.perf_counter()
         self.draft_s += prepare_s
         tick += prepare_s  # a drafter's deferred prefill is not this round's drafting cost
         cache = self._view(high)
         roots = np.array([r.history[-1] if r else 0 for r in rows], dtype=np.int64)
         lengths = np.array([cache.lengths[i] if r else 0 for i, r in enumerate(rows)])
-        output, width = self._forward(cache, roots, drafts, lengths)
+        output, width = self._forward(cache, roots, [t.tree for t in trees], lengths)
         for b, row in enumerate(rows):
             if row is not None:
-                self._commit(b, row, output, lengths[b], proposed[b], drafts[b])
+                self._commit(b, row, output, lengths[b], proposed[b], trees[b])
         verified = time.perf_counter()
         self.draft_s += tock - tick
         self.verify_s += verified - tock
@@ -202,8 +213,11 @@ class ContinuousBatch:
 
     def _draft(
         self, rows: list[BatchSequence | None]
-    ) -> tuple[list[DraftTree], list[DraftTree], float]:
-        """Each running sequence's proposal, the prefix it keeps, and the prefills' seconds.
+    ) -> tuple[list[DraftTree], list[Arranged], float]:
+        """Each running sequence's proposal, the tree it verifies, and the prefills' seconds.
+
+        The tree: the prefix of the proposal it keeps or, for a greedy row where only the
+        spine is exact, that prefix spine first under the row's carried tokens.
 
         The seconds: drafters' deferred prefills (`Drafter.prepare`, once per sequence).
 
@@ -214,6 +228,7 @@ class ContinuousBatch:
         """
         proposed = [EMPTY_DRAFT] * len(rows)
         kept = [EMPTY_DRAFT] * len(rows)
+        trees = [Arranged.as_drafted(EMPTY_DRAFT)] * len(rows)
         running = self.running
         lengths = [int(self.cache.lengths[b]) for b, row in enumerate(rows) if row is not None]
         room = self.cache.capacity - max(lengths) - 1  # nodes past the root that fit every row
@@ -222,6 +237,7 @@ class ContinuousBatch:
             if row is None or row.drafter is None or room < 1:
                 continue
             if row.max_batch_spec is not None and running > row.max_batch_spec:
+                row.carry = []  # a plain step moves past the point it was carried for
                 continue
             active = np.ones(1, dtype=bool)
             size = min(row.drafter.max_nodes, room)
@@ -240,26 +256,33 @@ class ContinuousBatch:
                 kept[b] = truncated(proposed[b], size)
                 if row.controller is not None:
                     kept[b] = row.controller.keep([kept[b]])[0]
-        return proposed, kept, prepare_s
+            if self.spine_only and row.sampling.greedy:
+                trees[b] = arrange(row.carry, kept[b], min(row.drafter.max_nodes, room))
+            else:
+                trees[b] = Arranged.as_drafted(kept[b])
+        return proposed, trees, prepare_s
 
-    def _commit(self, b, row: BatchSequence, output, length, proposed, draft) -> None:
+    def _commit(self, b, row: BatchSequence, output, length, proposed, tree: Arranged) -> None:
         """Verifies row b's tree under its own sampling, keeps the path, emits the tokens."""
+        draft = tree.tree
         logits = output.logits[b, : 1 + len(draft)]
         greedy = row.sampling.greedy
         probs = logits if greedy else sampling_probs(logits, row.sampling)
-        verdict = verify(probs, draft, row.coin, greedy)
+        spine_only = self.spine_only and greedy
+        settled = settle(verify(probs, draft, row.coin, greedy), tree, spine_only)
+        verdict: Verdict = settled.verdict
+        row.carry = settled.carry
         path = np.array([0] + [i + 1 for i in verdict.accepted])
         self.cache.keep_path(b, int(length), path)
         self.cache.lengths[b] = length + len(path)
         if row.drafter is not None:
             taps = None if output.taps is None else output.taps[b, path]
-            row.drafter.accept(0, proposed, verdict.accepted, taps)
+            accept(row.drafter, 0, proposed, settled, taps)
         count = row.emit(verdict.emitted(draft))
-        row.drafted += len(draft)
-        depth = depth_of(draft)
-        row.stats.record(depth, min(len(verdict.accepted), count - 1))
+        row.drafted += len(tree.draft)
+        row.stats.record(depth_of(draft), min(len(verdict.accepted), count - 1))
         if row.controller is not None:
-            row.controller.observe(0, depth, verdict.accepted)
+            row.controller.observe(0, depth_of(tree.draft), settled.judged)
 
     def _release(self) -> list[BatchSequence]:
         done = []

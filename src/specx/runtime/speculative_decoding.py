@@ -8,6 +8,10 @@ For every sequence of the batch, each round:
    one more token, so the output distribution is exactly the target's;
 4. the accepted path's KV rows are moved next to the prefix (rejected rows become
    stale slots past the sequence length) and the drafter is told what was accepted.
+
+Greedy decoding on a build whose identity rests on row invariance (quantized builds) verifies
+every tree spine first and decides only on exact logits (`specx.runtime.spine`): tokens a
+round accepted off the spine are carried into the next round's tree and verified there.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from specx.errors import GenerationError
+from specx.runtime.calibrated import row_exact
 from specx.runtime.controller import Controller
 from specx.runtime.decoder_backend import DecoderBackend
 from specx.runtime.drafters.base import Drafter, prepare_drafter
@@ -35,6 +40,7 @@ from specx.runtime.plain_decoding import (
     prefill,
 )
 from specx.runtime.sampling import SamplingParams, next_tokens, sampling_probs
+from specx.runtime.spine import Arranged, Settled, arrange, settle
 from specx.runtime.trees import (
     DraftTree,
     TreeError,
@@ -47,6 +53,7 @@ from specx.runtime.verification import Coin, RandomCoin, Verdict, verify
 
 __all__ = [
     "EMPTY_DRAFT",
+    "accept",
     "RoundObserver",
     "Verifier",
     "depth_of",
@@ -169,8 +176,12 @@ def generate_speculative(
     active = np.array([not (e[-1] in eos or max_new_tokens <= 1) for e in emitted])
     if sink is not None:
         active &= [sink(b, list(e)) for b, e in enumerate(emitted)]
+    # Rows' provisional tokens (`specx.runtime.spine`), where only the spine is exact.
+    carries: list[list[int]] | None = None
+    if sampling.greedy and row_exact(target.manifest):
+        carries = [[] for _ in range(batch)]
     loop = _Loop(target, drafter, cache, histories, emitted, active, sampling, rng, coin, eos,
-                 max_new_tokens, stats, sink, verifier, observer, controller)  # fmt: skip
+                 max_new_tokens, stats, sink, verifier, observer, controller, carries)  # fmt: skip
     draft_s = verify_s = 0.0
     forwards = 0
     prepared = False  # the drafter's deferred prefill ran (`prepare_drafter`)
@@ -202,15 +213,18 @@ def generate_speculative(
                 budget = int(sizes.max())
                 proposed = drafter.propose(histories, drafting, sampling, rng, budget=budget)
                 drafts = controller.keep(proposed)
+        arranged = _arranged(loop, drafts)
         tock = time.perf_counter()
-        if drafts is None or not any(len(d) for d in drafts):
+        if arranged is not None:
+            width = _verify_round(loop, proposed or [EMPTY_DRAFT] * batch, arranged)
+        elif drafts is None or not any(len(d) for d in drafts):
             # No row drafts (the controller's choice, or no n-gram match anywhere): a decode
             # step, through the target's bound buffers rather than a one-token verify.
             width = 1
             _plain_round(loop, tried=drafting if drafts is not None else None)
         else:
             assert proposed is not None  # drafts come from the proposal
-            width = _verify_round(loop, proposed, drafts)
+            width = _verify_round(loop, proposed, [Arranged.as_drafted(d) for d in drafts])
         verified = time.perf_counter()
         draft_s += tock - tick
         verify_s += verified - tock
@@ -266,6 +280,7 @@ class _Loop:
     verifier: Verifier
     observer: RoundObserver | None
     controller: Controller | None
+    carries: list[list[int]] | None  # provisional tokens per row; None: every logit is exact
 
     def emit(self, row: int, tokens: Sequence[int]) -> int:
         """Appends a round's tokens to a row until eos or the budget; returns how many."""
@@ -282,35 +297,58 @@ class _Loop:
         return count
 
 
-def _verify_round(loop: _Loop, proposed: list[DraftTree], drafts: list[DraftTree]) -> int:
-    """Verifies every row's draft in one target forward; returns the forward's width."""
+def _arranged(loop: _Loop, drafts: list[DraftTree] | None) -> list[Arranged] | None:
+    """Each row's tree, spine first under its carried tokens, where only the spine is exact.
+
+    `specx.runtime.spine`. None elsewhere, and for a round with neither (a plain step).
+    """
+    carries = loop.carries
+    if carries is None:
+        return None
+    rows = np.flatnonzero(loop.active).tolist()
+    drafts = drafts or [EMPTY_DRAFT] * len(loop.active)
+    if not any(carries[b] or len(drafts[b]) for b in rows):
+        return None
+    limit = loop.drafter.max_nodes
+    return [
+        arrange(carries[b], drafts[b], limit) if b in rows else Arranged.as_drafted(EMPTY_DRAFT)
+        for b in range(len(drafts))
+    ]
+
+
+def _verify_round(loop: _Loop, proposed: list[DraftTree], arranged: list[Arranged]) -> int:
+    """Verifies every row's tree in one target forward; returns the forward's width."""
     target, cache, active = loop.target, loop.cache, loop.active
     roots = np.array([h[-1] for h in loop.histories], dtype=np.int64)
     # Finished sequences still ride along in the batch; their rows go to slot 0 on.
     lengths = np.where(active, cache.lengths, 0)
-    input_ids, positions, mask = verify_inputs(roots, drafts, lengths, target.vocab_size)
+    trees = [a.tree for a in arranged]
+    input_ids, positions, mask = verify_inputs(roots, trees, lengths, target.vocab_size)
     output = target.forward(cache, input_ids, positions, mask, lengths)
     greedy = loop.sampling.greedy
     for b in np.flatnonzero(active).tolist():
-        draft = drafts[b]
-        logits = output.logits[b, : 1 + len(draft)]
+        tree, draft = trees[b], arranged[b].draft
+        logits = output.logits[b, : 1 + len(tree)]
         # Only the verify tokens of this row, never the padding, go through the transform.
         probs = logits if greedy else sampling_probs(logits, loop.sampling)
-        verdict = loop.verifier(probs, draft, loop.coin, greedy)
-        if loop.observer is not None:
-            loop.observer(int(b), draft, verdict)
+        settled = settle(
+            loop.verifier(probs, tree, loop.coin, greedy), arranged[b], loop.carries is not None
+        )
+        verdict = settled.verdict
+        if loop.observer is not None:  # what the drafter's own draft achieved
+            loop.observer(int(b), draft, Verdict(settled.judged, verdict.next_token))
+        if loop.carries is not None:
+            loop.carries[b] = settled.carry
         path = np.array([0] + [i + 1 for i in verdict.accepted])
         cache.keep_path(b, int(lengths[b]), path)
         cache.lengths[b] = lengths[b] + len(path)
         path_taps = None if output.taps is None else output.taps[b, path]
-        # The drafter's own tree: a kept prefix has the same node indices.
-        loop.drafter.accept(b, proposed[b], verdict.accepted, path_taps)
-        count = loop.emit(b, verdict.emitted(draft))
+        accept(loop.drafter, b, proposed[b], settled, path_taps)
+        count = loop.emit(b, verdict.emitted(tree))
         # Accepted tokens cut off by eos or the token budget are not counted.
-        depth = depth_of(draft)
-        loop.stats[b].record(depth, min(len(verdict.accepted), count - 1))
+        loop.stats[b].record(depth_of(tree), min(len(verdict.accepted), count - 1))
         if loop.controller is not None:
-            loop.controller.observe(int(b), depth, verdict.accepted)
+            loop.controller.observe(int(b), depth_of(draft), settled.judged)
     return input_ids.shape[1]
 
 
@@ -378,6 +416,9 @@ def _plain_stretch(loop: _Loop, rounds: int, progress: Progress | None) -> tuple
         if progress is not None:
             progress(sum(len(e) for e in loop.emitted), int((~active).sum()))
         rows = np.flatnonzero(active)
+    if loop.carries is not None:  # provisional tokens of a point the stretch moved past
+        for b in started:
+            loop.carries[b] = []
     row_steps = 0
     for b, emitted in zip(started, before, strict=True):
         count = len(loop.emitted[b]) - emitted
@@ -388,6 +429,20 @@ def _plain_stretch(loop: _Loop, rounds: int, progress: Progress | None) -> tuple
 
 
 EMPTY_DRAFT = DraftTree.empty()
+
+
+def accept(
+    drafter: Drafter, row: int, proposed: DraftTree, settled: Settled, taps: np.ndarray | None
+) -> None:
+    """Tells the drafter what its row kept.
+
+    Nodes of its own tree (a kept prefix has the same indices) or, where the path ran through
+    carried tokens it did not draft, only the taps (its catch-up, as after a plain stretch).
+    """
+    if settled.drafted is None:
+        drafter.accept(row, EMPTY_DRAFT, [], taps)
+    else:
+        drafter.accept(row, proposed, settled.drafted, taps)
 
 
 def depth_of(draft: DraftTree) -> int:

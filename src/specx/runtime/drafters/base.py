@@ -25,7 +25,6 @@ class Drafter(Protocol):
     max_nodes: int  # the most draft nodes proposed for one sequence in one round
     taps: str  # the target taps it reads: "none", "last" or "eagle3"
     scratch_slots: int  # KV slots its own model writes past the history while drafting
-    drafts_chains: bool  # every proposal is a chain: at most one child per node
     # Proposing costs microseconds and every draft is deterministic, best first, with
     # confidences: a controller trims the whole draft (`ConfidenceController`) rather than
     # asking for a size before it. Optional: absent means False.

@@ -9,7 +9,7 @@ import numpy as np
 from specx.errors import SpecxError
 from specx.runtime.decoder_backend import DecoderBackend
 from specx.runtime.drafters.node_slots import NodeSlots
-from specx.runtime.drafters.tree_search import TreeShape, grow, is_chain_shape, within
+from specx.runtime.drafters.tree_search import TreeShape, grow, within
 from specx.runtime.kv_cache import KVCache
 from specx.runtime.sampling import SamplingParams
 from specx.runtime.trees import DraftTree
@@ -69,7 +69,6 @@ class DraftModelDrafter:
         self.shape = shape
         self.iid_siblings = iid_siblings
         self.max_nodes = shape.max_nodes
-        self.drafts_chains = is_chain_shape(shape)
         self.scratch_slots = shape.forwarded_nodes
         self.cache: KVCache | None = None
         self.slots = NodeSlots(np.zeros(0))

@@ -24,7 +24,6 @@ from specx.runtime.drafters.tree_search import (
     StaticTree,
     TreeShape,
     grow,
-    is_chain_shape,
     within,
 )
 from specx.runtime.sampling import SamplingParams
@@ -61,7 +60,6 @@ class FeatureHeadDrafter:
         self.target_vocab = manifest.model.vocab_size
         self.shape = shape
         self.max_nodes = shape.max_nodes
-        self.drafts_chains = is_chain_shape(shape)
         self.scratch_slots = shape.forwarded_nodes
         if isinstance(shape, DynamicTree):
             self.pool_size = shape.top_k + shape.depth * shape.top_k**2

@@ -14,7 +14,7 @@ import numpy as np
 from specx.artifact import Manifest
 from specx.errors import ArtifactError
 from specx.runtime.backends import open_stateless
-from specx.runtime.drafters.tree_search import StaticTree, TreeShape, grow, is_chain_shape
+from specx.runtime.drafters.tree_search import StaticTree, TreeShape, grow
 from specx.runtime.sampling import SamplingParams
 from specx.runtime.trees import DraftTree, TreeError, depths
 
@@ -59,7 +59,6 @@ class MedusaDrafter:
         self.heads = open_stateless(manifest, spec.graph, threads)
         self.shape = shape
         self.max_nodes = shape.max_nodes
-        self.drafts_chains = is_chain_shape(shape)
 
     def start(self, prompts: Sequence[Sequence[int]], capacity: int, taps) -> None:  # noqa: D102
         self.last_feature = np.stack([t[-1] for t in taps])

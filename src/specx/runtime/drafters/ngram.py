@@ -129,7 +129,6 @@ class NGramDrafter:
                 f"{num_draft_tokens}, {min_n}, {max_n}, {max_matches}"
             )
         self.max_nodes = num_draft_tokens
-        self.drafts_chains = max_matches == 1
         self.min_n, self.max_n, self.max_matches = min_n, max_n, max_matches
         self._indexes: list[NGramIndex] = []
 

@@ -169,7 +169,6 @@ class SuffixDrafter:
     name = "suffix"
     taps = "none"
     scratch_slots = 0
-    drafts_chains = False
     sizes_own_drafts = True
     learns_across_requests = True  # the shared trie
 

@@ -121,15 +121,6 @@ def within(shape: TreeShape, budget: int | None) -> TreeShape:
     return StaticTree.chain(max(budget, 1))
 
 
-def is_chain_shape(shape: TreeShape) -> bool:
-    """True when every node of the shape has at most one child (a chain of draft tokens)."""
-    if isinstance(shape, DynamicTree):
-        return shape.top_k == 1
-    return bool(
-        np.array_equal(shape.parents, np.arange(len(shape.parents)) - 1) and not shape.ranks.any()
-    )
-
-
 def parse_tree_spec(spec: str) -> TreeShape:
     """`chain:K`, `dynamic:TOTAL,DEPTH,TOPK`, `static:FILE` or a JSON choice list."""
     import json
