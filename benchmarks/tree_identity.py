@@ -11,7 +11,11 @@ identical by row invariance (docs/builds.md).
         [--new-tokens 96] [--shapes "chain:4;dynamic:16,8,2;dynamic:16,5,4;dynamic:32,6,4"]
         [--out benchmarks/results/tree_identity.json]
 
-Timing plays no part, so it may share the machine with other work.
+Timing plays no part there, so it may share the machine with other work. `--timed N` instead
+times each shape against the build's plain decoding (fastest of N per prompt, interleaved
+prompt by prompt, the head's whole tree every round, a fresh drafter every run; decode and
+total ms/token, tau, the target's verify per width inside the loop and the drafting time per
+round): run it on a quiet machine.
 """
 
 from __future__ import annotations
@@ -67,6 +71,37 @@ def measure(engine, prompts, new_tokens: int, shape: str, plain: list[list[int]]
     }
 
 
+def timed(artifact: Path, build: str, prompts, new_tokens: int, shapes, repeats, threads) -> dict:
+    """Each shape against plain decoding on `build`, interleaved (see the module docstring)."""
+    from edge import _fresh
+    from runners import SpecxPlain, SpecxSpeculative, calls_ms, interleave
+
+    from specx.artifact import load_manifest
+    from specx.runtime.backends import open_decoder
+
+    target = open_decoder(load_manifest(artifact).with_build(build), threads=threads)
+    runners = {"plain": SpecxPlain(artifact, build, threads)}
+    runners |= {s: SpecxSpeculative(target, _fresh("eagle3", target, s)) for s in shapes}
+    summaries = interleave(runners, prompts, new_tokens, repeats)
+    plain = summaries["plain"].report(new_tokens)
+    out = {"plain": plain | {"step_ms": calls_ms(runners["plain"].calls).get(1)}}
+    for shape in shapes:
+        runner = runners[shape]
+        report = summaries[shape].report(new_tokens)
+        stats = list(runner.stats.values())
+        rounds = sum(s.acceptance.rounds for s in stats)
+        out[shape] = report | {
+            "decode_speedup": plain["decode_ms_per_token"] / report["decode_ms_per_token"],
+            "total_speedup": plain["total_ms_per_token"] / report["total_ms_per_token"],
+            "acceptance_length": sum(s.acceptance.acceptance_length for s in stats) / len(stats),
+            "draft_ms_per_round": 1e3 * sum(s.draft_s for s in stats) / rounds,
+            "verify_ms_by_width": calls_ms(runner.calls),
+            "identical": summaries[shape].tokens == summaries["plain"].tokens,
+        }
+        log(f"{build} {shape}: {out[shape]}")
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("artifact", type=Path)
@@ -75,6 +110,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=96)
     parser.add_argument("--shapes", default=SHAPES)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--timed", type=int, default=0, help="time, fastest of N (0: count)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/tree_identity.json"))
     args = parser.parse_args()
 
@@ -93,6 +129,14 @@ def main() -> None:
     for build in args.builds.split(","):
         engine = specx.load(args.artifact, threads=args.threads, build=build)
         prompts = prompts_for(engine.tokenizer, args.prompts)
+        if args.timed:
+            shapes = args.shapes.split(";")
+            results["builds"][build] = timed(
+                args.artifact, build, prompts, args.new_tokens, shapes, args.timed, args.threads
+            )
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(results, indent=1) + "\n")
+            continue
         log(f"{build}: plain decoding of {len(prompts)} prompts x {args.new_tokens} tokens")
         plain = [
             engine.generate(p, max_new_tokens=args.new_tokens, ignore_eos=True).tokens

@@ -255,6 +255,9 @@ def test_on_an_int8_build_trees_are_candidates_and_verified_through_their_spine(
         artifact, PROMPTS, CalibrationOptions(**{**FAST.__dict__, "drafter": drafter})
     )
     assert entry.report["spine_only"] and entry.report["trees_by_budget"]
+    # the build's verify curve, for the controller's prices (`RoundCosts`)
+    assert entry.verify_shape is not None and entry.verify_shape.build == "ort-int8"
+    assert entry.verify_shape.tokens[0] == 1 and entry.verify_shape.relative[0] == 1.0
     labels = [c["label"] for c in entry.choice.measured["candidates"]]
     assert any(not label.startswith("chain") for label in labels), labels
 

@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import itertools
 import math
+import shutil
+from dataclasses import replace
 
 import numpy as np
 import pytest
 
 from conftest import HEAD_VOCAB
 from cost_curves import FixedCurve
-from specx.artifact import load_manifest
+from specx.artifact import load_manifest, manifest_body, write_manifest
+from specx.manifest_types import CalibratedSampling, CalibrationEntry, TreeChoice, VerifyShape
+from specx.runtime.backends import build_name
 from specx.runtime.controller import (
     AcceptanceMemory,
     AdaptiveController,
@@ -279,6 +283,35 @@ def test_a_stretch_of_plain_steps_prices_the_plain_step_from_then_on():
     costs.record_stretch(0.9)
     costs.record_stretch(0.7)
     assert costs.verify(1) == pytest.approx(0.7)
+
+
+def test_widths_not_timed_are_priced_on_the_builds_calibrated_curve():
+    """A steep build (ONNX Runtime int4 on 2 cores) prices a wide verify dear before timing it."""
+    steep = VerifyShape("ort-int4", (1, 2, 4, 8), (1.0, 1.2, 1.5, 2.3))
+    costs, guessed = RoundCosts(shape=steep), RoundCosts()
+    for each in (costs, guessed):
+        each.record(1, 1.0, 0.0)
+    assert costs.verify(8) == pytest.approx(2.3) and guessed.verify(8) == pytest.approx(1.35)
+    costs.record(4, 1.8, 0.1)  # timed widths still win, the curve only extends them
+    assert costs.verify(4) == 1.8 and costs.verify(8) == pytest.approx(1.8 * 2.3 / 1.5)
+
+
+def test_an_engine_prices_batch_1_on_a_calibration_of_its_own_build(artifacts, tmp_path):
+    artifact = shutil.copytree(artifacts["llama"], tmp_path / "artifact")
+    manifest = load_manifest(artifact)
+    entry = CalibrationEntry(
+        TreeChoice("chain 3", "chain", chain_length=3), 1, 1.3, CalibratedSampling()
+    )
+    own = build_name(manifest)
+    for build, expected in (("ort-int4", None), (own, (1, 4))):
+        shape = VerifyShape(build, (1, 4), (1.0, 1.6))
+        calibrated = manifest.with_calibration("ngram", replace(entry, verify_shape=shape))
+        write_manifest(artifact, manifest_body(calibrated))
+        engine = load(artifact, threads=2)
+        plan = engine.plan(Speculation("ngram"), SamplingParams())
+        priced = engine.round_costs(plan, 1).shape
+        assert getattr(priced, "tokens", None) == expected, build  # another build's: not used
+        assert not isinstance(engine.round_costs(plan, 2).shape, VerifyShape)  # measured at 1
 
 
 def test_an_engine_shares_round_costs_per_plan_and_batch(artifacts):

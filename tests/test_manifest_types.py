@@ -24,6 +24,7 @@ from specx.manifest_types import (
     TapSpec,
     TensorSpec,
     TreeChoice,
+    VerifyShape,
 )
 
 CHAIN_3 = {"tree": "chain", "chain_length": 3, "label": "chain 3"}
@@ -210,6 +211,29 @@ def test_a_calibration_entry_reads_back_what_it_writes():
     written = json.loads(json.dumps(entry.to_json()))
     assert written["drafter"] == "eagle3" and written["sampling"]["temperature"] == 0.7
     assert CalibrationEntry.from_json("calibration.eagle3", written) == entry
+    shaped = CalibrationEntry(STATIC, 2, 1.4, CalibratedSampling(), report, CURVE)
+    written = json.loads(json.dumps(shaped.to_json()))
+    assert written["verify_shape"]["build"] == "ort-int4" and "verify_shape" not in report
+    assert CalibrationEntry.from_json("calibration.eagle3", written) == shaped
+
+
+CURVE = VerifyShape("ort-int4", (1, 2, 4, 8), (1.0, 1.2, 1.5, 2.3))
+
+
+def test_a_verify_shape_interpolates_and_extends_its_last_slope():
+    assert CURVE(1) == 1.0 and CURVE(4) == 1.5
+    assert CURVE(3) == pytest.approx(1.35) and CURVE(6) == pytest.approx(1.9)
+    assert CURVE(12) == pytest.approx(2.3 + 4 * 0.2)  # past 8 on the 4 -> 8 slope
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [{"build": "b", "tokens": [2, 4], "relative": [1.0, 1.1]}, {"build": "b", "tokens": [1, 2]}],
+)
+def test_a_malformed_verify_shape_is_named(shape):
+    entry = CalibrationEntry(STATIC, 2, 1.4, CalibratedSampling()).to_json()
+    with pytest.raises(ArtifactError, match=r"calibration\.eagle3 is malformed"):
+        CalibrationEntry.from_json("calibration.eagle3", {**entry, "verify_shape": shape})
 
 
 def test_optional_fields_at_their_defaults_are_left_out():

@@ -41,6 +41,7 @@ __all__ = [
     "TapSpec",
     "TensorSpec",
     "TreeChoice",
+    "VerifyShape",
 ]
 
 Json = Mapping[str, Any]
@@ -383,7 +384,46 @@ class CalibratedSampling:
         return dataclasses.asdict(self)
 
 
-_ENTRY_FIELDS = ("choice", "max_batch_spec", "expected_speedup", "sampling")
+@dataclass(frozen=True)
+class VerifyShape:
+    """A build's verify forward of n tokens per row relative to its one-token step.
+
+    t(n) / t(1) at batch 1, as `specx calibrate` measured it on `build`: what a controller
+    prices a width it has not timed by (ONNX Runtime's int4 build grows ~17% a token on a
+    2-core CPU, OpenVINO's ~3%; benchmarks/README.md, edge.py).
+    """
+
+    build: str
+    tokens: tuple[int, ...]  # widths measured, ascending, the first 1
+    relative: tuple[float, ...]  # t(n) / t(1) at each
+
+    @classmethod
+    def from_json(cls, data: Json) -> VerifyShape:  # noqa: D102
+        shape = cls(
+            str(data["build"]), tuple(map(int, data["tokens"])), tuple(map(float, data["relative"]))
+        )
+        if len(shape.tokens) != len(shape.relative) or shape.tokens[:1] != (1,):
+            raise ValueError(f"tokens {shape.tokens} must start at 1, one relative time each")
+        return shape
+
+    def to_json(self) -> dict[str, Any]:  # noqa: D102
+        return {"build": self.build, "tokens": list(self.tokens), "relative": list(self.relative)}
+
+    def __call__(self, width: int) -> float:
+        """t(width) / t(1): interpolated, and past the widest measured on its last slope."""
+        tokens, relative = self.tokens, self.relative
+        if width >= tokens[-1]:
+            slope = 0.0
+            if len(tokens) > 1:
+                slope = (relative[-1] - relative[-2]) / (tokens[-1] - tokens[-2])
+            return relative[-1] + slope * (width - tokens[-1])
+        upper = next(i for i, n in enumerate(tokens) if n > width)
+        low, high = tokens[upper - 1], tokens[upper]
+        share = (width - low) / (high - low)
+        return relative[upper - 1] + share * (relative[upper] - relative[upper - 1])
+
+
+_ENTRY_FIELDS = ("choice", "max_batch_spec", "expected_speedup", "sampling", "verify_shape")
 
 
 @dataclass(frozen=True)
@@ -397,6 +437,7 @@ class CalibrationEntry:
     # The measurements behind the choice, for people and reports: the drafter spec, how and
     # where it was measured, acceptance, costs, the trees and chains ranked, batch curve.
     report: Json = field(default_factory=dict)
+    verify_shape: VerifyShape | None = None  # None: recorded before calibrate measured it
 
     @classmethod
     def from_json(cls, where: str, data: Any) -> CalibrationEntry:
@@ -414,7 +455,8 @@ class CalibrationEntry:
                 int(d["max_batch_spec"]),
                 float(d["expected_speedup"]),
                 sampling,
-                _rest(d, _ENTRY_FIELDS),  # last: `d` is an object once the fields above read
+                _rest(d, _ENTRY_FIELDS),  # `d` is an object once the fields above read
+                VerifyShape.from_json(d["verify_shape"]) if "verify_shape" in d else None,
             ),
             data,
         )
@@ -426,6 +468,7 @@ class CalibrationEntry:
             "max_batch_spec": self.max_batch_spec,
             "expected_speedup": self.expected_speedup,
             "sampling": self.sampling.to_json(),
+            **_present(verify_shape=self.verify_shape and self.verify_shape.to_json()),
         }
 
 

@@ -57,7 +57,13 @@ from specx.calibration.costs import DraftCost, fit_draft_cost, measure_verify_cu
 from specx.calibration.timing import measure_speedup
 from specx.calibration.tree_selection import RankedTree, best_trees, chain_expected
 from specx.errors import CalibrationError, SpecxError
-from specx.manifest_types import CalibratedSampling, CalibrationEntry, DynamicChoice, TreeChoice
+from specx.manifest_types import (
+    CalibratedSampling,
+    CalibrationEntry,
+    DynamicChoice,
+    TreeChoice,
+    VerifyShape,
+)
 from specx.runtime.backends import build_name, open_decoder
 from specx.runtime.calibrated import calibration_key, choice_shape, row_exact
 from specx.runtime.decoder_backend import DecoderBackend
@@ -248,7 +254,9 @@ def calibrate_artifact(
         "chains": [{"length": n, "predicted_speedup": s} for s, n in chains],
         "spine_only": sampling.greedy and row_exact(manifest),
     }
-    entry = _entry(choice, batch_curve, sampling, report)
+    relative = tuple(s / curve.seconds[0] for s in curve.seconds)
+    verify = VerifyShape(build_name(manifest), curve.tokens, relative)
+    entry = _entry(choice, batch_curve, sampling, report, verify)
     key = calibration_key(spec.partition(":")[0], sampling)
     write_manifest(manifest.root, manifest_body(manifest.with_calibration(key, entry)))
     progress(
@@ -300,9 +308,16 @@ def _calibrate_budget(manifest, target, spec, prompts, options, sampling, progre
 
 
 def _entry(
-    choice: TreeChoice, batch_curve: list[dict[str, Any]], sampling: SamplingParams, report: dict
+    choice: TreeChoice,
+    batch_curve: list[dict[str, Any]],
+    sampling: SamplingParams,
+    report: dict,
+    verify: VerifyShape | None = None,
 ) -> CalibrationEntry:
-    """The manifest entry: the choice, the largest batch it pays at, what was measured."""
+    """The manifest entry: the choice, the largest batch it pays at, what was measured.
+
+    `verify`: the build's verify curve, where calibration measured one.
+    """
     max_batch_spec = _max_batch_spec(batch_curve)
     return CalibrationEntry(
         choice,
@@ -310,6 +325,7 @@ def _entry(
         _speedup(choice) if max_batch_spec else 1.0,  # speculation off: plain decoding's speed
         CalibratedSampling(sampling.temperature, sampling.top_p),
         {**report, "batch_curve": batch_curve},
+        verify,
     )
 
 

@@ -14,7 +14,8 @@ from typing import Any
 
 from specx.artifact import MANIFEST_NAME, Manifest
 from specx.errors import ArtifactError
-from specx.manifest_types import CalibratedSampling, TreeChoice
+from specx.manifest_types import CalibratedSampling, TreeChoice, VerifyShape
+from specx.runtime.backends import build_name
 from specx.runtime.drafters.tree_search import DynamicTree, StaticTree, TreeShape
 from specx.runtime.sampling import SamplingParams
 from specx.runtime.trees import TreeError
@@ -24,6 +25,7 @@ __all__ = [
     "calibrated_choice",
     "calibration_key",
     "row_exact",
+    "verify_shape",
     "choice_shape",
     "greedy_identity",
 ]
@@ -135,3 +137,14 @@ def row_exact(manifest: Manifest) -> bool:
     trees through their spine (`specx.runtime.spine`).
     """
     return greedy_identity(manifest) == "chains"
+
+
+def verify_shape(manifest: Manifest) -> VerifyShape | None:
+    """The default build's verify curve t(n) / t(1) as a calibration measured it there.
+
+    Any drafter's entry will do (the curve is the target's); one measured on another build
+    is not this build's and is not used.
+    """
+    build = build_name(manifest)
+    shapes = (manifest.calibration(key).verify_shape for key in manifest.calibration_keys)
+    return next((s for s in shapes if s is not None and s.build == build), None)

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import accumulate
 from typing import Protocol
@@ -797,9 +798,11 @@ class RoundCosts:
     """Round time as a function of the draft size k, learnt from the loop's own rounds.
 
     T(k) = verify(1 + k) + draft [k > 0], each a smoothed measurement: verify(n) at the
-    widths timed, a line through the narrowest and widest timed in between, and f(n) = 1 +
-    0.05 (n - 1) scaled to the nearest timed width outside them (in units of a plain step
-    until anything is timed); `draft` the smoothed drafting time of rounds that drafted.
+    widths timed, a line through the narrowest and widest timed in between, and the build's
+    curve f(n) = t(n) / t(1) scaled to the nearest timed width outside them (in units of a
+    plain step until anything is timed); `draft` the smoothed drafting time of rounds that
+    drafted. f is `shape`, the curve a calibration measured on the build (`Engine` passes
+    it at batch 1, where it was measured), else 1 + 0.05 (n - 1).
 
     An engine's requests share one (costs are the machine's), so an estimate may live far
     longer than a request, and the rule only re-times a width it picks: a width priced too
@@ -814,8 +817,15 @@ class RoundCosts:
       it is timed again (a forgotten plain step makes the next request start plain).
     """
 
-    def __init__(self, smoothing: float = 0.2, rise: float = 1.5, horizon: int = 128):
+    def __init__(
+        self,
+        smoothing: float = 0.2,
+        rise: float = 1.5,
+        horizon: int = 128,
+        shape: Callable[[int], float] | None = None,
+    ):
         self.smoothing, self.rise, self.horizon = smoothing, rise, horizon
+        self.shape = shape or _guess  # t(n) / t(1) where nothing timed says otherwise
         self.by_width: dict[int, float] = {}
         self._seen: list[int] = []  # the widths timed, sorted
         self._timed: dict[int, tuple[int, int]] = {}  # width -> (times timed, last round)
@@ -897,16 +907,17 @@ class RoundCosts:
         if width in self.by_width:
             return self.by_width[width]
         if not self.by_width:
-            return _guess(width)
+            return self.shape(width)
         low, high = self._seen[0], self._seen[-1]
         if width < low or low == high:
             near = low if width < low else high
-            return self.by_width[near] * _guess(width) / _guess(near)
+            return self.by_width[near] * self.shape(width) / self.shape(near)
         if width > high:
-            return self.by_width[high] * _guess(width) / _guess(high)
+            return self.by_width[high] * self.shape(width) / self.shape(high)
         slope = (self.by_width[high] - self.by_width[low]) / (high - low)
         return self.by_width[low] + slope * (width - low)
 
 
 def _guess(width: int) -> float:
+    """t(n) / t(1) before anything is timed, where no calibration measured the build's."""
     return 1.0 + 0.05 * (width - 1)

@@ -33,7 +33,12 @@ from typing import Any, Literal, TypeVar
 from specx.artifact import Manifest, load_manifest
 from specx.errors import GenerationError
 from specx.runtime.backends import backend_name, build_name, open_decoder, select_build
-from specx.runtime.calibrated import CalibratedChoice, calibrated_choice, greedy_identity
+from specx.runtime.calibrated import (
+    CalibratedChoice,
+    calibrated_choice,
+    greedy_identity,
+    verify_shape,
+)
 from specx.runtime.chat import ChatTemplate
 from specx.runtime.controller import (
     AcceptanceMemory,
@@ -276,6 +281,7 @@ class Engine:
         # (plan key, batch) -> round costs timed by earlier requests: the machine's, not a
         # request's, so they outlive `reset_drafters`.
         self._round_costs: dict[tuple, RoundCosts] = {}
+        self._verify_shape = verify_shape(manifest)  # the build's calibrated verify curve
         # (plan key, batch, sampling setting) -> when its requests start asking the drafter
         self._asking: dict[tuple, AskingMemory] = {}
         # (plan key, sampling setting) -> what the target accepted of its drafts
@@ -549,8 +555,10 @@ class Engine:
 
     def round_costs(self, plan: DraftPlan, batch: int) -> RoundCosts:
         """The round costs `plan`'s requests of `batch` sequences time and share."""
+        # A calibration's curve of this build prices widths not yet timed; measured at batch 1.
+        shape = self._verify_shape if batch == 1 else None
         with self._pool_lock:
-            return self._round_costs.setdefault((plan.key, batch), RoundCosts())
+            return self._round_costs.setdefault((plan.key, batch), RoundCosts(shape=shape))
 
     def asking_memory(self, plan: DraftPlan, batch: int, sampling: SamplingParams) -> AskingMemory:
         """When `plan`'s requests of `batch` sequences at this sampling setting start asking.

@@ -79,6 +79,8 @@ def arrange(carry: Sequence[int], draft: DraftTree, limit: int) -> Arranged:
     """
     if not carry:
         order = _spine_first(draft.parents.tobytes())
+        if order is None:  # chains, and trees drafted depth first
+            return Arranged.as_drafted(draft)
         tree = DraftTree(draft.tokens[order], _reindexed(draft.parents, order))
         return Arranged(tree, draft, order)
     tokens, parents = list(carry[:limit]), list(range(-1, min(len(carry), limit) - 1))
@@ -97,13 +99,18 @@ def arrange(carry: Sequence[int], draft: DraftTree, limit: int) -> Arranged:
             origin[node] = len(merged)
         merged.append(node)
     order = _spine_first(np.array(parents, dtype=np.int64).tobytes())
+    if order is None:
+        order = np.arange(len(tokens))
     tree = DraftTree(np.array(tokens, np.int64)[order], _reindexed(np.array(parents), order))
     return Arranged(tree, draft, np.array(origin, dtype=np.int64)[order])
 
 
 @functools.lru_cache(maxsize=4096)
-def _spine_first(parents: bytes) -> np.ndarray:
-    """The nodes in depth-first order, each node's children by index (parents as int64)."""
+def _spine_first(parents: bytes) -> np.ndarray | None:
+    """The nodes in depth-first order, each node's children by index (parents as int64).
+
+    None where that is their order already: a round's tree costs no copy then.
+    """
     parent_of = np.frombuffer(parents, np.int64)
     children: dict[int, list[int]] = {}
     for node, parent in enumerate(parent_of.tolist()):
@@ -113,6 +120,8 @@ def _spine_first(parents: bytes) -> np.ndarray:
         node = stack.pop()
         order.append(node)
         stack.extend(reversed(children.get(node, [])))
+    if order == list(range(len(order))):
+        return None
     result = np.array(order, dtype=np.int64)
     result.flags.writeable = False  # shared by every caller
     return result
