@@ -17,11 +17,16 @@ single row on another path than several (at int4 enough to move logits visibly: 
 README.md, edge.py), while rows of chunks of 2 or more come out bit-identical whatever the
 chunk. So a one-token forward runs as two rows (a copy of the token at the next position,
 seeing itself: `_with_pad_row`), its second row's outputs dropped and its key and value never
-written; the cache has one spare slot for it (`KVCache.spare_slots`).
+written; the cache has a spare slot for it (`KVCache.spare_slots`).
 
 OpenVINO prepares its nodes again whenever an input's shape changes, and the mask's width
 (the slots a forward reads) grows by one every decoding step; the mask is padded with
 unseen slots to a multiple of `MASK_QUANTUM`, so its shape changes once per that many tokens.
+That width also decides how attention's sums run, so it must not depend on the cache: a cache
+holds slots to the next multiple of `MASK_QUANTUM` past its capacity (spare, never written).
+Padded only up to the cache's last slot, a token near the end of a short request's cache read
+another width than the same token in a cache with room to spare (a speculative request's
+scratch, a larger token budget), and its keys and values came out other in a last bit.
 """
 
 from __future__ import annotations
@@ -85,9 +90,11 @@ class OvTarget(DecoderBackend):
     def allocate_cache(self, batch: int, capacity: int | None = None) -> KVCache:
         """A zeroed cache for `batch` sequences; capacity defaults to the artifact's."""
         capacity = self.checked_capacity(capacity)
+        spare = -(-(capacity + 1) // MASK_QUANTUM) * MASK_QUANTUM - capacity  # the pad row's too
         return KVCache.allocate(
-            self.num_layers, batch, self.num_kv_heads, capacity, self.head_dim, self.cache_dtype, 1
-        )
+            self.num_layers, batch, self.num_kv_heads, capacity, self.head_dim, self.cache_dtype,
+            spare,
+        )  # fmt: skip
 
     def forward(
         self,
