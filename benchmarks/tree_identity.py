@@ -73,15 +73,20 @@ def measure(engine, prompts, new_tokens: int, shape: str, plain: list[list[int]]
 
 def timed(artifact: Path, build: str, prompts, new_tokens: int, shapes, repeats, threads) -> dict:
     """Each shape against plain decoding on `build`, interleaved (see the module docstring)."""
-    from edge import _fresh
     from runners import SpecxPlain, SpecxSpeculative, calls_ms, interleave
 
     from specx.artifact import load_manifest
     from specx.runtime.backends import open_decoder
+    from specx.runtime.drafters import DrafterOptions, make_drafter
+    from specx.runtime.drafters.tree_search import parse_tree_spec
+
+    def fresh(shape: str):  # a new drafter every run: nothing carries over between runs
+        options = DrafterOptions(tree=parse_tree_spec(shape))
+        return lambda prompt: make_drafter("eagle3", target, options)
 
     target = open_decoder(load_manifest(artifact).with_build(build), threads=threads)
     runners = {"plain": SpecxPlain(artifact, build, threads)}
-    runners |= {s: SpecxSpeculative(target, _fresh("eagle3", target, s)) for s in shapes}
+    runners |= {s: SpecxSpeculative(target, fresh(s)) for s in shapes}
     summaries = interleave(runners, prompts, new_tokens, repeats)
     plain = summaries["plain"].report(new_tokens)
     out = {"plain": plain | {"step_ms": calls_ms(runners["plain"].calls).get(1)}}

@@ -24,10 +24,10 @@ __all__ = [
     "CalibratedChoice",
     "calibrated_choice",
     "calibration_key",
-    "row_exact",
-    "verify_shape",
     "choice_shape",
     "greedy_identity",
+    "row_exact",
+    "verify_shape",
 ]
 
 

@@ -48,7 +48,7 @@ from specx.runtime.speculative_decoding import (
 )
 from specx.runtime.spine import Arranged, arrange, settle
 from specx.runtime.trees import DraftTree
-from specx.runtime.verification import RandomCoin, Verdict, verify
+from specx.runtime.verification import RandomCoin, verify
 
 __all__ = ["BatchSequence", "ContinuousBatch"]
 
@@ -264,13 +264,13 @@ class ContinuousBatch:
 
     def _commit(self, b, row: BatchSequence, output, length, proposed, tree: Arranged) -> None:
         """Verifies row b's tree under its own sampling, keeps the path, emits the tokens."""
-        draft = tree.tree
-        logits = output.logits[b, : 1 + len(draft)]
+        verified = tree.tree
+        logits = output.logits[b, : 1 + len(verified)]
         greedy = row.sampling.greedy
         probs = logits if greedy else sampling_probs(logits, row.sampling)
         spine_only = self.spine_only and greedy
-        settled = settle(verify(probs, draft, row.coin, greedy), tree, spine_only)
-        verdict: Verdict = settled.verdict
+        settled = settle(verify(probs, verified, row.coin, greedy), tree, spine_only)
+        verdict = settled.verdict
         row.carry = settled.carry
         path = np.array([0] + [i + 1 for i in verdict.accepted])
         self.cache.keep_path(b, int(length), path)
@@ -278,9 +278,9 @@ class ContinuousBatch:
         if row.drafter is not None:
             taps = None if output.taps is None else output.taps[b, path]
             accept(row.drafter, 0, proposed, settled, taps)
-        count = row.emit(verdict.emitted(draft))
+        count = row.emit(verdict.emitted(verified))
         row.drafted += len(tree.draft)
-        row.stats.record(depth_of(draft), min(len(verdict.accepted), count - 1))
+        row.stats.record(depth_of(verified), min(len(verdict.accepted), count - 1))
         if row.controller is not None:
             row.controller.observe(0, depth_of(tree.draft), settled.judged)
 

@@ -215,16 +215,13 @@ def generate_speculative(
                 drafts = controller.keep(proposed)
         arranged = _arranged(loop, drafts)
         tock = time.perf_counter()
-        if arranged is not None:
-            width = _verify_round(loop, proposed or [EMPTY_DRAFT] * batch, arranged)
-        elif drafts is None or not any(len(d) for d in drafts):
+        if arranged is None:
             # No row drafts (the controller's choice, or no n-gram match anywhere): a decode
             # step, through the target's bound buffers rather than a one-token verify.
             width = 1
             _plain_round(loop, tried=drafting if drafts is not None else None)
         else:
-            assert proposed is not None  # drafts come from the proposal
-            width = _verify_round(loop, proposed, [Arranged.as_drafted(d) for d in drafts])
+            width = _verify_round(loop, proposed or [EMPTY_DRAFT] * batch, arranged)
         verified = time.perf_counter()
         draft_s += tock - tick
         verify_s += verified - tock
@@ -298,17 +295,18 @@ class _Loop:
 
 
 def _arranged(loop: _Loop, drafts: list[DraftTree] | None) -> list[Arranged] | None:
-    """Each row's tree, spine first under its carried tokens, where only the spine is exact.
+    """What each row verifies this round; None for a plain round (no draft, nothing carried).
 
-    `specx.runtime.spine`. None elsewhere, and for a round with neither (a plain step).
+    Where only the spine is exact, each row's tree spine first under its carried tokens
+    (`specx.runtime.spine`); elsewhere the drafts as they are.
     """
     carries = loop.carries
-    if carries is None:
-        return None
-    rows = np.flatnonzero(loop.active).tolist()
     drafts = drafts or [EMPTY_DRAFT] * len(loop.active)
-    if not any(carries[b] or len(drafts[b]) for b in rows):
+    rows = set(np.flatnonzero(loop.active).tolist())
+    if not any(len(drafts[b]) or (carries is not None and carries[b]) for b in rows):
         return None
+    if carries is None:
+        return [Arranged.as_drafted(d) for d in drafts]
     limit = loop.drafter.max_nodes
     return [
         arrange(carries[b], drafts[b], limit) if b in rows else Arranged.as_drafted(EMPTY_DRAFT)
