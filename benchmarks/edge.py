@@ -6,8 +6,10 @@ the committed pyref-7m drafters widened with it. Every runner decodes the same p
 stubs and held-out stdlib files, as the suite) for exactly `--new-tokens` tokens at batch 1,
 interleaved prompt by prompt, fastest of `--repeats` per prompt (benchmarks/runners.py);
 decode ms/token (every token after the first) and TTFT (the prompt's forward and the first
-token) are reported apart. Drafters start fresh for every run (a suffix drafter that saw
-the prompt's earlier run would draft its own output); OpenVINO's prefix caching is off.
+token) are reported apart. A drafter that learns across requests (suffix) starts fresh for
+every run (having seen the prompt's earlier run, it would draft its own output); the others are
+made once and reused, as `specx.Engine` pools them (runners.SpecxSpeculative); OpenVINO's
+prefix caching is off.
 
 - specx: `specx export` + `specx build --precision int4` (the default int4 build) of
   pyref-1b with each head (eagle3, eagle, mtp, medusa; chains of 2, 3 and 4: int4 keeps
@@ -275,8 +277,8 @@ def prepare(
     return Prepared(specx, genai, openvino, eagle3, taps, heads)
 
 
-def _fresh(kind: str, target, tree: str) -> Callable:
-    """A drafter factory: a new drafter for every run."""
+def _factory(kind: str, target, tree: str) -> Callable:
+    """A drafter factory (runners.SpecxSpeculative decides when it makes a new one)."""
     from specx.runtime.drafters import DrafterOptions, make_drafter
     from specx.runtime.drafters.tree_search import parse_tree_spec
 
@@ -294,15 +296,15 @@ def specx_runners(prepared: Prepared, threads: int, sampling, chains=CHAINS) -> 
     plain = target("plain")
     runners = {"specx plain": SpecxPlain(prepared.specx["plain"], "ort-int4", threads, sampling)}
     if sampling is None:
-        runners["specx ngram"] = SpecxSpeculative(plain, _fresh("ngram", plain, ""), sampling)
-        runners["specx suffix"] = SpecxSpeculative(plain, _fresh("suffix", plain, ""), sampling)
+        runners["specx ngram"] = SpecxSpeculative(plain, _factory("ngram", plain, ""), sampling)
+        runners["specx suffix"] = SpecxSpeculative(plain, _factory("suffix", plain, ""), sampling)
     draft_spec = f"draft-model:{prepared.specx['draft']}"
     for kind in (*HEADS, "draft-model"):
         verifier = plain if kind == "draft-model" else target(kind)
         spec = draft_spec if kind == "draft-model" else kind
         for n in chains:
             runners[f"specx {kind} chain {n}"] = SpecxSpeculative(
-                verifier, _fresh(spec, verifier, f"chain:{n}"), sampling
+                verifier, _factory(spec, verifier, f"chain:{n}"), sampling
             )
     return runners
 
@@ -318,12 +320,12 @@ def specx_openvino_runners(prepared: Prepared, threads: int, sampling, chains=CH
     plain = target("plain")
     runners = {"specx-ov plain": SpecxPlain(prepared.specx["plain"], OV_BUILD, threads, sampling)}
     if sampling is None:
-        runners["specx-ov ngram"] = SpecxSpeculative(plain, _fresh("ngram", plain, ""), sampling)
+        runners["specx-ov ngram"] = SpecxSpeculative(plain, _factory("ngram", plain, ""), sampling)
     for kind in OV_ARTIFACTS[1:]:
         verifier = target(kind)
         for n in chains:
             runners[f"specx-ov {kind} chain {n}"] = SpecxSpeculative(
-                verifier, _fresh(kind, verifier, f"chain:{n}"), sampling
+                verifier, _factory(kind, verifier, f"chain:{n}"), sampling
             )
     return runners
 
@@ -363,13 +365,58 @@ def acceptance(runner: SpecxSpeculative) -> dict:
         weight = sum(a.rounds for a in rows)
         by_position.append(sum(a.acceptance_by_position[d] * a.rounds for a in rows) / weight)
     draft = sum(s.draft_s for s in runner.stats.values())
+    prefill = sum(s.draft_prefill_s for s in runner.stats.values())
     verify = sum(s.verify_s for s in runner.stats.values())
     return {
         "acceptance_length": emitted / rounds,
         "acceptance_by_position": by_position,
         "draft_ms_per_round": 1e3 * draft / rounds,
         "verify_ms_per_round": 1e3 * verify / rounds,
+        # A head's prefill of the prompt, once per request before its first draft.
+        "draft_prefill_ms_per_request": 1e3 * prefill / len(runs),
     }
+
+
+def round_in_steps(row: dict, chain: int, step_ms: float) -> dict:
+    """A chain row's round priced in the build's one-token target call inside the loop
+    (`step_ms`): the drafting per head step (c) and the whole round (draft + verify)."""
+    return {
+        "draft_c_per_step": row["draft_ms_per_round"] / chain / step_ms,
+        "round_target_steps": (row["draft_ms_per_round"] + row["verify_ms_per_round"]) / step_ms,
+    }
+
+
+def streamed_mb(graph: Path) -> float:
+    """Megabytes of weights one call of a graph streams: every initializer a MatMul,
+    MatMulNBits or Gemm takes past its input (codes, scales, zero points). An embedding's
+    gathered row and a rescored top-k's rows are read a few rows at a time: not counted."""
+    import onnx
+
+    model = onnx.load(graph, load_external_data=False)
+    size = {
+        t.name: int(np.prod(t.dims)) * onnx.helper.tensor_dtype_to_np_dtype(t.data_type).itemsize
+        for t in model.graph.initializer
+    }
+    weights = {
+        name
+        for node in model.graph.node
+        if node.op_type in ("MatMul", "MatMulNBits", "Gemm")
+        for name in node.input[1:]
+        if name in size
+    }
+    return sum(size[name] for name in weights) / 1e6
+
+
+def bytes_floor(artifact: Path) -> dict:
+    """The head's weights streamed per draft step against the target's per decode step (the
+    ONNX Runtime int4 build's graphs; the OpenVINO build holds the same int4 codes): the
+    draft cost c a step would have if both streamed their bytes at one rate."""
+    from specx.artifact import load_manifest
+
+    manifest = load_manifest(artifact).with_build("ort-int4")
+    head, target = (streamed_mb(manifest.path(manifest.runtime_graph(g).file))
+                    for g in ("draft_head", "target"))  # fmt: skip
+    return {"head_mb": head, "target_mb": target, "c_floor": head / target}
 
 
 def section(name: str, runners: dict, prompts, args, curves: dict) -> dict:
@@ -381,6 +428,7 @@ def section(name: str, runners: dict, prompts, args, curves: dict) -> dict:
     log(f"{name}: {len(runners)} runners x {len(prompts)} prompts x {args.repeats} repeats")
     summaries = interleave(runners, prompts, args.new_tokens, args.repeats)
     rows = {n: s.report(args.new_tokens) for n, s in summaries.items()}
+    loop = in_loop_costs(runners)
     for runner_name, runner in runners.items():
         row = rows[runner_name]
         row["ttft_ms"] = row.pop("prefill_ms")
@@ -393,7 +441,9 @@ def section(name: str, runners: dict, prompts, args, curves: dict) -> dict:
             # in width: their measured verify time per round stands in.
             verify_ms = row["verify_ms_per_round"]
             if "chain" in runner_name:
-                verify_ms = 1e3 * curve(int(runner_name.rsplit(" ", 1)[-1]) + 1)
+                chain = int(runner_name.rsplit(" ", 1)[-1])
+                verify_ms = 1e3 * curve(chain + 1)
+                row.update(round_in_steps(row, chain, loop[family][1]))
             row["bound_vs_its_plain"] = (
                 row["acceptance_length"] * plain / (verify_ms + row["draft_ms_per_round"])
             )
@@ -403,7 +453,6 @@ def section(name: str, runners: dict, prompts, args, curves: dict) -> dict:
             same = summaries[runner_name].tokens == summaries[f"{family} plain"].tokens
             row["identical_to_its_plain"] = same
     peers = {n: r for n, r in rows.items() if not n.startswith("specx")}
-    loop = in_loop_costs(runners)
     fastest_peer = min(peers, key=lambda n: peers[n]["decode_ms_per_token"])
     fastest_ttft = min(r["ttft_ms"] for r in peers.values())
     best = min(
@@ -458,8 +507,9 @@ def markdown(report: dict) -> str:
                 for side, costs in result["target_ms_per_call_in_loop"].items()
             )
             + "\n",
-            "| runner | decode ms/token | TTFT ms | tau | acceptance by position | of bound |",
-            "|---|---|---|---|---|---|",
+            "| runner | decode ms/token | TTFT ms | tau | acceptance by position | of bound "
+            "| c per step | round (steps) |",
+            "|---|---|---|---|---|---|---|---|",
         ]
         for runner, row in sorted(
             result["rows"].items(), key=lambda r: r[1]["decode_ms_per_token"]
@@ -467,9 +517,11 @@ def markdown(report: dict) -> str:
             tau = f"{row['acceptance_length']:.2f}" if "acceptance_length" in row else ""
             positions = ", ".join(f"{a:.2f}" for a in row.get("acceptance_by_position", []))
             bound = f"{row['of_bound']:.0%}" if "of_bound" in row else ""
+            c = f"{row['draft_c_per_step']:.3f}" if "draft_c_per_step" in row else ""
+            steps = f"{row['round_target_steps']:.2f}" if "round_target_steps" in row else ""
             lines.append(
                 f"| {runner} | {row['decode_ms_per_token']:.2f} | {row['ttft_ms']:.0f} | {tau} "
-                f"| {positions} | {bound} |"
+                f"| {positions} | {bound} | {c} | {steps} |"
             )
     return "\n".join(lines)
 
@@ -523,6 +575,7 @@ def main() -> None:
         "repeats": args.repeats,
         "machine": {"platform": platform.platform(), "threads": args.threads},
         "openvino_eagle3_taps": list(prepared.eagle3_taps),
+        "eagle3_bytes_floor": bytes_floor(prepared.specx["eagle3"]),
         "heads": {
             kind: "int4-distilled" if head.parent.name == "heads-int4" else "fp32-distilled"
             for kind, head in prepared.heads.items()

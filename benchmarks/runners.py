@@ -98,19 +98,35 @@ class SpecxPlain:
 
 
 class SpecxSpeculative:
-    """specx speculative decoding; `drafter(prompt)` makes a fresh drafter per run."""
+    """specx speculative decoding; `drafter(prompt)` makes a drafter.
+
+    A drafter that learns across requests (suffix drafting's trie) is made fresh for every
+    run, or a repeated prompt would be drafted from its own earlier output. One that does
+    not (heads, draft models, n-gram) is made once and reused, as `Engine` pools it: a fresh
+    one opens new ONNX Runtime sessions every run, whose first calls (the head's prefill,
+    the first draft) run slower than any later call, a cost no served request pays.
+    """
 
     def __init__(self, target, drafter: Callable, sampling=None):
         self.target, self.drafter, self.sampling = target, drafter, sampling
         self.stats: dict[tuple[int, ...], SpeculativeStats] = {}  # per prompt, its last run
         self.calls: list[tuple[int, float]] = []  # TimedForwards
+        self._kept = None  # the reused drafter, once made, when it does not learn
+
+    def _drafter(self, prompt: Sequence[int]):
+        if self._kept is not None:
+            return self._kept
+        drafter = self.drafter(prompt)
+        if not drafter.learns_across_requests:
+            self._kept = drafter
+        return drafter
 
     def __call__(self, prompt: Sequence[int], new_tokens: int) -> Timing:  # noqa: D102
         from specx.runtime.speculative_decoding import generate_speculative
 
         target = TimedForwards(self.target, self.calls)
         result = generate_speculative(
-            target, self.drafter(prompt), [list(prompt)], new_tokens, self.sampling
+            target, self._drafter(prompt), [list(prompt)], new_tokens, self.sampling
         )
         assert result.stats.speculative is not None  # no max_batch_spec: it speculated
         self.stats[tuple(prompt)] = result.stats.speculative

@@ -13,9 +13,9 @@ identical by row invariance (docs/builds.md).
 
 Timing plays no part there, so it may share the machine with other work. `--timed N` instead
 times each shape against the build's plain decoding (fastest of N per prompt, interleaved
-prompt by prompt, the head's whole tree every round, a fresh drafter every run; decode and
-total ms/token, tau, the target's verify per width inside the loop and the drafting time per
-round): run it on a quiet machine.
+prompt by prompt, the head's whole tree every round, the drafter reused as `Engine` pools it;
+decode and total ms/token, tau, the target's verify per width inside the loop, the drafting
+time per round and the head's prefill per request apart): run it on a quiet machine.
 """
 
 from __future__ import annotations
@@ -27,6 +27,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
 
@@ -80,13 +82,13 @@ def timed(artifact: Path, build: str, prompts, new_tokens: int, shapes, repeats,
     from specx.runtime.drafters import DrafterOptions, make_drafter
     from specx.runtime.drafters.tree_search import parse_tree_spec
 
-    def fresh(shape: str):  # a new drafter every run: nothing carries over between runs
+    def factory(shape: str):  # made once: a head learns nothing across requests
         options = DrafterOptions(tree=parse_tree_spec(shape))
         return lambda prompt: make_drafter("eagle3", target, options)
 
     target = open_decoder(load_manifest(artifact).with_build(build), threads=threads)
     runners = {"plain": SpecxPlain(artifact, build, threads)}
-    runners |= {s: SpecxSpeculative(target, fresh(s)) for s in shapes}
+    runners |= {s: SpecxSpeculative(target, factory(s)) for s in shapes}
     summaries = interleave(runners, prompts, new_tokens, repeats)
     plain = summaries["plain"].report(new_tokens)
     out = {"plain": plain | {"step_ms": calls_ms(runners["plain"].calls).get(1)}}
@@ -100,6 +102,7 @@ def timed(artifact: Path, build: str, prompts, new_tokens: int, shapes, repeats,
             "total_speedup": plain["total_ms_per_token"] / report["total_ms_per_token"],
             "acceptance_length": sum(s.acceptance.acceptance_length for s in stats) / len(stats),
             "draft_ms_per_round": 1e3 * sum(s.draft_s for s in stats) / rounds,
+            "draft_prefill_ms_per_request": 1e3 * np.mean([s.draft_prefill_s for s in stats]),
             "verify_ms_by_width": calls_ms(runner.calls),
             "identical": summaries[shape].tokens == summaries["plain"].tokens,
         }

@@ -251,7 +251,8 @@ def test_prepare_leaves_the_first_proposal_as_without_it(name, tree, head_artifa
 def test_prepare_runs_once_before_the_first_proposal_outside_the_rounds_timing(head_artifacts):
     """Both loops (a static batch, continuous batching) call a drafter's deferred prefill
     once per request, before its first proposal, and keep its time out of what the
-    controller is told a round's drafting cost."""
+    controller is told a round's drafting cost and out of the rounds' drafting time in the
+    stats, which report it apart."""
     import time
 
     from specx.runtime.continuous import BatchSequence, ContinuousBatch
@@ -292,6 +293,8 @@ def test_prepare_runs_once_before_the_first_proposal_outside_the_rounds_timing(h
     assert result.tokens == generate_plain(target, prompts, 12).tokens
     assert calls[0] == "prepare" and calls.count("prepare") == 1 and "propose" in calls
     assert controller.draft_times and max(controller.draft_times) < slow
+    spec = result.stats.speculative
+    assert spec is not None and spec.draft_prefill_s >= slow > spec.draft_s
 
     batch, rows = ContinuousBatch(target, 2), []
     for prompt in prompts:
@@ -308,3 +311,4 @@ def test_prepare_runs_once_before_the_first_proposal_outside_the_rounds_timing(h
         assert row.emitted == generate_plain(target, [row.prompt], 12).tokens[0]
         assert calls[0] == "prepare" and calls.count("prepare") == 1 and "propose" in calls
         assert controller.draft_times and max(controller.draft_times) < slow
+    assert batch.draft_prefill_s >= 2 * slow > batch.draft_s

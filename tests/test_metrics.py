@@ -23,6 +23,7 @@ FAMILIES = [
             ("accepted_tokens_total", "counter"),
             ("acceptance_length", "gauge"),
             ("draft_seconds_total", "counter"),
+            ("draft_prefill_seconds_total", "counter"),
             ("verify_seconds_total", "counter"),
             ("round_seconds_total", "counter"),
             ("queue_wait_seconds_total", "counter"),
@@ -47,8 +48,8 @@ def _busy() -> Metrics:
     metrics.request("/v1/completions", 200)
     metrics.request("/v1/chat/completions", 400)
     metrics.admitted(0.25)
-    metrics.round(2, 0.5, 0.125, 0.25)
-    metrics.round(1, 0.5, 0.125, 0.25)
+    metrics.round(2, 0.5, 0.125, 0.0625, 0.25)
+    metrics.round(1, 0.5, 0.125, 0.0, 0.25)
     for reason, prompt, tokens, accepted, by_position in [
         ("stop", 5, 3, 3, [1.0, 0.5]),
         ("length", 7, 2, 0, [0.0]),
@@ -98,6 +99,7 @@ def test_the_exposition_keeps_every_family_name_label_and_type():
         "specx_accepted_tokens_total": 3,
         "specx_acceptance_length": 1.75,  # (4 rounds + 3 accepted) / 4 rounds
         "specx_draft_seconds_total": 0.25,
+        "specx_draft_prefill_seconds_total": 0.0625,
         "specx_verify_seconds_total": 0.5,
         "specx_round_seconds_total": 1.0,
         "specx_queue_wait_seconds_total": 0.25,

@@ -58,6 +58,7 @@ def test_speculative_run_json_keeps_its_keys_and_order():
     speculative = SpeculativeStats(
         drafter="ngram",
         draft_s=0.25,
+        draft_prefill_s=0.125,
         verify_s=1.5,
         acceptance=AcceptanceStats.merge(rows).summary(),
         controller=ControllerSummary("adaptive", {0: 1, 2: 2}),
@@ -67,7 +68,8 @@ def test_speculative_run_json_keeps_its_keys_and_order():
     out = run.to_json()
     assert list(out) == [
         *("mode", "drafter", "batch", "prompt_tokens", "new_tokens", "prefill_s"),
-        *("draft_s", "verify_s", "target_forwards", "decode_s", "total_s", "tokens_per_s"),
+        *("draft_s", "draft_prefill_s", "verify_s", "target_forwards", "decode_s", "total_s"),
+        "tokens_per_s",
         *("ms_per_token", "ms_per_step", "rounds", "rounds_with_draft", "acceptance_length"),
         *("accepted_tokens", "acceptance_by_position", "conditional_acceptance_by_position"),
         *("controller", "sizes_chosen", "per_request"),

@@ -103,6 +103,7 @@ class ContinuousBatch:
         self.rows: list[BatchSequence | None] = [None] * slots
         self._views: dict[int, KVCache] = {}
         self.draft_s = self.verify_s = 0.0
+        self.draft_prefill_s = 0.0  # drafters' deferred prompt prefills, apart from rounds
         self.rounds = 0
         # Greedy rows verify trees through their spine here (`specx.runtime.spine`).
         self.spine_only = row_exact(target.manifest)
@@ -180,7 +181,7 @@ class ContinuousBatch:
         tick = time.perf_counter()
         proposed, trees, prepare_s = self._draft(rows)
         tock = time.perf_counter()
-        self.draft_s += prepare_s
+        self.draft_prefill_s += prepare_s
         tick += prepare_s  # a drafter's deferred prefill is not this round's drafting cost
         cache = self._view(high)
         roots = np.array([r.history[-1] if r else 0 for r in rows], dtype=np.int64)

@@ -118,6 +118,9 @@ class SpeculativeStats:
 
     drafter: str
     draft_s: float  # proposing, over every round
+    # The drafter's deferred prefill of the prompt (`Drafter.prepare`, once per request): a
+    # cost of the request, like the target's prefill, not of any round.
+    draft_prefill_s: float
     verify_s: float  # the rounds' target forwards (verify forwards and plain steps)
     acceptance: AcceptanceSummary  # every row's rounds, merged
     controller: ControllerSummary | None  # None: every draft kept whole
@@ -193,7 +196,11 @@ class RunStats:
             "prefill_s": self.prefill_s,
         }
         if spec is not None:
-            out |= {"draft_s": spec.draft_s, "verify_s": spec.verify_s}
+            out |= {
+                "draft_s": spec.draft_s,
+                "draft_prefill_s": spec.draft_prefill_s,
+                "verify_s": spec.verify_s,
+            }
         out |= {
             "target_forwards": self.target_forwards,
             "decode_s": self.decode_s,

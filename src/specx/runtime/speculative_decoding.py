@@ -182,7 +182,7 @@ def generate_speculative(
         carries = [[] for _ in range(batch)]
     loop = _Loop(target, drafter, cache, histories, emitted, active, sampling, rng, coin, eos,
                  max_new_tokens, stats, sink, verifier, observer, controller, carries)  # fmt: skip
-    draft_s = verify_s = 0.0
+    draft_s = draft_prefill_s = verify_s = 0.0
     forwards = 0
     prepared = False  # the drafter's deferred prefill ran (`prepare_drafter`)
     if controller is not None:
@@ -205,7 +205,7 @@ def generate_speculative(
         if drafting.any():
             if not prepared:  # once, and not this round's drafting cost
                 spent, prepared = prepare_drafter(drafter, histories), True
-                draft_s += spent
+                draft_prefill_s += spent
                 tick += spent
             if controller is None or sizes is None:  # no controller: a drafter may take no budget
                 proposed = drafts = drafter.propose(histories, drafting, sampling, rng)
@@ -235,6 +235,7 @@ def generate_speculative(
     speculative = SpeculativeStats(
         drafter=drafter.name,
         draft_s=draft_s,
+        draft_prefill_s=draft_prefill_s,
         verify_s=verify_s,
         acceptance=AcceptanceStats.merge(stats).summary(),
         # controller.py's summary is a dict: typed here, at the loop's boundary.

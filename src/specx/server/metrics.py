@@ -42,7 +42,8 @@ class Metrics(Collector):
         self.rounds = self.drafted = self.accepted = 0
         self.position_hits: defaultdict[int, float] = defaultdict(float)  # depth d -> summed rates
         self.position_seen: Counter = Counter()
-        self.draft_s = self.verify_s = self.round_s = self.queue_wait_s = 0.0
+        self.draft_s = self.draft_prefill_s = self.verify_s = self.round_s = 0.0
+        self.queue_wait_s = 0.0
         self.batch_rounds = self.batch_rows = 0  # for the mean occupancy
         self.queue_depth = self.running = self.slots = 0
         self.prefix_cache: PrefixCache | None = None  # its own counters, read at scrape
@@ -57,13 +58,16 @@ class Metrics(Collector):
         with self._lock:
             self.queue_wait_s += waited_s
 
-    def round(self, running: int, round_s: float, draft_s: float, verify_s: float) -> None:  # noqa: D102
+    def round(  # noqa: D102
+        self, running: int, round_s: float, draft_s: float, draft_prefill_s: float, verify_s: float
+    ) -> None:
         with self._lock:
             self.running = running
             self.batch_rounds += 1
             self.batch_rows += running
             self.round_s += round_s
             self.draft_s += draft_s
+            self.draft_prefill_s += draft_prefill_s
             self.verify_s += verify_s
 
     def finished(self, done: Finished) -> None:  # noqa: D102
@@ -119,7 +123,9 @@ class Metrics(Collector):
             ("accepted_tokens_total", "counter", "Draft tokens accepted", self.accepted),
             ("acceptance_length", "gauge", "Mean tokens per round (bonus counted)",
              (self.rounds + self.accepted) / self.rounds if self.rounds else 0.0),
-            ("draft_seconds_total", "counter", "Time drafting", self.draft_s),
+            ("draft_seconds_total", "counter", "Time drafting in rounds", self.draft_s),
+            ("draft_prefill_seconds_total", "counter", "Time drafters prefilled prompts",
+             self.draft_prefill_s),
             ("verify_seconds_total", "counter", "Time in verify forwards", self.verify_s),
             ("round_seconds_total", "counter", "Time in decoding rounds", self.round_s),
             ("queue_wait_seconds_total", "counter", "Time requests waited", self.queue_wait_s),

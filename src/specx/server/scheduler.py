@@ -258,7 +258,8 @@ class Scheduler:
 
     def _round(self) -> None:
         started = time.perf_counter()
-        draft_s, verify_s = self.batch.draft_s, self.batch.verify_s
+        batch = self.batch
+        draft_s, prefill_s, verify_s = batch.draft_s, batch.draft_prefill_s, batch.verify_s
         finished = self.batch.step()
         for slot in [s for s, (_, seq, _) in self._running.items() if seq in finished]:
             job, _, text = self._running[slot]
@@ -269,8 +270,9 @@ class Scheduler:
         self.metrics.round(
             self.batch.running,
             time.perf_counter() - started,
-            self.batch.draft_s - draft_s,
-            self.batch.verify_s - verify_s,
+            batch.draft_s - draft_s,
+            batch.draft_prefill_s - prefill_s,
+            batch.verify_s - verify_s,
         )
 
     def _end(self, slot: int, reason: str | None, error: str | None = None) -> None:
