@@ -12,21 +12,25 @@ made once and reused, as `specx.Engine` pools them (runners.SpecxSpeculative); O
 prefix caching is off.
 
 - specx: `specx export` + `specx build --precision int4` (the default int4 build) of
-  pyref-1b with each head (eagle3, eagle, mtp, medusa; chains of 2, 3 and 4: int4 keeps
-  chains identical to plain decoding, not trees) and the draft model (its own int4
-  artifact); plain, n-gram and suffix on the plain artifact.
+  pyref-1b with each head (eagle3, eagle, mtp, medusa; chains of 2, 3 and 4) and the draft
+  model (its own int4 artifact); plain, n-gram and suffix on the plain artifact. On the
+  OpenVINO build (`--openvino-builds`) also EAGLE-3's dynamic trees (TREES; greedy trees are
+  exact on int4 builds through their spine, specx.runtime.spine).
 - onnxruntime-genai: its builder's int4 (`-p int4`), plain and n-gram (ngram_size 3, 6
   draft tokens, chained lookup: benchmarks/peers.py's setting).
 - OpenVINO GenAI: `optimum-cli export openvino --weight-format int4 --group-size 128 --ratio
   1.0`, plain, prompt lookup (4 draft tokens, n-grams of 3) and EAGLE-3 with the same widened
   EAGLE-3 head (exported by optimum-intel, its taps in the draft IR's `hidden_layers_list`),
-  4 draft tokens. optimum-intel runs in its own virtual environment (`--ov-venv`; its
-  pins clash with specx's: see ../shared/docs/design-notes.md section 11).
+  a chain of 4 draft tokens and its tree search on the same TREES. optimum-intel runs in its
+  own virtual environment (`--ov-venv`; its pins clash with specx's: see
+  ../shared/docs/design-notes.md section 11).
 
 Greedy: every runner; every greedy specx output is compared with specx plain's. T=0.7
 (`--sections sampled`): specx plain and the heads' chain 3 against each peer's plain.
 Acceptance length (bonus counted) and acceptance by position for every specx drafter,
-draft tokens accepted for OpenVINO's speculative modes, and specx's verify curve t(N)/t(1).
+specx's verify curve t(N)/t(1), and for every specx chain its drafting per head step (c) and
+its whole round in one-token target calls inside its loop, beside the bytes floor (the head's
+streamed weights over the target's); a head's prefill of the prompt per request apart.
 The target's cost per call inside each runtime's own loop, by tokens per call, the same
 measure on both sides in the same run (`in_loop_costs`): specx's forwards timed around the
 call, OpenVINO's main-model inference per call as its pipeline reports it.
@@ -55,6 +59,7 @@ benchmarks/results/edge.json and prints a markdown table.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -76,6 +81,8 @@ from deep_heads import build_options  # noqa: E402
 from runners import (  # noqa: E402
     GenaiNgram,
     GenaiPlain,
+    LlamaCompletion,
+    LlamaServer,
     OpenvinoGenai,
     SpecxPlain,
     SpecxSpeculative,
@@ -93,6 +100,16 @@ CHAINS = (2, 3, 4)
 OV_ARTIFACTS = ("plain", "eagle3", "eagle")
 OV_BUILD = "openvino-int4"
 DRAFT_TOKENS = 4  # the peers' draft length per round
+# EAGLE-2 dynamic trees both runtimes grow with the EAGLE-3 head: (nodes, draft iterations,
+# top-k). OpenVINO GenAI's num_assistant_tokens, tree_depth, branching_factor; specx's
+# `dynamic:nodes+1,iterations-1,top_k` (EAGLE's total_token counts the root, its depth the
+# expansions after the root's children).
+TREES = ((6, 4, 2), (10, 5, 2))
+
+
+def specx_tree(nodes: int, iterations: int, top_k: int) -> str:
+    """The `--tree` spec of the tree OpenVINO GenAI grows with these parameters."""
+    return f"dynamic:{nodes + 1},{iterations - 1},{top_k}"
 
 
 def log(message: str) -> None:
@@ -327,11 +344,18 @@ def specx_openvino_runners(prepared: Prepared, threads: int, sampling, chains=CH
             runners[f"specx-ov {kind} chain {n}"] = SpecxSpeculative(
                 verifier, _factory(kind, verifier, f"chain:{n}"), sampling
             )
+        # Greedy trees are exact on this build (specx.runtime.spine); its verify is nearly
+        # flat to ~8 tokens, where a tree can pay (on the ONNX Runtime build it does not).
+        for tree in TREES if kind == "eagle3" and sampling is None else ():
+            runners[f"specx-ov eagle3 tree {','.join(map(str, tree))}"] = SpecxSpeculative(
+                verifier, _factory(kind, verifier, specx_tree(*tree)), sampling
+            )
     return runners
 
 
 def family_of(runner_name: str) -> str:
-    """ "specx-ov" for specx's OpenVINO-build rows, "specx" for its ONNX Runtime rows."""
+    """A row's runtime and build: "specx-ov" for specx's OpenVINO-build rows, "specx" for its
+    ONNX Runtime rows, "llama.cpp" (Q4_0) or "llama.cpp-q4km", "openvino", "genai"."""
     return runner_name.split(" ", 1)[0]
 
 
@@ -350,6 +374,56 @@ def peer_runners(prepared: Prepared, threads: int, temperature: float) -> dict:
         runners["openvino eagle3"] = OpenvinoGenai(
             prepared.openvino, threads, "draft", prepared.openvino_eagle3, DRAFT_TOKENS
         )
+        for nodes, iterations, top_k in TREES:
+            runners[f"openvino eagle3 tree {nodes},{iterations},{top_k}"] = OpenvinoGenai(
+                prepared.openvino, threads, "draft", prepared.openvino_eagle3, nodes,
+                tree=(iterations, top_k),
+            )  # fmt: skip
+    return runners
+
+
+# llama.cpp's speculative modes timed: EAGLE-3 with the same widened head (Q4_0, n-max 2-4;
+# f16 as converted, n-max 3), the draft model (n-max 4), n-gram lookup (ngram-simple).
+LLAMA_EAGLE3_N_MAX = (2, 3, 4)
+
+
+def llama_servers(built, threads: int, stack: contextlib.ExitStack) -> dict[str, LlamaServer]:
+    """One `llama-server` per model set and draft length: the draft model or head and its
+    n-max are fixed at start (a request's `speculative.n_max` left the drafts unchanged)."""
+
+    def server(model, draft=None, *args: str) -> LlamaServer:
+        return stack.enter_context(LlamaServer(built.bin, model, threads, draft, args))
+
+    servers = {
+        "plain": server(built.target_q4_0),
+        "q4km": server(built.target_q4_k_m),
+        "draft": server(built.target_q4_0, built.draft, "--spec-type", "draft-simple",
+                        "--spec-draft-n-max", "4"),
+        "ngram": server(built.target_q4_0, None, "--spec-type", "ngram-simple"),
+    }  # fmt: skip
+    heads = {f"eagle3 {n}": (built.eagle3, n) for n in LLAMA_EAGLE3_N_MAX}
+    heads["eagle3-f16 3"] = (built.eagle3_f16, 3)
+    for name, (head, n) in heads.items():
+        servers[name] = server(
+            built.target_q4_0, head, "--spec-type", "draft-eagle3", "--spec-draft-n-max", str(n)
+        )
+    return servers
+
+
+def llama_runners(servers: dict[str, LlamaServer], temperature: float) -> dict:
+    """llama.cpp's rows (its AMX setting is in the report): plain Q4_0 and Q4_K_M, and at
+    T=0 its speculative modes on Q4_0."""
+    runners = {
+        "llama.cpp plain": LlamaCompletion(servers["plain"], temperature=temperature),
+        "llama.cpp-q4km plain": LlamaCompletion(servers["q4km"], temperature=temperature),
+    }
+    if temperature > 0:
+        return runners
+    for n in LLAMA_EAGLE3_N_MAX:  # the head at Q4_0, as specx's int4 builds hold theirs
+        runners[f"llama.cpp eagle3 n-max {n}"] = LlamaCompletion(servers[f"eagle3 {n}"])
+    runners["llama.cpp eagle3-f16 n-max 3"] = LlamaCompletion(servers["eagle3-f16 3"])
+    runners["llama.cpp draft-model n-max 4"] = LlamaCompletion(servers["draft"])
+    runners["llama.cpp ngram-simple"] = LlamaCompletion(servers["ngram"])
     return runners
 
 
@@ -449,15 +523,19 @@ def section(name: str, runners: dict, prompts, args, curves: dict) -> dict:
             )
             row["speedup_vs_its_plain"] = plain / row["decode_ms_per_token"]
             row["of_bound"] = row["speedup_vs_its_plain"] / row["bound_vs_its_plain"]
-        if name == "greedy" and runner_name.startswith("specx"):
-            same = summaries[runner_name].tokens == summaries[f"{family} plain"].tokens
+        if isinstance(runner, LlamaCompletion) and any(d for d, _ in runner.drafts.values()):
+            drafted = sum(d for d, _ in runner.drafts.values())
+            row["draft_tokens_accepted_share"] = sum(a for _, a in runner.drafts.values()) / drafted
+        plain_row = f"{family} plain"
+        if name == "greedy" and plain_row in summaries and runner_name != plain_row:
+            same = summaries[runner_name].tokens == summaries[plain_row].tokens
             row["identical_to_its_plain"] = same
     peers = {n: r for n, r in rows.items() if not n.startswith("specx")}
     fastest_peer = min(peers, key=lambda n: peers[n]["decode_ms_per_token"])
     fastest_ttft = min(r["ttft_ms"] for r in peers.values())
-    best = min(
-        (n for n in rows if n.startswith("specx")), key=lambda n: rows[n]["decode_ms_per_token"]
-    )
+    exact = [n for n in rows if n.startswith("specx") and rows[n].get("identical_to_its_plain", 1)]
+    best = min(exact, key=lambda n: rows[n]["decode_ms_per_token"])
+    best_ms = rows[best]["decode_ms_per_token"]
     return {
         "rows": rows,
         "fastest_peer": fastest_peer,
@@ -470,6 +548,12 @@ def section(name: str, runners: dict, prompts, args, curves: dict) -> dict:
         "specx_ttft_vs_fastest_peer_ttft": rows[best]["ttft_ms"] / fastest_ttft,
         "specx_plain_ttft_vs_fastest_peer_ttft": rows["specx plain"]["ttft_ms"] / fastest_ttft,
         "target_ms_per_call_in_loop": loop,
+        # Each peer row's decode ms/token over specx's best exact row's: > 1, specx is faster.
+        "specx_best_vs_each_peer": {
+            n: r["decode_ms_per_token"] / best_ms for n, r in peers.items()
+        },
+        "specx_best_vs_its_plain": rows[f"{family_of(best)} plain"]["decode_ms_per_token"]
+        / best_ms,
     }
 
 
@@ -477,17 +561,16 @@ def in_loop_costs(runners: dict) -> dict:
     """The target's median milliseconds per call inside each runtime's own decoding loop, by
     tokens per call: specx's every forward (TimedForwards, all its runners), OpenVINO's
     main-model inference per call as its pipeline reports it (plain: 1 token; EAGLE-3: its
-    4 drafts + 1). The same measure on both sides, in the same run."""
+    drafts + 1, a chain's or a tree's). The same measure on both sides, in the same run."""
     calls: dict[str, list[tuple[int, float]]] = {}
     for name, runner in runners.items():
         if name.startswith("specx"):
             calls.setdefault(family_of(name), []).extend(runner.calls)
     costs: dict = {family: calls_ms(timed) for family, timed in calls.items()}
-    widths = {"openvino plain": 1, "openvino eagle3": DRAFT_TOKENS + 1}
-    for name, width in widths.items():
-        if name in runners and runners[name].main_calls_ms:
-            calls = runners[name].main_calls_ms
-            costs.setdefault("openvino", {})[width] = float(np.median(calls))
+    for runner in runners.values():
+        if isinstance(runner, OpenvinoGenai) and runner.main_calls_ms:
+            width = 1 if runner.mode == "plain" else runner.assistant_tokens + 1
+            costs.setdefault("openvino", {})[width] = float(np.median(runner.main_calls_ms))
     return costs
 
 
@@ -546,6 +629,10 @@ def main() -> None:
         "--openvino-builds", action="store_true",
         help=f"also time specx on its OpenVINO int4 build of {', '.join(OV_ARTIFACTS)} (specx-ov)",
     )  # fmt: skip
+    parser.add_argument(
+        "--llama-cpp", action="store_true",
+        help="also time llama.cpp's llama-server (built and converted by llama_cpp.py)",
+    )  # fmt: skip
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/edge.json"))
     args = parser.parse_args()
     if not (pyref_wide.SOURCE / "model.safetensors").is_file():
@@ -556,6 +643,11 @@ def main() -> None:
     from specx.runtime.tokenizer import TextTokenizer
 
     prepared = prepare(args.wide, args.work, args.ov_venv, args.int4_heads, args.openvino_builds)
+    built = None
+    if args.llama_cpp:
+        import llama_cpp
+
+        built = llama_cpp.prepare(args.wide, CACHE / "llama.cpp")
     if args.prepare_only:
         return
     from specx.sessions import global_pool_created
@@ -575,6 +667,7 @@ def main() -> None:
         "repeats": args.repeats,
         "machine": {"platform": platform.platform(), "threads": args.threads},
         "openvino_eagle3_taps": list(prepared.eagle3_taps),
+        "llama_cpp": None if built is None else built.to_json(),
         "eagle3_bytes_floor": bytes_floor(prepared.specx["eagle3"]),
         "heads": {
             kind: "int4-distilled" if head.parent.name == "heads-int4" else "fp32-distilled"
@@ -591,29 +684,36 @@ def main() -> None:
         if family == "specx-ov" and not args.openvino_builds:
             continue
         plain = SpecxPlain(prepared.specx["plain"], build, args.threads)
-        widths = (1, 2, 3, 4, 5, 6, 7, 8)
+        widths = (1, 2, 3, 4, 5, 6, 7, 8, *(n + 1 for n, _, _ in TREES))
         curves[family] = measure_verify_curve(plain.target, widths, context, repeats=15)
         key = "specx_verify_curve" if family == "specx" else "specx_openvino_verify_curve"
         report[key] = curves[family].summary()
         del plain
     settings = {"greedy": (None, 0.0), "sampled": (SamplingParams(0.7, seed=0), 0.7)}
-    for name in args.sections.split(","):
-        sampling, temperature = settings[name]
-        chains = CHAINS if sampling is None else (3,)
-        runners = {}
-        if args.openvino_builds:
-            runners |= specx_openvino_runners(prepared, args.threads, sampling, chains)
-        runners |= specx_runners(prepared, args.threads, sampling, chains)
-        runners |= peer_runners(prepared, args.threads, temperature)
-        runners = {
-            n: r
-            for n, r in runners.items()
-            if n in ("specx plain", "specx-ov plain", "genai plain") or keep.search(n)
-        }
-        report["sections"][name] = section(name, runners, prompts, args, curves)
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(report, indent=2) + "\n")
+    with contextlib.ExitStack() as stack:
+        servers = None if built is None else llama_servers(built, args.threads, stack)
+        for name in args.sections.split(","):
+            sampling, temperature = settings[name]
+            chains = CHAINS if sampling is None else (3,)
+            runners = {}
+            if args.openvino_builds:
+                runners |= specx_openvino_runners(prepared, args.threads, sampling, chains)
+            runners |= specx_runners(prepared, args.threads, sampling, chains)
+            runners |= peer_runners(prepared, args.threads, temperature)
+            if servers is not None:
+                runners |= llama_runners(servers, temperature)
+            report["sections"][name] = section(name, kept(runners, keep), prompts, args, curves)
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(report, indent=2) + "\n")
     print(markdown(report))
+
+
+def kept(runners: dict, keep: re.Pattern) -> dict:
+    """The runners `--only` matches, each with its family's plain row (and genai's and
+    specx's plain, which the summary compares with)."""
+    names = {n for n in runners if keep.search(n)}
+    names |= {f"{family_of(n)} plain" for n in names} | {"specx plain", "genai plain"}
+    return {n: r for n, r in runners.items() if n in names}
 
 
 if __name__ == "__main__":

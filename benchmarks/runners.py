@@ -188,9 +188,12 @@ class OpenvinoGenai:
     would time a cached prefill). The first token's time is the pipeline's own TTFT
     (perf_metrics); the decode time is the call's wall time less it, as specx's.
     `mode`: "plain", "prompt-lookup" or "draft" (then `draft_dir`, an IR optimum-intel
-    wrote); `assistant_tokens` is the draft length per round. `main_calls_ms` gathers the
-    pipeline's own inference time of each main-model call after the prompt's (plain: a decode
-    step; draft: a verify of the round's drafts): its target's cost inside its own loop.
+    wrote); `assistant_tokens` is the draft length per round, or with `tree` (its tree
+    search's `tree_depth`, draft iterations, and `branching_factor`, top-k per node and
+    level: EAGLE-2's dynamic tree) the tree's nodes (the root not counted). `main_calls_ms`
+    gathers the pipeline's own inference time of each main-model call after the prompt's
+    (plain: a decode step; draft: a verify of the round's drafts): its target's cost inside
+    its own loop.
     """
 
     def __init__(
@@ -201,6 +204,7 @@ class OpenvinoGenai:
         draft_dir: Path | None = None,
         assistant_tokens: int = 4,
         temperature: float = 0.0,
+        tree: tuple[int, int] | None = None,
     ):
         import openvino_genai as ov_genai
 
@@ -218,7 +222,7 @@ class OpenvinoGenai:
             str(model_dir), "CPU", scheduler_config=scheduler, **extra, **properties
         )
         self.ov_genai, self.mode = ov_genai, mode
-        self.assistant_tokens, self.temperature = assistant_tokens, temperature
+        self.assistant_tokens, self.temperature, self.tree = assistant_tokens, temperature, tree
         self.main_calls_ms: list[float] = []
 
     def __call__(self, prompt: Sequence[int], new_tokens: int) -> Timing:  # noqa: D102
@@ -234,6 +238,8 @@ class OpenvinoGenai:
             config.num_assistant_tokens = self.assistant_tokens
         if self.mode == "prompt-lookup":
             config.max_ngram_size = 3
+        if self.tree is not None:
+            config.tree_depth, config.branching_factor = self.tree
         ids = np.array([list(prompt)], dtype=np.int64)
         inputs = self.ov_genai.TokenizedInputs(ov.Tensor(ids), ov.Tensor(np.ones_like(ids)))
         started = time.perf_counter()
@@ -249,6 +255,110 @@ class OpenvinoGenai:
         self.main_calls_ms += [d / 1e3 for d in calls]  # microseconds
         tokens = [int(t) for t in result.tokens[0]][:new_tokens]
         return Timing(ttft, wall - ttft, tokens)
+
+
+class LlamaServer:
+    """llama.cpp's `llama-server` on 127.0.0.1, a process of its own (a context manager).
+
+    One slot, the prompt cache off (`--cache-ram 0`, and `cache_prompt: false` on every
+    request: a repeated prompt would time a cached prefill); `draft` and `args` start it
+    with a draft model or head (`-md`, `--spec-type ...`). A server that dies (SIGILL in a
+    kernel its build cannot run) raises RuntimeError naming its exit status.
+    """
+
+    def __init__(self, bin_dir: Path, model: Path, threads: int, draft: Path | None = None,
+                 args: Sequence[str] = ()):  # fmt: skip
+        import socket
+
+        with socket.socket() as probe:  # a free port, released for the server to take
+            probe.bind(("127.0.0.1", 0))
+            self.port = probe.getsockname()[1]
+        self.command = [
+            str(bin_dir / "llama-server"), "-m", str(model), "--host", "127.0.0.1",
+            "--port", str(self.port), "-t", str(threads), "-tb", str(threads), "-c", "4096",
+            "-np", "1", "--cache-ram", "0", "--no-webui", *args,
+        ]  # fmt: skip
+        if draft is not None:
+            self.command += ["-md", str(draft), "-td", str(threads), "-tbd", str(threads)]
+        self.process: subprocess.Popen | None = None
+
+    def __enter__(self) -> LlamaServer:
+        self.log = tempfile.TemporaryFile()
+        self.process = subprocess.Popen(self.command, stdout=subprocess.DEVNULL, stderr=self.log)
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            self._alive()
+            try:
+                if self._request("GET", "/health", None).get("status") == "ok":
+                    return self
+            except OSError:
+                pass
+            time.sleep(0.25)
+        raise RuntimeError(f"llama-server did not start in 300 s: {self.command}")
+
+    def __exit__(self, *_) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            self.process.wait(30)
+        self.log.close()
+
+    def _alive(self) -> None:
+        assert self.process is not None
+        code = self.process.poll()
+        if code is not None:
+            self.log.seek(0)
+            tail = self.log.read().decode(errors="replace")[-1500:]
+            raise RuntimeError(f"llama-server exited with {code} (signal {-code}):\n{tail}")
+
+    def _request(self, method: str, path: str, body: dict | None) -> dict:
+        import urllib.request
+
+        data = None if body is None else json.dumps(body).encode()
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{self.port}{path}", data, method=method,
+            headers={"Content-Type": "application/json"},
+        )  # fmt: skip
+        with urllib.request.urlopen(request, timeout=600) as response:
+            return json.loads(response.read())
+
+    def complete(self, prompt: Sequence[int], new_tokens: int, options: dict) -> dict:
+        """A completion of exactly `new_tokens` tokens after the token ids `prompt`."""
+        body = {
+            "prompt": list(prompt), "n_predict": new_tokens, "ignore_eos": True,
+            "cache_prompt": False, "return_tokens": True, "temperature": 0.0, **options,
+        }  # fmt: skip
+        try:
+            return self._request("POST", "/completion", body)
+        except OSError:
+            self._alive()  # a dead server says why
+            raise
+
+
+class LlamaCompletion:
+    """One llama.cpp mode on a running `LlamaServer`: greedy, or `temperature` over the
+    whole distribution (top-k, top-p and min-p off, as specx's and OpenVINO's defaults),
+    `options` the request's speculative settings (`speculative.n_max`, ...).
+
+    TTFT is the server's own prompt time; the decode time is the request's wall time less
+    it (HTTP included, as specx's decode includes its Python). `draft_tokens` and
+    `accepted` sum the server's draft counts over runs (its last run per prompt kept).
+    """
+
+    def __init__(self, server: LlamaServer, options: dict | None = None, temperature=0.0):
+        self.server, self.options = server, dict(options or {})
+        if temperature > 0:
+            self.options |= {"temperature": temperature, "top_k": 0, "top_p": 1.0,
+                             "min_p": 0.0, "seed": 0}  # fmt: skip
+        self.drafts: dict[tuple[int, ...], tuple[int, int]] = {}  # prompt -> (drafted, accepted)
+
+    def __call__(self, prompt: Sequence[int], new_tokens: int) -> Timing:  # noqa: D102
+        started = time.perf_counter()
+        result = self.server.complete(prompt, new_tokens, self.options)
+        wall = time.perf_counter() - started
+        timings = result["timings"]
+        ttft = timings["prompt_ms"] / 1e3
+        self.drafts[tuple(prompt)] = (timings.get("draft_n", 0), timings.get("draft_n_accepted", 0))
+        return Timing(ttft, wall - ttft, [int(t) for t in result["tokens"]][:new_tokens])
 
 
 @dataclass
