@@ -382,8 +382,10 @@ def peer_runners(prepared: Prepared, threads: int, temperature: float) -> dict:
     return runners
 
 
-# llama.cpp's speculative modes timed: EAGLE-3 with the same widened head (Q4_0, n-max 2-4;
-# f16 as converted, n-max 3), the draft model (n-max 4), n-gram lookup (ngram-simple).
+# llama.cpp's speculative modes timed: EAGLE-3 with the same widened head (at Q4_0, as
+# specx's int4 builds hold theirs; n-max 2-4), the draft model (n-max 4), n-gram lookup
+# (ngram-simple). Each server holds its model in memory: 7 of them beside every other
+# runtime's models fit this 24 GB machine with room for the page cache.
 LLAMA_EAGLE3_N_MAX = (2, 3, 4)
 
 
@@ -401,12 +403,11 @@ def llama_servers(built, threads: int, stack: contextlib.ExitStack) -> dict[str,
                         "--spec-draft-n-max", "4"),
         "ngram": server(built.target_q4_0, None, "--spec-type", "ngram-simple"),
     }  # fmt: skip
-    heads = {f"eagle3 {n}": (built.eagle3, n) for n in LLAMA_EAGLE3_N_MAX}
-    heads["eagle3-f16 3"] = (built.eagle3_f16, 3)
-    for name, (head, n) in heads.items():
-        servers[name] = server(
-            built.target_q4_0, head, "--spec-type", "draft-eagle3", "--spec-draft-n-max", str(n)
-        )
+    for n in LLAMA_EAGLE3_N_MAX:
+        servers[f"eagle3 {n}"] = server(
+            built.target_q4_0, built.eagle3, "--spec-type", "draft-eagle3",
+            "--spec-draft-n-max", str(n),
+        )  # fmt: skip
     return servers
 
 
@@ -421,7 +422,6 @@ def llama_runners(servers: dict[str, LlamaServer], temperature: float) -> dict:
         return runners
     for n in LLAMA_EAGLE3_N_MAX:  # the head at Q4_0, as specx's int4 builds hold theirs
         runners[f"llama.cpp eagle3 n-max {n}"] = LlamaCompletion(servers[f"eagle3 {n}"])
-    runners["llama.cpp eagle3-f16 n-max 3"] = LlamaCompletion(servers["eagle3-f16 3"])
     runners["llama.cpp draft-model n-max 4"] = LlamaCompletion(servers["draft"])
     runners["llama.cpp ngram-simple"] = LlamaCompletion(servers["ngram"])
     return runners

@@ -181,6 +181,11 @@ class GenaiNgram(GenaiPlain):
         params.set_speculative_options(ngram_size=3, max_draft_tokens=6, ngram_chained_lookup=True)
 
 
+# One pipeline per model, mode and draft model: a chain and its tree search differ only in
+# the request's settings, and each pipeline holds its model and a 1 GB cache in memory.
+_OPENVINO_PIPELINES: dict[tuple, object] = {}
+
+
 class OpenvinoGenai:
     """OpenVINO GenAI's LLMPipeline: plain, prompt lookup or a draft model (EAGLE-3).
 
@@ -208,19 +213,22 @@ class OpenvinoGenai:
     ):
         import openvino_genai as ov_genai
 
-        scheduler = ov_genai.SchedulerConfig()
-        scheduler.enable_prefix_caching = False
-        scheduler.max_num_batched_tokens = 4096
-        scheduler.cache_size = 1
-        properties = {"INFERENCE_NUM_THREADS": threads}
-        extra: dict = {}
-        if mode == "prompt-lookup":
-            extra["prompt_lookup"] = True
-        elif mode == "draft":
-            extra["draft_model"] = ov_genai.draft_model(str(draft_dir), "CPU", **properties)
-        self.pipe = ov_genai.LLMPipeline(
-            str(model_dir), "CPU", scheduler_config=scheduler, **extra, **properties
-        )
+        key = (model_dir, threads, mode, draft_dir)
+        if key not in _OPENVINO_PIPELINES:
+            scheduler = ov_genai.SchedulerConfig()
+            scheduler.enable_prefix_caching = False
+            scheduler.max_num_batched_tokens = 4096
+            scheduler.cache_size = 1
+            properties = {"INFERENCE_NUM_THREADS": threads}
+            extra: dict = {}
+            if mode == "prompt-lookup":
+                extra["prompt_lookup"] = True
+            elif mode == "draft":
+                extra["draft_model"] = ov_genai.draft_model(str(draft_dir), "CPU", **properties)
+            _OPENVINO_PIPELINES[key] = ov_genai.LLMPipeline(
+                str(model_dir), "CPU", scheduler_config=scheduler, **extra, **properties
+            )
+        self.pipe = _OPENVINO_PIPELINES[key]
         self.ov_genai, self.mode = ov_genai, mode
         self.assistant_tokens, self.temperature, self.tree = assistant_tokens, temperature, tree
         self.main_calls_ms: list[float] = []
@@ -275,7 +283,7 @@ class LlamaServer:
             self.port = probe.getsockname()[1]
         self.command = [
             str(bin_dir / "llama-server"), "-m", str(model), "--host", "127.0.0.1",
-            "--port", str(self.port), "-t", str(threads), "-tb", str(threads), "-c", "4096",
+            "--port", str(self.port), "-t", str(threads), "-tb", str(threads), "-c", "1024",
             "-np", "1", "--cache-ram", "0", "--no-webui", *args,
         ]  # fmt: skip
         if draft is not None:
