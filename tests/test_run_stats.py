@@ -83,8 +83,9 @@ def test_speculative_run_json_keeps_its_keys_and_order():
 def test_engine_stats_json_adds_build_calibration_and_its_reason():
     run = RunStats.measure([[1]], [[2, 3]], 0.5, 1.5, 1)
     fell_back = replace(run, speculation_off="off: batch 1 > max_batch_spec 0")
-    calibrated = CalibratedChoice(None, 8, 0, 1.0, "suffix (8 nodes)", "suffix")
-    stats = Stats(fell_back, "ort-fp32", "ort", "off: the calibration says so", calibrated)
+    calibrated = CalibratedChoice(None, 8, 0, 1.0, "suffix (8 nodes)", "suffix", "ort-fp32")
+    reason = "fastest measured here for plain decoding (decode ms/token: ort-fp32 1.0)"
+    stats = Stats(fell_back, "ort-fp32", "ort", "off: the calibration says so", calibrated, reason)
     out = stats.to_json()
     assert out["speculation"] == "off: the calibration says so"
     assert out["calibration"] == {
@@ -92,8 +93,10 @@ def test_engine_stats_json_adds_build_calibration_and_its_reason():
         "tree": "suffix (8 nodes)",
         "max_batch_spec": 0,
         "predicted_speedup": 1.0,
+        "measured_on": "ort-fp32",
     }
-    assert list(out)[-3:] == ["calibration", "build", "backend"]
+    assert list(out)[-4:] == ["calibration", "build", "backend", "build_reason"]
+    assert out["build_reason"] == reason
     assert (stats.mode, stats.drafter, stats.calibration) == ("plain", None, "suffix")
     assert (stats.acceptance_length, stats.draft_s) == (1.0, 0.0)
     plain = Stats(run, "exported", "ort", "off").to_json()

@@ -31,6 +31,7 @@ from specx import __version__
 from specx.artifact_schema import check_manifest_types
 from specx.errors import ArtifactError
 from specx.manifest_types import (
+    BuildChoice,
     BuildEntry,
     CalibrationEntry,
     DrafterSpec,
@@ -340,6 +341,21 @@ class Manifest:
         """
         where = f"{self.root / MANIFEST_NAME}: calibration.{key}"
         return CalibrationEntry.from_json(where, self.data["calibration"][key])
+
+    @property
+    def build_choice(self) -> BuildChoice | None:
+        """Why the default build is, where `specx build --backend auto` chose it.
+
+        Checked now: a broken record raises ArtifactError naming it.
+        """
+        data = self.data.get("build_choice")
+        where = f"{self.root / MANIFEST_NAME}: build_choice"
+        return None if data is None else BuildChoice.from_json(where, data)
+
+    def with_build_choice(self, choice: BuildChoice) -> Manifest:
+        """This artifact with `choice` recorded and its picked build the default."""
+        chosen = self.with_build(choice.picked)
+        return dataclasses.replace(chosen, data={**chosen.data, "build_choice": choice.to_json()})
 
     def with_calibration(self, key: str, entry: CalibrationEntry) -> Manifest:
         """This artifact with `entry` as calibration `key` (replacing any of that key)."""

@@ -30,7 +30,9 @@ from typing import Any, TypeVar
 from specx.errors import ArtifactError
 
 __all__ = [
+    "BuildChoice",
     "BuildEntry",
+    "BuildTiming",
     "CalibratedSampling",
     "CalibrationEntry",
     "DecoderSpec",
@@ -470,6 +472,88 @@ class CalibrationEntry:
             "sampling": self.sampling.to_json(),
             **_present(verify_shape=self.verify_shape and self.verify_shape.to_json()),
         }
+
+
+@dataclass(frozen=True)
+class BuildTiming:
+    """One build as `specx build --backend auto` measured it on the machine that built it.
+
+    Milliseconds at batch 1 over `BuildChoice.context` cached tokens; `decode_ms_per_token`
+    is the decode rate predicted from them for `BuildChoice.basis`.
+    """
+
+    build: str
+    step_ms: float  # a plain decode step
+    verify_ms: tuple[float, ...]  # t(n) for n = 1, 2, ...: a verify of n tokens
+    draft_step_ms: float | None  # one step of the artifact's head (None: it has none)
+    ttft_ms: float  # the prompt's forward
+    decode_ms_per_token: float
+
+    @classmethod
+    def from_json(cls, data: Json) -> BuildTiming:  # noqa: D102
+        draft = data.get("draft_step_ms")
+        return cls(
+            str(data["build"]),
+            float(data["step_ms"]),
+            tuple(map(float, data["verify_ms"])),
+            None if draft is None else float(draft),
+            float(data["ttft_ms"]),
+            float(data["decode_ms_per_token"]),
+        )
+
+    def to_json(self) -> dict[str, Any]:  # noqa: D102
+        return {
+            "build": self.build,
+            "step_ms": self.step_ms,
+            "verify_ms": list(self.verify_ms),
+            **_present(draft_step_ms=self.draft_step_ms),
+            "ttft_ms": self.ttft_ms,
+            "decode_ms_per_token": self.decode_ms_per_token,
+        }
+
+
+@dataclass(frozen=True)
+class BuildChoice:
+    """Which build `specx build --backend auto` made the default, and the timings why.
+
+    Checked when read, as calibration entries are: a broken record costs the stats their
+    reason, never the artifact its loading.
+    """
+
+    picked: str
+    basis: str  # what the predicted rate is of: "plain decoding" or "<head> chain of K"
+    context: int  # cached tokens the forwards were timed over
+    timings: tuple[BuildTiming, ...]
+
+    @classmethod
+    def from_json(cls, where: str, data: Any) -> BuildChoice:
+        """Raises ArtifactError naming `where` and the problem."""
+        try:
+            return cls(
+                str(data["picked"]),
+                str(data["basis"]),
+                int(data["context"]),
+                tuple(BuildTiming.from_json(t) for t in data["timings"]),
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise ArtifactError(
+                f"{where} is malformed ({e!r}); run specx build --backend auto again"
+            ) from e
+
+    def to_json(self) -> dict[str, Any]:  # noqa: D102
+        return {
+            "picked": self.picked,
+            "basis": self.basis,
+            "context": self.context,
+            "timings": [t.to_json() for t in self.timings],
+        }
+
+    @property
+    def reason(self) -> str:
+        """One line: the measured rates the choice rests on, the picked build first."""
+        ranked = sorted(self.timings, key=lambda t: t.decode_ms_per_token)
+        rates = ", ".join(f"{t.build} {t.decode_ms_per_token:.1f}" for t in ranked)
+        return f"fastest measured here for {self.basis} (decode ms/token: {rates})"
 
 
 def _present(**fields: Any) -> dict[str, Any]:

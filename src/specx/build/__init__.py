@@ -16,11 +16,15 @@ Backends (`specx.build.registry`), one module each:
 - `openvino` (`specx.build.openvino`): OpenVINO IR for its CPU plugin, fp32 or weight-only
   int4 / int8 (OpenVINO imported only there and in its runtime opener).
 
-Atomic for every backend (`specx.build.staging`).
+Atomic for every backend (`specx.build.staging`). `build_each` (`--backend auto`) builds
+every CPU backend installed; `specx.calibration.build_choice` then times each build on this
+machine and makes the fastest the default.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import importlib.util
 import os
 import shutil
 import tempfile
@@ -50,6 +54,8 @@ __all__ = [
     "BuildOptions",
     "BuildOutput",
     "build_artifact",
+    "build_each",
+    "cpu_backends",
     "exported_entries",
     "publish_build",
     "register",
@@ -94,6 +100,37 @@ def build_artifact(
         shutil.rmtree(staging, ignore_errors=True)
     progress(f"built {name} in {time.perf_counter() - started:.1f}s")
     return name
+
+
+def cpu_backends(precision: str, progress: Progress = lambda message: None) -> list[str]:
+    """The CPU backends installed here that build `precision`, ONNX Runtime first."""
+    backends = ["ort"]
+    if importlib.util.find_spec("openvino") is None:
+        progress("OpenVINO is not installed (pip install 'specx[openvino]'): ONNX Runtime only")
+    elif precision not in openvino.PRECISIONS:
+        progress(
+            f"OpenVINO builds {', '.join(openvino.PRECISIONS)}, not {precision}: ONNX Runtime only"
+        )
+    else:
+        backends.append("openvino")
+    return backends
+
+
+def build_each(
+    artifact_dir: str | os.PathLike[str],
+    options: BuildOptions,
+    backends: Sequence[str],
+    progress: Progress = lambda message: None,
+) -> list[str]:
+    """Builds `options` on each of `backends`; returns the builds' names (the last is default).
+
+    Every backend checks the options before anything is built: one clear error, no work lost.
+    """
+    manifest = load_manifest(artifact_dir)
+    each = [dataclasses.replace(options, backend=name) for name in backends]
+    for name, configured in zip(backends, each, strict=True):
+        backend(name).check(manifest, configured, ())
+    return [build_artifact(artifact_dir, configured, progress) for configured in each]
 
 
 def check_weight_files(manifest: Manifest) -> None:

@@ -14,7 +14,7 @@ Adding a backend is one module with a class meeting `Backend` and a `register(..
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -23,10 +23,9 @@ from specx.artifact import Manifest
 from specx.errors import BuildError
 from specx.graphs.weight_only import WeightOnlyConfig
 from specx.manifest_types import BuildEntry
+from specx.progress import Progress
 
 __all__ = ["BACKENDS", "Backend", "BuildJob", "BuildOptions", "BuildOutput", "backend", "register"]
-
-Progress = Callable[[str], None]
 
 
 @dataclass(frozen=True)
@@ -107,5 +106,5 @@ def register(backend_: Backend) -> Backend:
 def backend(name: str) -> Backend:
     """The registered backend `name`."""
     if name not in BACKENDS:
-        raise BuildError(f"--backend must be one of {sorted(BACKENDS)}, got {name!r}")
+        raise BuildError(f"--backend must be one of {sorted(BACKENDS)} or auto, got {name!r}")
     return BACKENDS[name]

@@ -76,7 +76,8 @@ def lint(artifact_dir: Path, lint_target: str, precision: str, as_json: bool) ->
     show_default=True,
     help="A registered build backend (specx.build): ort (CPU), trt (TensorRT engines), "
     "int8-static (static INT8 QDQ calibrated on --prompts, as specx quantize), openvino "
-    "(OpenVINO IR for its CPU plugin: fp32, int4, int8; needs specx[openvino]).",
+    "(OpenVINO IR for its CPU plugin: fp32, int4, int8; needs specx[openvino]); or auto: "
+    "every CPU backend installed, each build timed here, the fastest made the default.",
 )
 @click.option(
     "--precision",
@@ -199,6 +200,9 @@ def build(
     trt: lowers, lints and builds one TensorRT engine per graph (needs TensorRT and a GPU).
     openvino: OpenVINO IR, int4/int8 weights in OpenVINO's compressed form (--block-size and
     --symmetric/--asymmetric apply; the lm_head is stored at 8 bits).
+    auto: builds ort and (where installed) openvino, times each build on this machine (plain
+    step, verify curve, head step, prompt forward) and makes the fastest the default; the
+    timings are recorded in the manifest (build_choice) and the stats name the reason.
     """
     trt_only = passed(ctx, "max_batch", "optimization_level", "timing_cache")
     if backend != "ort" and passed(ctx, "lowering"):
@@ -206,7 +210,7 @@ def build(
     ort_weights = passed(
         ctx, "accuracy_level", "lm_head_bits", "lm_head_rescore", "method", "quantize"
     )
-    if backend == "openvino" and ort_weights:
+    if backend in ("openvino", "auto") and ort_weights:
         raise BuildError(only_applies(ort_weights, "--backend ort"))
     if backend != "trt" and trt_only:
         raise BuildError(only_applies(trt_only, "--backend trt"))
@@ -241,6 +245,14 @@ def build(
     options = BuildOptions(
         backend, precision, max_batch, optimization_level, timing_cache, weight_only, lowering
     )
+    if backend == "auto":
+        from specx.build import build_each, cpu_backends
+        from specx.calibration.build_choice import choose_build
+
+        backends = cpu_backends(precision, progress)
+        names = build_each(artifact_dir, options, backends, progress)
+        choose_build(artifact_dir, names, progress=progress)
+        return
     prompts = _calibration_prompts(artifact_dir, prompts_file) if prompts_file else ()
     build_artifact(artifact_dir, options, progress=progress, prompts=prompts)
 

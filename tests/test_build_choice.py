@@ -1,0 +1,142 @@
+"""`specx build --backend auto`: every CPU backend built, each timed here, the fastest kept."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from specx.artifact import load_manifest
+from specx.calibration.build_choice import PRIOR_REACH, choose_build, predict
+from specx.manifest_types import BuildChoice, BuildTiming
+
+
+def test_a_plain_artifact_is_predicted_at_its_step():
+    assert predict((20.0, 30.0, 40.0), None) == (20.0, "plain decoding")
+
+
+def test_a_flat_verify_curve_pays_for_a_longer_chain_than_a_steep_one():
+    flat = (30.0, 31.0, 32.0, 33.0, 34.0)  # OpenVINO's shape: ~3% a token
+    steep = (20.0, 32.0, 44.0, 56.0, 68.0)  # steeper than ONNX Runtime int4's ~25% a token
+    flat_rate, flat_basis = predict(flat, 2.0)
+    steep_rate, steep_basis = predict(steep, 2.0)
+    assert flat_basis == "a head's chain of 4" and steep_basis == "a head's chain of 1"
+    # A chain of K costs t(K + 1) + (K + 1) head steps for 1 + the first K reaches.
+    assert flat_rate == pytest.approx((34.0 + 5 * 2.0) / (1 + sum(PRIOR_REACH)))
+    assert steep_rate == pytest.approx((32.0 + 2 * 2.0) / (1 + PRIOR_REACH[0]))
+
+
+def _timing(build: str, step: float, draft: float | None = None) -> BuildTiming:
+    verify = tuple(step * (1 + 0.1 * n) for n in range(5))
+    return BuildTiming(build, step, verify, draft, 100.0, predict(verify, draft)[0])
+
+
+def test_the_record_reads_back_and_names_the_faster_build_first():
+    choice = BuildChoice("b", "plain decoding", 64, (_timing("a", 30.0), _timing("b", 20.0)))
+    again = BuildChoice.from_json("here", json.loads(json.dumps(choice.to_json())))
+    assert again == choice
+    assert choice.reason.index("b 20.0") < choice.reason.index("a 30.0")
+
+
+@pytest.fixture(scope="module")
+def two_builds(artifacts, tmp_path_factory) -> Path:
+    """A tiny artifact with ort-fp32 (export's) and an ort-int8 build."""
+    from specx.build import BuildOptions, build_artifact
+    from specx.graphs.weight_only import WeightOnlyConfig
+
+    root = shutil.copytree(artifacts["llama"], tmp_path_factory.mktemp("choice") / "llama")
+    build_artifact(root, BuildOptions("ort", "fp32"))
+    build_artifact(root, BuildOptions("ort", "int8", weight_only=WeightOnlyConfig(bits=8)))
+    return root
+
+
+@pytest.mark.parametrize("slower", ["ort-fp32", "ort-int8"])
+def test_the_build_timed_fastest_becomes_the_default_never_a_slower_one(two_builds, slower):
+    """A fake measurement makes one build slower: it is never picked, whichever it is,
+    and the record and the stats say why the other runs."""
+    import specx
+
+    def measure(root, build, context):
+        return _timing(build, 40.0 if build == slower else 10.0)
+
+    faster = "ort-int8" if slower == "ort-fp32" else "ort-fp32"
+    choice = choose_build(two_builds, [slower, faster], context=32, measure=measure)
+    manifest = load_manifest(two_builds)
+    assert choice.picked == faster == manifest.default_build
+    assert manifest.build_choice == choice
+    stats = specx.load(two_builds).generate([1, 2, 3], max_new_tokens=2).stats
+    assert stats.build == faster and stats.build_reason == choice.reason
+    named = specx.load(two_builds, build=slower).generate([1, 2, 3], max_new_tokens=2).stats
+    assert named.build_reason == f"named; the build timed fastest here was {faster}"
+
+
+def test_a_broken_record_costs_the_reason_not_the_run(two_builds, tmp_path):
+    import specx
+    from specx.artifact import manifest_body, write_manifest
+
+    root = shutil.copytree(two_builds, tmp_path / "broken")
+    manifest = load_manifest(root)
+    write_manifest(root, {**manifest_body(manifest), "build_choice": {"picked": 3}})
+    stats = specx.load(root).generate([1, 2, 3], max_new_tokens=2).stats
+    assert "build_choice is malformed" in stats.build_reason
+
+
+def test_without_openvino_auto_builds_onnx_runtime_alone_saying_so(monkeypatch):
+    from specx.build import cpu_backends
+
+    found = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "openvino" else found(name)
+    )
+    said: list[str] = []
+    assert cpu_backends("int4", said.append) == ["ort"]
+    assert len(said) == 1 and "OpenVINO is not installed" in said[0]
+
+
+def test_auto_times_each_build_in_its_own_process_and_records_the_fastest(artifacts, tmp_path):
+    """End to end on the CLI: int8 on every CPU backend installed, each timed for real."""
+    from click.testing import CliRunner
+
+    from specx.build import cpu_backends
+    from specx.cli import main
+
+    root = shutil.copytree(artifacts["llama"], tmp_path / "llama")
+    done = CliRunner().invoke(
+        main, ["build", str(root), "--backend", "auto", "--precision", "int8"]
+    )
+    assert done.exit_code == 0, done.output
+    manifest = load_manifest(root)
+    choice = manifest.build_choice
+    assert choice is not None and choice.basis == "plain decoding"
+    backends = {manifest.builds[t.build].backend for t in choice.timings}
+    assert backends == set(cpu_backends("int8"))
+    fastest = min(choice.timings, key=lambda t: t.decode_ms_per_token)
+    assert manifest.default_build == choice.picked == fastest.build
+    assert all(t.step_ms == t.verify_ms[0] > 0 and t.ttft_ms > 0 for t in choice.timings)
+
+
+def test_auto_refuses_onnx_runtime_only_options_before_building(artifacts, tmp_path):
+    from click.testing import CliRunner
+
+    from specx.cli import main
+
+    root = shutil.copytree(artifacts["llama"], tmp_path / "llama")
+    before = sorted(load_manifest(root).builds)
+    args = ["build", str(root), "--backend", "auto", "--precision", "int4", "--accuracy-level", "0"]
+    done = CliRunner().invoke(main, args)
+    assert done.exit_code == 2 and "--backend ort" in done.output
+    assert sorted(load_manifest(root).builds) == before
+
+
+def test_a_heads_step_is_timed_where_the_artifact_has_one(head_artifacts):
+    from specx.calibration.build_choice import measure_build
+    from specx.runtime.backends import build_name
+
+    manifest = load_manifest(head_artifacts["eagle3"])
+    timing = measure_build(manifest, context=16, threads=1)
+    assert timing.draft_step_ms is not None and timing.draft_step_ms > 0
+    assert timing.build == build_name(manifest)  # "exported": the artifact has no build
+    assert timing.decode_ms_per_token == predict(timing.verify_ms, timing.draft_step_ms)[0]
