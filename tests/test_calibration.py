@@ -12,9 +12,11 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
+import specx
 import specx.calibration.calibrate as calibrate_module
 import specx.calibration.timing as timing_module
 from specx.artifact import load_manifest
+from specx.build import BuildOptions, build_artifact
 from specx.build.int8_static import quantize_artifact
 from specx.calibration.acceptance import AcceptanceCounts, probe_choices
 from specx.calibration.calibrate import (
@@ -28,6 +30,7 @@ from specx.calibration.timing import measure_speedup
 from specx.calibration.tree_selection import best_trees, chain_expected, expected_accepted
 from specx.cli import main
 from specx.errors import CalibrationError
+from specx.graphs.weight_only import WeightOnlyConfig
 from specx.manifest_types import CalibrationEntry
 from specx.runtime.backends import open_decoder
 from specx.runtime.calibrated import calibrated_choice
@@ -206,13 +209,37 @@ def test_calibration_on_the_newer_families_records_a_choice_generate_follows(
 
 
 def test_calibrate_ngram_picks_a_chain_length(artifact):
+    said: list[str] = []
     entry = calibrate_artifact(
-        artifact, PROMPTS, CalibrationOptions(**{**FAST.__dict__, "drafter": "ngram"})
+        artifact, PROMPTS, CalibrationOptions(**{**FAST.__dict__, "drafter": "ngram"}), said.append
     )
     assert entry.choice.tree == "chain"
     assert 1 <= entry.choice.chain_length <= 3
     assert len(entry.choice.measured["candidates"]) == 3  # every chain length is measured
+    # The longest step says which candidate it measures, and then which batch size.
+    assert [line.split(":")[0] for line in said if line.startswith("  candidate")] == [
+        f"  candidate {i}/3" for i in (1, 2, 3)
+    ]
     assert entry.report["acceptance"]["top_k"] == 1
+
+
+def test_a_calibration_of_another_build_is_reported_as_such(artifact, tmp_path):
+    """Applied to a build made after it, a calibration says whose costs it measured."""
+    calibrate_artifact(
+        artifact, PROMPTS, CalibrationOptions(**{**FAST.__dict__, "drafter": "ngram"})
+    )
+    engine = specx.load(artifact)
+    stats = engine.generate([5, 9, 5, 9], max_new_tokens=4, speculation="ngram").stats
+    measured_on = stats.calibrated.measured_on
+    assert measured_on == stats.build and "calibrated on" not in stats.calibrated.description
+    copy = shutil.copytree(artifact, tmp_path / "copy")
+    build_artifact(copy, BuildOptions("ort", "int4", weight_only=WeightOnlyConfig(bits=4)))
+    stats = specx.load(copy).generate([5, 9, 5, 9], max_new_tokens=4, speculation="ngram").stats
+    assert stats.calibrated.measured_on == measured_on != stats.build
+    assert f"calibrated on the {measured_on} build; this is {stats.build}" in (
+        stats.calibrated.description
+    )
+    assert stats.to_json()["calibration"]["measured_on"] == measured_on
 
 
 def test_bad_calibration_input_leaves_the_manifest_untouched(artifact, monkeypatch):
@@ -271,8 +298,12 @@ def test_on_an_int8_build_trees_are_candidates_and_verified_through_their_spine(
     stats, warning = generate("--max-batch-spec", "1")
     assert stats["build"] == "ort-int8" and stats["compare"]["identical_tokens"]
     assert "warning" not in warning
+    label = entry.choice.label  # the calibrated shape, as --tree spells it
+    named = label.replace(" ", ":") if entry.choice.tree in ("chain", "dynamic") else "static ("
+    assert stats["draft"].startswith(named), (stats["draft"], label)
     stats, warning = generate("--tree", "dynamic:7,2,2", "--max-batch-spec", "1")
     assert stats["compare"]["identical_tokens"] and "warning" not in warning
+    assert stats["draft"] == "dynamic:7,2,2"  # the stats name what ran
 
 
 def test_paired_timing_keeps_each_prompts_fastest_run(artifact, monkeypatch):

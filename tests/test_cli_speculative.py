@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from click.testing import CliRunner
@@ -40,6 +41,20 @@ def test_ngram_compare_reports_speedup_and_identity(artifacts):
     assert stats["compare"]["identical_tokens"] is True
     assert stats["compare"]["speedup"] > 0
     assert stats["acceptance_length"] >= 1.0
+    assert stats["draft"] == "ngram's own trees, up to 5 nodes"  # 2 matches: a tree
+
+
+def test_compare_reports_no_speedup_where_both_runs_decoded_plainly(artifacts):
+    """Speculation off (here by --max-batch-spec 0; a calibration can decide the same): the
+    two runs are both plain, and their ratio is noise, not a speedup."""
+    args = ["generate", artifacts["llama"], "--prompt-ids", "5,6,7,8,5,6,7,8", "--drafter"]
+    args += ["ngram", "--max-batch-spec", 0, "--compare", "--max-new-tokens", 8]
+    stats = json.loads(invoke(*args, "--json").stdout)["stats"]
+    assert stats["mode"] == "plain" and stats["speculation"].startswith("off")
+    assert stats["compare"]["speedup"] is None and stats["compare"]["identical_tokens"] is True
+    line = invoke(*args).stderr
+    assert "both runs decoded plainly (off: " in line and "no speedup to report" in line
+    assert re.search(r"speedup \d", line) is None
 
 
 @pytest.mark.parametrize("fixed", [False, True])

@@ -417,7 +417,8 @@ def test_a_chat_template_supplied_at_serve_or_export_time(artifacts, tmp_path):
         refused = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)
         message = refused.json()["error"]["message"]
         assert refused.status_code == 400 and "has no chat template" in message
-        assert str(artifacts["llama"]) not in message and "--" not in message  # HTTP words
+        # No path of the server's machine; the flags that would supply a template.
+        assert str(artifacts["llama"]) not in message and "--chat-template FILE" in message
     (tmp_path / "chat.jinja").write_text(CHAT_TEMPLATE)
     template = ChatTemplate.from_file(tmp_path / "chat.jinja")
     with serving(artifacts["llama"], slots=1, chat_template=template) as (url, engine):
@@ -475,6 +476,32 @@ def test_api_keys_guard_every_path_but_health(artifacts):
     ):
         assert httpx.get(f"{url}/metrics").status_code == 200
         assert httpx.get(f"{url}/v1/models").status_code == 401
+        metrics = httpx.get(f"{url}/metrics").text
+    # Every response is counted by route and status: refusals, GETs and made-up paths too.
+    for row in ('endpoint="/metrics",status="200"} 1.0', 'endpoint="/v1/models",status="401"} 1.0'):
+        assert f"specx_requests_total{{{row}" in metrics, metrics
+
+
+def test_metrics_count_every_response_by_route_and_status(artifacts):
+    with serving(artifacts["llama"], slots=1, max_body_bytes=64) as (url, _):
+        assert httpx.get(f"{url}/v1/models").status_code == 200
+        assert httpx.get(f"{url}/health").status_code == 200
+        assert httpx.get(f"{url}/no-such-path").status_code == 404
+        assert httpx.get(f"{url}/another").status_code == 404
+        big = {"prompt": [5] * 64, "max_tokens": 2}
+        assert httpx.post(f"{url}/v1/completions", json=big).status_code == 413
+        small = {"prompt": [5, 9], "max_tokens": 2}
+        assert httpx.post(f"{url}/v1/completions", json=small).status_code == 200
+        metrics = httpx.get(f"{url}/metrics").text
+    counted = {
+        'endpoint="/v1/models",status="200"': 1,
+        'endpoint="/health",status="200"': 1,
+        'endpoint="other",status="404"': 2,
+        'endpoint="/v1/completions",status="413"': 1,
+        'endpoint="/v1/completions",status="200"': 1,
+    }
+    for labels, n in counted.items():
+        assert f"specx_requests_total{{{labels}}} {float(n)}" in metrics, metrics
 
 
 def test_keys_are_collected_from_flags_file_and_environment(tmp_path):

@@ -163,3 +163,12 @@ def test_dynamic_parameters_are_checked_with_their_meaning():
     assert parse_tree_spec("dynamic:2,0,3").max_nodes == 1
     with pytest.raises(TreeError, match="total_token >= 2 \\(it counts the root\\)"):
         parse_tree_spec("dynamic:1,3,2")
+
+
+@pytest.mark.parametrize("spec", ["dynamic:60,7", "dynamic:60", "dynamic:", "dynamic", "chain:"])
+def test_a_tree_spec_with_a_number_missing_is_refused_naming_the_forms(spec):
+    """Parsed whole: defaults are never filled in for a number left out."""
+    from specx.runtime.drafters.tree_search import parse_tree_spec
+
+    with pytest.raises(TreeError, match="use chain:K, dynamic:TOTAL,DEPTH,TOPK"):
+        parse_tree_spec(spec)

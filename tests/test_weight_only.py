@@ -4,6 +4,7 @@ speculation on them, and exports whose memory does not grow with the weights."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -423,3 +424,35 @@ def test_a_draft_only_build_is_refused_without_a_head_or_with_gptq(artifacts, tm
          "--method", "gptq", "--prompts", str(prompts)],
     )  # fmt: skip
     assert refused.exit_code == 2 and "GPTQ calibrates the target" in refused.stderr
+
+
+def test_the_inexact_build_warning_is_for_greedy_requests_and_names_the_precision(
+    artifacts, tmp_path
+):
+    """A build recording greedy identity "none" warns a greedy speculative request, once per
+    drafting plan; a sampled request, which promises the distribution, is not warned."""
+    from specx import Speculation
+    from specx.artifact import manifest_body, write_manifest
+
+    artifact = shutil.copytree(artifacts["llama"], tmp_path / "artifact")
+    build_artifact(artifact, BuildOptions("ort", "int4", weight_only=WeightOnlyConfig()))
+    manifest = load_manifest(artifact)
+    body = manifest_body(manifest)
+    body["builds"][manifest.default_build]["quantization"]["greedy_identity"] = "none"
+    write_manifest(artifact, body)
+    engine = specx.load(artifact)
+    ngram = Speculation("ngram")
+    said: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())  # type: ignore[method-assign]
+    logger = logging.getLogger("specx")  # the CLI stops it propagating: listen on it
+    logger.addHandler(handler)
+    try:
+        engine.generate([1, 2, 1, 2], max_new_tokens=4, speculation=ngram, temperature=0.7)
+        assert not said
+        for _ in range(2):
+            engine.generate([1, 2, 1, 2], max_new_tokens=4, speculation=ngram)
+    finally:
+        logger.removeHandler(handler)
+    assert len(said) == 1 and "for no draft" in said[0] and "(int4)" in said[0], said
+    assert "int8 rounding" not in said[0]

@@ -42,7 +42,8 @@ class CapacityError(GenerationError):
         super().__init__(
             f"the longest prompt has {longest} tokens; with {new_tokens} new tokens it "
             f"needs {needed} KV slots but the artifact's capacity is {capacity}: shorten the "
-            "prompt, lower --max-new-tokens, or re-export with a larger --max-context"
+            "prompt, lower --max-new-tokens, or re-export with a larger --max-context (past "
+            "the checkpoint's max_position_embeddings only with --beyond-trained-positions)"
         )
         self.longest, self.new_tokens, self.needed, self.capacity = (
             longest, new_tokens, needed, capacity,

@@ -44,7 +44,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -64,6 +64,7 @@ from specx.manifest_types import (
     TreeChoice,
     VerifyShape,
 )
+from specx.progress import Progress
 from specx.runtime.backends import build_name, open_decoder
 from specx.runtime.calibrated import calibration_key, choice_shape, row_exact
 from specx.runtime.decoder_backend import DecoderBackend
@@ -80,7 +81,6 @@ __all__ = [
     "predicted_speedup",
 ]
 
-Progress = Callable[[str], None]
 VERIFY_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 DYNAMIC_DRAFTERS = ("eagle3", "eagle", "mtp", "draft-model")
 
@@ -210,7 +210,8 @@ def calibrate_artifact(
     candidates = _candidates(scored, chains, p, spec)
     progress(f"[5/5] measuring {len(candidates)} candidates, then the batch curve")
     measured = []
-    for candidate in candidates:
+    for i, candidate in enumerate(candidates, 1):
+        progress(f"  candidate {i}/{len(candidates)}: {candidate.label}")
         drafter = _drafter(spec, target, _candidate_shape(candidate), options)
         timing = measure_speedup(
             target, drafter, prompts, options.max_new_tokens, options.repeats, 1, sampling
@@ -227,7 +228,7 @@ def calibrate_artifact(
             for c in measured
         ],
     )
-    batch_curve = _batch_curve(target, spec, choice, prompts, options)
+    batch_curve = _batch_curve(target, spec, choice, prompts, options, progress)
     seconds = time.perf_counter() - started
     report = {
         **_header(manifest, spec, prompts, options, seconds),
@@ -520,7 +521,7 @@ def _predicted(depth: int, expected_accepted: float, speedup: float) -> dict[str
     return {"depth": depth, "expected_accepted": expected_accepted, "model_speedup": speedup}
 
 
-def _batch_curve(target, spec, choice, prompts, options) -> list[dict[str, Any]]:
+def _batch_curve(target, spec, choice, prompts, options, progress) -> list[dict[str, Any]]:
     """Measured speedup of the chosen tree per batch size (prompts cycled to fill batches).
 
     Batch 1 is the choice's own measurement on the prompts; larger batches are decoded
@@ -531,6 +532,7 @@ def _batch_curve(target, spec, choice, prompts, options) -> list[dict[str, Any]]
         if batch == 1:
             curve.append({"batch": 1, "measured_speedup": _speedup(choice)})
             continue
+        progress(f"  batch curve: {choice.label} at batch {batch}")
         group = [prompts[i % len(prompts)] for i in range(max(batch, len(prompts)))]
         drafter = _drafter(spec, target, _candidate_shape(choice), options)
         timing = measure_speedup(

@@ -229,9 +229,12 @@ def generate(
     comparison: Comparison | None = None
     if compare and drafter is not None:
         plain = engine.generate_batch(prompts, **options, progress=progress("decoding plainly"))
+        drafted = stats.mode == "speculative"
         comparison = Comparison(
             plain=plain[0].stats,
-            speedup=plain[0].stats.ms_per_token / stats.ms_per_token,
+            # Where the run drafted nothing (calibration or the controller turned it off), both
+            # sides decoded plainly: their ratio is noise, not a speedup.
+            speedup=plain[0].stats.ms_per_token / stats.ms_per_token if drafted else None,
             # Sampled speculation matches the target's distribution, not plain decoding's
             # draws token for token (its random stream is consumed differently): no verdict.
             identical_tokens=[c.tokens for c in plain] == [c.tokens for c in done]
@@ -258,7 +261,7 @@ class Comparison:
     """`--compare`: the same prompts decoded plainly, against the speculative run."""
 
     plain: Stats
-    speedup: float  # plain ms/token over speculative ms/token
+    speedup: float | None  # plain ms/token over speculative; None: both decoded plainly
     identical_tokens: bool | None  # None: sampled (lossless in distribution only)
 
     def to_json(self) -> dict[str, Any]:
@@ -268,6 +271,22 @@ class Comparison:
             "speedup": self.speedup,
             "identical_tokens": self.identical_tokens,
         }
+
+    def describe(self, speculation: str) -> str:
+        """The comparison in words; `speculation`: the run's ("on", or why it was off)."""
+        if self.identical_tokens is None:
+            verdict = "sampled: lossless in distribution, not token by token"
+        else:
+            verdict = f"identical tokens: {self.identical_tokens}"
+        if self.speedup is None:
+            why = "" if speculation == "on" else f" ({speculation})"
+            return (
+                f"plain {self.plain.ms_per_token:.2f} ms/token; both runs decoded plainly{why}, "
+                f"so there is no speedup to report; {verdict}"
+            )
+        return (
+            f"plain {self.plain.ms_per_token:.2f} ms/token, speedup {self.speedup:.2f}x, {verdict}"
+        )
 
 
 def print_stats(stats: Stats | RunStats, compare: Comparison | None = None) -> None:
@@ -293,16 +312,8 @@ def print_stats(stats: Stats | RunStats, compare: Comparison | None = None) -> N
             "rounds"
         )
     if compare is not None:
-        identical = compare.identical_tokens
-        verdict = (
-            f"identical tokens: {identical}"
-            if identical is not None
-            else "sampled: lossless in distribution, not token by token"
-        )
-        line += (
-            f"; plain {compare.plain.ms_per_token:.2f} ms/token, speedup "
-            f"{compare.speedup:.2f}x, {verdict}"
-        )
+        speculation = stats.speculation if isinstance(stats, Stats) else "on"
+        line += "; " + compare.describe(speculation)
     calibrated = stats.calibrated if isinstance(stats, Stats) else None
     if calibrated is not None:
         line += (

@@ -15,6 +15,7 @@ built with taps, and the updated caches.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -282,6 +283,13 @@ class TargetDecoder(nn.Module):
         with torch.device("meta"):
             decoder = TargetDecoder(config)
         return {name: tuple(t.shape) for name, t in decoder.state_dict().items()}
+
+    @staticmethod
+    def parameter_count(config: TargetConfig) -> int:
+        """Parameters as the checkpoint holds them: a tied lm_head is the embedding, once."""
+        tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
+        shapes = TargetDecoder.parameter_shapes(config)
+        return sum(math.prod(shape) for name, shape in shapes.items() if name not in tied)
 
     @property
     def tap_width(self) -> int:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import math
 import shutil
 import time
 from collections.abc import Callable
@@ -28,6 +27,7 @@ from specx.export.decoder import TargetDecoder
 from specx.export.onnx_graph import export_streamed, graph_entry, save_graph_streamed
 from specx.export.weight_writer import WeightWriter, planned_weights
 from specx.manifest_types import ModelSpec, TapSpec
+from specx.progress import Progress, heartbeat
 from specx.runtime.chat import CHAT_TEMPLATE_FILE, ChatTemplate, read_checkpoint_template
 
 __all__ = ["DEFAULT_MAX_CONTEXT", "export_target", "io_names"]
@@ -37,8 +37,6 @@ log = logging.getLogger(__name__)
 DEFAULT_MAX_CONTEXT = 2048
 # Verify forwards take at most this many tokens (root + draft nodes); TensorRT profiles use it.
 DEFAULT_MAX_TREE_TOKENS = 64
-
-Progress = Callable[[str], None]
 
 
 def io_names(num_layers: int, taps: str) -> tuple[list[str], list[str]]:
@@ -233,7 +231,8 @@ def export_target(
     sources = _check_request(
         checkpoint_dir, output_dir, max_context, max_tree_tokens, taps, drafter, overwrite
     )
-    progress(f"[1/5] loading {checkpoint_dir}")
+    steps = 5 if drafter is None else 6  # a head is traced and written as a step of its own
+    progress(f"[1/{steps}] loading {checkpoint_dir}")
     checkpoint = load_checkpoint(checkpoint_dir)
     _check_capacity(checkpoint, max_context, max_tree_tokens, beyond_trained_positions)
     # Hashed while the graph is traced (hashlib releases the GIL), off the export's path: its
@@ -248,9 +247,9 @@ def export_target(
         taps, layers = HEAD_TAPS[head.kind], getattr(head, "tap_layers", None)
     taps = taps or "none"
     shapes = TargetDecoder.parameter_shapes(checkpoint.config)
-    n_params = sum(math.prod(s) for s in shapes.values())
+    n_params = TargetDecoder.parameter_count(checkpoint.config)
     progress(
-        f"[2/5] tracing {checkpoint.config.family} target "
+        f"[2/{steps}] tracing {checkpoint.config.family} target "
         f"({n_params / 1e6:.1f}M parameters, {checkpoint.config.num_layers} layers)"
     )
     plans = planned_weights(checkpoint.state_dict, list(shapes))
@@ -259,9 +258,10 @@ def export_target(
         # Writes the weights while the graph is traced.
         WeightWriter(staging, "target.onnx.data", checkpoint.state_dict, plans) as writer,
     ):
-        model, decoder = _export_graph(checkpoint, taps, layers)
+        with heartbeat(progress, "tracing"):
+            model, decoder = _export_graph(checkpoint, taps, layers)
         _warn_on_shared_taps(decoder)
-        progress("[3/5] writing target.onnx")
+        progress(f"[3/{steps}] writing target.onnx")
         writer.wait_for_plans(_writing_progress(progress))
         graph, graph_file, data_file, digest = save_graph_streamed(
             model, staging, "target", progress, writer, writer.reuse
@@ -274,7 +274,7 @@ def export_target(
 
             assert drafter is not None  # the head was loaded from it
 
-            progress(f"[3/5] tracing and writing the {head.kind} head")
+            progress(f"[4/{steps}] tracing and writing the {head.kind} head")
             head_spec, head_graphs = export_head(head, drafter, staging)
             graphs.update(head_graphs)
         tokenizer = checkpoint_dir / "tokenizer.json"
@@ -283,7 +283,7 @@ def export_target(
         chat = chat_template or read_checkpoint_template(checkpoint_dir)
         if chat is not None:  # for `Engine.chat` and the server's /v1/chat/completions
             (staging / CHAT_TEMPLATE_FILE).write_text(chat.to_json(), encoding="utf-8")
-        progress(f"[4/5] hashing {len(checkpoint.files)} source weight files")
+        progress(f"[{steps - 1}/{steps}] hashing {len(checkpoint.files)} source weight files")
         body = exported_body(
             _source(checkpoint, digests.result()),
             _model_spec(checkpoint.config, decoder, max_context, max_tree_tokens),
@@ -292,7 +292,7 @@ def export_target(
             "tokenizer.json" if tokenizer.is_file() else None,
             None if chat is None else CHAT_TEMPLATE_FILE,
         )
-        progress("[5/5] writing manifest.json")
+        progress(f"[{steps}/{steps}] writing manifest.json")
         write_manifest(staging, body, known={data_file: digest})
     progress(f"exported {output_dir} in {time.perf_counter() - started:.1f}s")
     return output_dir

@@ -41,6 +41,7 @@ class CalibratedChoice:
     predicted_speedup: float  # measured on the calibration prompts; 1.0 when speculation is off
     description: str
     key: str  # the manifest entry: calibration[key]
+    measured_on: str | None = None  # the build it was measured on (None: not recorded)
 
     def to_json(self) -> dict[str, Any]:
         """What `specx generate --json` reports of it, as `stats.calibration`."""
@@ -49,6 +50,7 @@ class CalibratedChoice:
             "tree": self.description,
             "max_batch_spec": self.max_batch_spec,
             "predicted_speedup": self.predicted_speedup,
+            "measured_on": self.measured_on,
         }
 
 
@@ -107,8 +109,18 @@ def calibrated_choice(
         label += f" (calibrated at {key.partition('@')[2]})"
     if entry.max_batch_spec == 0:
         label += " (calibration: speculation does not pay off here, decoding plainly)"
+    measured_on = (entry.report.get("measured_on") or {}).get("build")
+    running = build_name(manifest)
+    if measured_on is not None and measured_on != running:
+        # Its costs (and so its choice) are another build's: said, not silently applied.
+        label += (
+            f" (calibrated on the {measured_on} build; this is {running}: run specx calibrate "
+            "again to measure it)"
+        )
     nodes = entry.choice.nodes if shape is None else shape.max_nodes
-    return CalibratedChoice(shape, nodes, entry.max_batch_spec, entry.expected_speedup, label, key)
+    return CalibratedChoice(
+        shape, nodes, entry.max_batch_spec, entry.expected_speedup, label, key, measured_on
+    )
 
 
 def _distance(setting: CalibratedSampling, wanted: SamplingParams) -> tuple[float, float]:

@@ -22,6 +22,7 @@ model's session opens once and suffix drafting learns from the engine's earlier 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import threading
@@ -32,7 +33,13 @@ from typing import Any, Literal, TypeVar
 
 from specx.artifact import Manifest, load_manifest
 from specx.errors import GenerationError
-from specx.runtime.backends import backend_name, build_name, open_decoder, select_build
+from specx.runtime.backends import (
+    backend_name,
+    build_name,
+    build_reason,
+    open_decoder,
+    select_build,
+)
 from specx.runtime.calibrated import (
     CalibratedChoice,
     calibrated_choice,
@@ -48,7 +55,7 @@ from specx.runtime.controller import (
     controller_for,
 )
 from specx.runtime.detokenize import TextStream
-from specx.runtime.drafters import DrafterOptions, make_drafter
+from specx.runtime.drafters import DrafterOptions, describe_drafts, make_drafter
 from specx.runtime.drafters.tree_search import parse_tree_spec
 from specx.runtime.metrics import RunStats
 from specx.runtime.plain_decoding import (
@@ -156,6 +163,8 @@ class Stats:
     backend: str  # the runtime that ran it: "ort" (ONNX Runtime) or "trt" (TensorRT)
     speculation: str  # "on", or why it was off
     calibrated: CalibratedChoice | None = None  # the manifest entry used, if any
+    build_reason: str = ""  # why this build runs (`specx.runtime.backends.build_reason`)
+    draft: str | None = None  # what was drafted each round (`describe_drafts`); None: plain
 
     @property
     def mode(self) -> Literal["plain", "speculative"]:
@@ -231,7 +240,13 @@ class Stats:
             out["speculation"] = self.speculation  # the calibration's reason, where it decided
         if self.calibrated is not None:
             out["calibration"] = self.calibrated.to_json()
-        return out | {"build": self.build, "backend": self.backend}
+        if self.draft is not None:
+            out["draft"] = self.draft
+        return out | {
+            "build": self.build,
+            "backend": self.backend,
+            "build_reason": self.build_reason,
+        }
 
 
 @dataclass(frozen=True)
@@ -270,6 +285,7 @@ class Engine:
     def __init__(self, manifest: Manifest, threads: int | None = None):
         self.manifest, self.threads = manifest, threads
         self.target = open_decoder(manifest, threads=threads)
+        self.build_reason = build_reason(manifest)  # named in every run's stats
         file = manifest.tokenizer_file
         self.tokenizer = TextTokenizer(file) if file else None
         chat = manifest.chat_template_file
@@ -331,12 +347,12 @@ class Engine:
     def chat_prompt(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
         """Token ids of `messages` through the checkpoint's chat template."""
         if self.chat_template is None or self.tokenizer is None:
-            # Said to HTTP clients too: no path, no command-line flag.
+            # Said to HTTP clients too: no path, but the flags that supply one.
             what = "chat template" if self.tokenizer is not None else "tokenizer"
             raise GenerationError(
                 f"the model {self.name} has no {what}, so it cannot format chat messages: send a "
-                "plain prompt (completions), or have a chat template supplied at export or serve "
-                "time"
+                "plain prompt (completions), or supply a chat template (specx serve "
+                "--chat-template FILE, or specx export --chat-template FILE)"
             )
         text = self.chat_template.render(messages)
         return self.tokenizer.encode(text, add_special_tokens=False)
@@ -471,7 +487,7 @@ class Engine:
         self, run: RunStats, speculation: str, calibrated: CalibratedChoice | None = None
     ) -> Stats:
         build, backend = build_name(self.manifest), backend_name(self.manifest)
-        return Stats(run, build, backend, speculation, calibrated)
+        return Stats(run, build, backend, speculation, calibrated, self.build_reason)
 
     def plan(self, speculation: Speculation, sampling: SamplingParams) -> DraftPlan:
         """What a request with `speculation` at `sampling` drafts with (see `DraftPlan`)."""
@@ -493,27 +509,39 @@ class Engine:
         return DraftPlan(spec.drafter, options, max_batch_spec, spec.adaptive, calibrated)
 
     def new_drafter(self, plan: DraftPlan):
-        """A fresh drafter for `plan` (warns where the build does not keep drafts lossless)."""
-        drafter = make_drafter(plan.drafter, self.target, plan.options)
-        identity = greedy_identity(self.manifest)
-        warned = plan.key in self._warned
-        self._warned.add(plan.key)  # once per drafting plan, not per pooled drafter
-        if warned:
-            return drafter
-        # Builds exact by rows ("chains") verify greedy trees through their spine.
-        if identity == "none":
-            logger.warning(
-                "the %s build keeps greedy speculation identical to its plain decoding for "
-                "no draft; a token can differ where int8 rounding flips a near-tie (build "
-                "with --block-size 32)",
-                self.manifest.default_build,
-            )
-        return drafter
+        """A fresh drafter for `plan`."""
+        return make_drafter(plan.drafter, self.target, plan.options)
+
+    def warn_inexact(self, plan: DraftPlan, sampling: SamplingParams) -> None:
+        """Warns a greedy request, once per drafting plan, on a build exact for no draft.
+
+        That is a build of greedy identity "none": no draft keeps greedy speculation
+        identical to its plain decoding there. Builds exact by rows ("chains") verify
+        greedy trees through their spine; sampled decoding promises the target's
+        distribution, not its plain run's tokens.
+        """
+        if not sampling.greedy or greedy_identity(self.manifest) != "none":
+            return
+        with self._pool_lock:
+            if plan.key in self._warned:
+                return
+            self._warned.add(plan.key)
+        build = self.manifest.build
+        precision = "" if build is None else f" ({build.precision})"
+        logger.warning(
+            "the %s build%s keeps greedy speculation identical to its plain decoding for no "
+            "draft: its kernels quantize activations on the fly and compute a row alone other "
+            "than rows together, so a token can differ where that rounding flips a near-tie "
+            "(build with --block-size 32, or --accuracy-level 0)",
+            self.manifest.default_build,
+            precision,
+        )
 
     def _speculative(self, request: _Request, sink, progress) -> tuple[GenerationResult, Stats]:
         speculation = request.speculation
         assert speculation is not None  # plain requests never get here
         plan = self.plan(speculation, request.sampling)
+        self.warn_inexact(plan, request.sampling)
         drafter = self.take_drafter(plan)
         try:
             result = generate_speculative(
@@ -538,7 +566,8 @@ class Engine:
         calibrated, off = plan.calibrated, result.stats.speculation_off
         if off is not None and calibrated is not None and speculation.max_batch_spec is None:
             off = _calibrated_off(calibrated.max_batch_spec, len(request.prompts))
-        return result, self._stats(result.stats, off or "on", calibrated)
+        stats = self._stats(result.stats, off or "on", calibrated)
+        return result, dataclasses.replace(stats, draft=describe_drafts(drafter))
 
     def take_drafter(self, plan: DraftPlan):
         """A drafter for `plan` not in use: a pooled one, else a new one (`give_back` it)."""

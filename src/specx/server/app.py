@@ -6,8 +6,9 @@ Endpoints: POST /v1/completions and /v1/chat/completions (SSE streaming and not)
 With API keys set (`ServeOptions.access`, `specx.server.auth`) every path but /health (and
 /metrics if opened) needs one: 401 otherwise. Bodies over `max_body_bytes` get 413 (before
 they are read whole), malformed JSON 400, a full queue 503 with Retry-After; every error is
-OpenAI's error object. A client that disconnects cancels its request, which frees its slot
-at the next round. (This module needs the serve extra.)
+OpenAI's error object; /metrics counts every response by route and status. A client that
+disconnects cancels its request, which frees its slot at the next round. (This module needs
+the serve extra.)
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ __all__ = [
 def create_app(engine: Engine, options: ServeOptions | None = None) -> FastAPI:
     """The FastAPI app; its lifespan starts and stops the scheduler thread."""
     options = options or ServeOptions()
-    service = Service(engine, options)
+    service = Service(engine, options, count_requests=False)  # counted at the edge, below
 
     @asynccontextmanager
     async def lifespan(app):
@@ -51,6 +52,8 @@ def create_app(engine: Engine, options: ServeOptions | None = None) -> FastAPI:
     app = FastAPI(title="specx", lifespan=lifespan)
     app.state.service = service
     require_keys(app, options.access)
+    # Added last, so outermost: it sees the key check's 401s too.
+    app.add_middleware(_CountResponses, metrics=service.metrics)
 
     @app.get("/health")
     async def health():
@@ -111,6 +114,33 @@ class _RequireKeys:
                 await refusal(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+
+
+class _CountResponses:
+    """Counts every response by route and status in /metrics, 401s to 503s and GETs too.
+
+    A path that is no route counts as "other": a scan of made-up paths cannot grow the
+    label set.
+    """
+
+    def __init__(self, app, metrics):
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        route = scope["path"] if scope["path"] in ROUTES else "other"
+
+        async def counted(message) -> None:
+            if message["type"] == "http.response.start":
+                self.metrics.request(route, message["status"])
+            await send(message)
+
+        await self.app(scope, receive, counted)
 
 
 async def read_body(http: Request, limit: int) -> bytes:

@@ -222,6 +222,8 @@ class Scheduler:
             self._finish(job, _cancelled(job))
             return
         text = self.engine.text_stream(job.stop)
+        if job.plan is not None:
+            self.engine.warn_inexact(job.plan, job.sampling)
         drafter = self._take_drafter(job.plan)
 
         def sink(_row: int, tokens: list[int]) -> bool:

@@ -72,8 +72,14 @@ class Opened:
 class Service:
     """One engine behind the OpenAI API (see the module docstring)."""
 
-    def __init__(self, engine: Engine, options: ServeOptions):
+    def __init__(self, engine: Engine, options: ServeOptions, count_requests: bool = True):
+        """A service over `engine`.
+
+        `count_requests` False: the HTTP layer counts every response itself (the local app,
+        whose edge also sees 401s, 404s and the GET routes).
+        """
         self.engine, self.options = engine, options
+        self.count_requests = count_requests
         if options.chat_template is not None:
             engine.use_chat_template(options.chat_template)
         self.metrics = Metrics()
@@ -107,7 +113,8 @@ class Service:
 
     def error(self, e: ApiError, chat: bool) -> Reply:
         """`e` as a reply, counted (503s carry Retry-After)."""
-        self.metrics.request(_endpoint(chat), e.status)
+        if self.count_requests:
+            self.metrics.request(_endpoint(chat), e.status)
         retry = {"Retry-After": str(self.options.retry_after_s)} if e.status == 503 else {}
         return Reply(e.status, e.body(), retry)
 
@@ -132,7 +139,8 @@ class Service:
             raise ApiError(400, _too_long(e), "max_tokens") from e
         except SpecxError as e:
             raise ApiError(400, str(e)) from e
-        self.metrics.request(_endpoint(chat), 200)
+        if self.count_requests:
+            self.metrics.request(_endpoint(chat), 200)
         return Opened(request, job, events, new_id(chat))
 
     async def reply(self, opened: Opened, disconnected: Callable[[], Awaitable[bool]]) -> Reply:

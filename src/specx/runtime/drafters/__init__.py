@@ -15,9 +15,9 @@ from specx.runtime.drafters.feature_head import FeatureHeadDrafter
 from specx.runtime.drafters.medusa import MedusaDrafter
 from specx.runtime.drafters.ngram import NGramDrafter
 from specx.runtime.drafters.suffix import SuffixDrafter, SuffixOptions
-from specx.runtime.drafters.tree_search import StaticTree, TreeShape
+from specx.runtime.drafters.tree_search import StaticTree, TreeShape, describe
 
-__all__ = ["DRAFTERS", "Drafter", "DrafterOptions", "make_drafter"]
+__all__ = ["DRAFTERS", "Drafter", "DrafterOptions", "describe_drafts", "make_drafter"]
 
 
 @dataclass(frozen=True)
@@ -101,3 +101,16 @@ def make_drafter(spec: str, target: DecoderBackend, options: DrafterOptions) -> 
     if name not in DRAFTERS:
         raise SpecxError(f"unknown drafter {name!r}; choose one of {', '.join(DRAFTERS)}")
     return DRAFTERS[name](target, argument or None, options)
+
+
+def describe_drafts(drafter: Drafter) -> str:
+    """What `drafter` proposes each round, for the stats.
+
+    Its tree as `--tree` spells it, or a model-free drafter's own trees by their node budget.
+    """
+    shape = getattr(drafter, "shape", None)
+    if shape is not None:
+        return describe(shape)
+    if isinstance(drafter, NGramDrafter) and drafter.max_matches == 1:
+        return f"chain:{drafter.max_nodes}"
+    return f"{drafter.name}'s own trees, up to {drafter.max_nodes} nodes"

@@ -24,7 +24,15 @@ import numpy as np
 from specx.runtime.sampling import SamplingParams, sample, sampling_probs
 from specx.runtime.trees import DraftTree, TreeError, choices_parents, depths
 
-__all__ = ["DynamicTree", "NodeForward", "StaticTree", "TreeShape", "grow", "parse_tree_spec"]
+__all__ = [
+    "DynamicTree",
+    "NodeForward",
+    "StaticTree",
+    "TreeShape",
+    "describe",
+    "grow",
+    "parse_tree_spec",
+]
 
 # forward(nodes [B, n] pool ids, tokens [B, n], parents [B, n] pool ids or -1) -> logits [B, n, V]
 NodeForward = Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray]
@@ -122,7 +130,11 @@ def within(shape: TreeShape, budget: int | None) -> TreeShape:
 
 
 def parse_tree_spec(spec: str) -> TreeShape:
-    """`chain:K`, `dynamic:TOTAL,DEPTH,TOPK`, `static:FILE` or a JSON choice list."""
+    """`chain:K`, `dynamic:TOTAL,DEPTH,TOPK`, `static:FILE` or a JSON choice list.
+
+    Parsed whole: a form with a number missing (`dynamic:60,7`, `chain:`) is an error naming
+    the form, not a tree with defaults filled in.
+    """
     import json
     from pathlib import Path
 
@@ -133,7 +145,9 @@ def parse_tree_spec(spec: str) -> TreeShape:
         if kind == "chain":
             return StaticTree.chain(int(argument))
         if kind == "dynamic":
-            values = [int(v) for v in argument.split(",")] if argument else []
+            values = [int(v) for v in argument.split(",")]
+            if len(values) != 3:
+                raise ValueError(f"dynamic: takes 3 numbers, got {len(values)}")
             return DynamicTree(*values)
         if kind == "static":
             return StaticTree.from_choices(json.loads(Path(argument).read_text(encoding="utf-8")))
@@ -143,6 +157,15 @@ def parse_tree_spec(spec: str) -> TreeShape:
             f"bad tree {spec!r}: use chain:K, dynamic:TOTAL,DEPTH,TOPK (EAGLE-2's total_token, "
             f"depth, top_k), static:FILE or a JSON choice list ({e})"
         ) from e
+
+
+def describe(shape: TreeShape) -> str:
+    """The shape as `--tree` spells it (a choice list by its node count)."""
+    if isinstance(shape, DynamicTree):
+        return f"dynamic:{shape.total_token},{shape.depth},{shape.top_k}"
+    if shape.is_chain:
+        return f"chain:{shape.max_nodes}"
+    return f"static ({shape.max_nodes} nodes)"
 
 
 def grow(
