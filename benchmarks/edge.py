@@ -41,7 +41,13 @@ torch==2.13.0 "optimum-intel[openvino]" einops && .../bin/pip uninstall -y torch
 
     python benchmarks/edge.py [--wide ~/.cache/specx/pyref-wide] [--prompts 6]
         [--new-tokens 64] [--repeats 3] [--sections greedy,sampled] [--only REGEX]
-        [--int4-heads] [--openvino-builds]
+        [--int4-heads] [--openvino-builds] [--llama-cpp]
+
+`--llama-cpp`: llama.cpp's `llama-server` too (benchmarks/llama_cpp.py builds it and the GGUFs,
+~30 minutes once): plain at Q4_0 and Q4_K_M, EAGLE-3 with the same widened head at Q4_0
+(n-max 2-4), the draft model and n-gram lookup, token-id prompts on 127.0.0.1, the prompt
+cache off; its output compared with its own plain output. It runs in processes of its own,
+so it alternates with the other runners prompt by prompt rather than sharing a process.
 
 `--openvino-builds`: the plain, EAGLE-3 and EAGLE-1 artifacts also get specx's OpenVINO int4
 build (`specx build --backend openvino --precision int4`), timed as "specx-ov" rows (plain,
