@@ -73,15 +73,32 @@ def test_the_build_timed_fastest_becomes_the_default_never_a_slower_one(two_buil
     assert named.build_reason == f"named; the build timed fastest here was {faster}"
 
 
-def test_a_broken_record_costs_the_reason_not_the_run(two_builds, tmp_path):
+@pytest.mark.parametrize(
+    "record", [{"picked": 3}, {"picked": "a", "basis": "b", "context": 1, "timings": ["x"]}]
+)
+def test_a_broken_record_costs_the_reason_not_the_run(two_builds, tmp_path, record):
     import specx
     from specx.artifact import manifest_body, write_manifest
 
     root = shutil.copytree(two_builds, tmp_path / "broken")
     manifest = load_manifest(root)
-    write_manifest(root, {**manifest_body(manifest), "build_choice": {"picked": 3}})
+    write_manifest(root, {**manifest_body(manifest), "build_choice": record})
     stats = specx.load(root).generate([1, 2, 3], max_new_tokens=2).stats
     assert "build_choice is malformed" in stats.build_reason
+
+
+def test_a_later_build_retires_the_recorded_choice(two_builds, tmp_path):
+    """A build made after the choice outranks it (it is the default now): the record goes."""
+    import specx
+    from specx.build import BuildOptions, build_artifact
+
+    root = shutil.copytree(two_builds, tmp_path / "later")
+    choose_build(root, ["ort-fp32", "ort-int8"], 32, lambda r, b, c: _timing(b, 10.0))
+    assert load_manifest(root).build_choice is not None
+    build_artifact(root, BuildOptions("ort", "int4"))
+    assert load_manifest(root).build_choice is None
+    reason = specx.load(root).generate([1, 2, 3], max_new_tokens=2).stats.build_reason
+    assert reason.startswith("the artifact's default build, the newest")
 
 
 def test_without_openvino_auto_builds_onnx_runtime_alone_saying_so(monkeypatch):

@@ -51,6 +51,7 @@ def test_compare_reports_no_speedup_where_both_runs_decoded_plainly(artifacts):
     args += ["ngram", "--max-batch-spec", 0, "--compare", "--max-new-tokens", 8]
     stats = json.loads(invoke(*args, "--json").stdout)["stats"]
     assert stats["mode"] == "plain" and stats["speculation"].startswith("off")
+    assert "draft" not in stats  # nothing was drafted
     assert stats["compare"]["speedup"] is None and stats["compare"]["identical_tokens"] is True
     line = invoke(*args).stderr
     assert "both runs decoded plainly (off: " in line and "no speedup to report" in line

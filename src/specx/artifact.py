@@ -311,8 +311,12 @@ class Manifest:
         return dataclasses.replace(self, data=data, default_build=name)
 
     def with_new_build(self, name: str, entry: BuildEntry) -> Manifest:
-        """This artifact with `entry` as build `name` (replacing any of that name), the default."""
+        """This artifact with `entry` as build `name` (replacing any of that name), the default.
+
+        A recorded `build_choice` goes: it timed builds this one replaces or outranks.
+        """
         data = {**self.data, "builds": {**self.data.get("builds", {}), name: entry.to_json()}}
+        data.pop("build_choice", None)
         builds = {**self.builds, name: entry}
         return dataclasses.replace(self, data=data, builds=builds).with_build(name)
 

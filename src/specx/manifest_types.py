@@ -521,7 +521,7 @@ class BuildChoice:
     """
 
     picked: str
-    basis: str  # what the predicted rate is of: "plain decoding" or "<head> chain of K"
+    basis: str  # what the predicted rate is of: "plain decoding" or "a head's chain of K"
     context: int  # cached tokens the forwards were timed over
     timings: tuple[BuildTiming, ...]
 
@@ -535,7 +535,7 @@ class BuildChoice:
                 int(data["context"]),
                 tuple(BuildTiming.from_json(t) for t in data["timings"]),
             )
-        except (KeyError, TypeError, ValueError) as e:
+        except (AttributeError, KeyError, TypeError, ValueError) as e:
             raise ArtifactError(
                 f"{where} is malformed ({e!r}); run specx build --backend auto again"
             ) from e

@@ -14,8 +14,8 @@ default, recording the timings (`BuildChoice`) that the stats name as the reason
 Each build is timed in a process of its own (`python -m specx.calibration.build_choice`): a process
 holds one build's sessions in use, and ONNX Runtime's pool spinning beside an OpenVINO
 target (or a global pool made before it) would time a mix no user runs. Timed at batch 1
-over `context` cached tokens: the plain step t(1), the verify curve t(n), one step of the
-artifact's head, the prompt's forward. The predicted decode rate, per build:
+over `context` cached tokens: the verify curve t(n) (t(1) stands for the plain step), one
+step of the artifact's head, the prompt's forward. The predicted decode rate, per build:
 
     plain:   t(1)
     a head:  min over chains of K of (t(K + 1) + (K + 1) * h) / E[tokens | K]
@@ -80,6 +80,9 @@ def measure_build(manifest: Manifest, context: int, threads: int | None = None) 
         target.feed(cache, [prompt], np.zeros(1, dtype=np.int64))
         ttft.append(time.perf_counter() - started)
     curve = measure_verify_curve(target, WIDTHS, context)
+    # t(1) is the curve's one-token forward: on pyref-1b int4 it predicted the loop's plain
+    # rate within 2% on both builds (26.0 vs 26.46 ms, 32.7 vs 32.37), while timing plain
+    # decoding's own step right after the prompt read OpenVINO's 20-30% high (38.7-42.7 ms).
     verify_ms = tuple(1e3 * s for s in curve.seconds)
     head = None
     spec = manifest.drafter
@@ -116,7 +119,7 @@ def measure_isolated(root: Path, build: str, context: int) -> BuildTiming:
     done = subprocess.run(command, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise CalibrationError(f"timing build {build!r} failed:\n{done.stderr[-2000:]}")
-    return BuildTiming.from_json(json.loads(done.stdout))
+    return BuildTiming.from_json(json.loads(done.stdout.strip().splitlines()[-1]))
 
 
 def choose_build(
@@ -144,7 +147,8 @@ def choose_build(
 
 def _main() -> None:
     root, build, context = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
-    timing = measure_build(load_manifest(root).with_build(build), context)
+    # The parent loaded (and so checked) the artifact; the child need not hash it again.
+    timing = measure_build(load_manifest(root, verify_hashes=False).with_build(build), context)
     print(json.dumps(timing.to_json()))
 
 

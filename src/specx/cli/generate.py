@@ -229,7 +229,8 @@ def generate(
     comparison: Comparison | None = None
     if compare and drafter is not None:
         plain = engine.generate_batch(prompts, **options, progress=progress("decoding plainly"))
-        drafted = stats.mode == "speculative"
+        spec = stats.run.speculative
+        drafted = spec is not None and spec.acceptance.rounds_with_draft > 0
         comparison = Comparison(
             plain=plain[0].stats,
             # Where the run drafted nothing (calibration or the controller turned it off), both

@@ -110,16 +110,17 @@ def select_build(manifest: Manifest, name: str | None) -> Manifest:
     return manifest.with_build(None if name == EXPORTED else name)
 
 
-def build_reason(manifest: Manifest) -> str:
-    """Why the default build is the one that runs, for the stats."""
+def build_reason(manifest: Manifest, named: bool = False) -> str:
+    """Why the default build is the one that runs, for the stats (`named`: the caller chose it)."""
     try:
         choice = manifest.build_choice
     except ArtifactError as e:  # a broken record costs the reason, not the run
         return f"the artifact's default build ({e})"
+    fastest = "" if choice is None else f"; the build timed fastest here was {choice.picked}"
+    if named:
+        return f"named{fastest}"
     if choice is None:
         return "the artifact's default build, the newest (none timed: specx build --backend auto)"
-    if choice.picked != manifest.default_build:
-        return f"named; the build timed fastest here was {choice.picked}"
     return choice.reason
 
 

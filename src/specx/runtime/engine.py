@@ -282,10 +282,11 @@ class _Request:
 class Engine:
     """An opened artifact (see the module docstring). Build with `load`."""
 
-    def __init__(self, manifest: Manifest, threads: int | None = None):
+    def __init__(self, manifest: Manifest, threads: int | None = None, named_build: bool = False):
+        """`named_build`: the caller chose the build (not the artifact's default)."""
         self.manifest, self.threads = manifest, threads
         self.target = open_decoder(manifest, threads=threads)
-        self.build_reason = build_reason(manifest)  # named in every run's stats
+        self.build_reason = build_reason(manifest, named_build)  # in every run's stats
         file = manifest.tokenizer_file
         self.tokenizer = TextTokenizer(file) if file else None
         chat = manifest.chat_template_file
@@ -567,6 +568,8 @@ class Engine:
         if off is not None and calibrated is not None and speculation.max_batch_spec is None:
             off = _calibrated_off(calibrated.max_batch_spec, len(request.prompts))
         stats = self._stats(result.stats, off or "on", calibrated)
+        if result.stats.speculative is None:  # fell back to plain decoding: nothing drafted
+            return result, stats
         return result, dataclasses.replace(stats, draft=describe_drafts(drafter))
 
     def take_drafter(self, plan: DraftPlan):
@@ -658,7 +661,7 @@ def load(artifact: str | Path, threads: int | None = None, build: str | None = N
     Raises:
         ArtifactError: not a specx artifact, a file does not match its hash, or no such build.
     """
-    return Engine(select_build(load_manifest(artifact), build), threads)
+    return Engine(select_build(load_manifest(artifact), build), threads, build is not None)
 
 
 def _calibrated_off(max_batch_spec: int, batch: int) -> str:

@@ -120,7 +120,9 @@ ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/
 
 
 class _CountResponses:
-    """Counts every response by route and status in /metrics, 401s to 503s and GETs too.
+    """Counts every response the app sends by route and status, 401s to 503s and GETs too.
+
+    (An unhandled exception's 500 comes from Starlette's own outermost layer, past this one.)
 
     A path that is no route counts as "other": a scan of made-up paths cannot grow the
     label set.
