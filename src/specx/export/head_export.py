@@ -17,21 +17,10 @@ from specx.export.heads.eagle3 import Eagle3Head
 from specx.export.heads.medusa import MedusaHeads
 from specx.export.heads.mtp import MTPHead
 from specx.export.onnx_graph import export_module, graph_entry, save_graph
-from specx.graphs.draft_chain import build_draft_chain
+from specx.graphs.draft_chain import HEAD_INPUTS, HEAD_OUTPUTS, build_draft_chain
 from specx.manifest_types import DecoderSpec, DrafterSpec, GraphEntry
 
-__all__ = ["AR_INPUTS", "AR_OUTPUTS", "export_head"]
-
-AR_INPUTS = [
-    "input_ids",
-    "features",
-    "position_ids",
-    "attention_mask",
-    "write_pos",
-    "past_key_0",
-    "past_value_0",
-]
-AR_OUTPUTS = ["logits", "hidden", "present_key_0", "present_value_0"]
+__all__ = ["export_head"]
 
 # The heads `specx.export.heads.load_head` returns; all but Medusa draft autoregressively.
 AutoregressiveHead = Eagle3Head | EagleHead | MTPHead
@@ -127,7 +116,7 @@ def export_head(
         return replace(drafter, medusa_heads=len(head.heads)), {"draft_head": graph}
     inputs, shapes = _ar_example(head)
     model = export_module(
-        _autoregressive(head), inputs, shapes, AR_INPUTS, AR_OUTPUTS, f"the {head.kind} head"
+        _autoregressive(head), inputs, shapes, HEAD_INPUTS, HEAD_OUTPUTS, f"the {head.kind} head"
     )
     entry = graph_entry(model, *save_graph(model, staging, "draft_head"))
     c = head.config

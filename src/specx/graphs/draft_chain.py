@@ -27,8 +27,9 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-__all__ = ["CHAIN_INPUTS", "CHAIN_OUTPUTS", "build_draft_chain"]
+__all__ = ["CHAIN_INPUTS", "CHAIN_OUTPUTS", "HEAD_INPUTS", "HEAD_OUTPUTS", "build_draft_chain"]
 
+# An autoregressive head's graph (`draft_head`) as export writes it and the chain inlines it.
 HEAD_INPUTS = [
     "input_ids",
     "features",
