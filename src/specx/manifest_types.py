@@ -441,6 +441,12 @@ class CalibrationEntry:
     report: Json = field(default_factory=dict)
     verify_shape: VerifyShape | None = None  # None: recorded before calibrate measured it
 
+    @property
+    def measured_build(self) -> str | None:
+        """The build the entry was measured on (`report.measured_on.build`; None: unrecorded)."""
+        measured_on = self.report.get("measured_on")
+        return measured_on.get("build") if isinstance(measured_on, Mapping) else None
+
     @classmethod
     def from_json(cls, where: str, data: Any) -> CalibrationEntry:
         """Checks the entry while reading it (nothing did at load).

@@ -109,7 +109,7 @@ def calibrated_choice(
         label += f" (calibrated at {key.partition('@')[2]})"
     if entry.max_batch_spec == 0:
         label += " (calibration: speculation does not pay off here, decoding plainly)"
-    measured_on = (entry.report.get("measured_on") or {}).get("build")
+    measured_on = entry.measured_build
     running = build_name(manifest)
     if measured_on is not None and measured_on != running:
         # Its costs (and so its choice) are another build's: said, not silently applied.

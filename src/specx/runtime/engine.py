@@ -22,7 +22,6 @@ model's session opens once and suffix drafting learns from the engine's earlier 
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import queue
 import threading
@@ -485,10 +484,14 @@ class Engine:
             return self._speculative(request, sink, progress)
 
     def _stats(
-        self, run: RunStats, speculation: str, calibrated: CalibratedChoice | None = None
+        self,
+        run: RunStats,
+        speculation: str,
+        calibrated: CalibratedChoice | None = None,
+        draft: str | None = None,
     ) -> Stats:
         build, backend = build_name(self.manifest), backend_name(self.manifest)
-        return Stats(run, build, backend, speculation, calibrated, self.build_reason)
+        return Stats(run, build, backend, speculation, calibrated, self.build_reason, draft)
 
     def plan(self, speculation: Speculation, sampling: SamplingParams) -> DraftPlan:
         """What a request with `speculation` at `sampling` drafts with (see `DraftPlan`)."""
@@ -567,10 +570,9 @@ class Engine:
         calibrated, off = plan.calibrated, result.stats.speculation_off
         if off is not None and calibrated is not None and speculation.max_batch_spec is None:
             off = _calibrated_off(calibrated.max_batch_spec, len(request.prompts))
-        stats = self._stats(result.stats, off or "on", calibrated)
-        if result.stats.speculative is None:  # fell back to plain decoding: nothing drafted
-            return result, stats
-        return result, dataclasses.replace(stats, draft=describe_drafts(drafter))
+        # A run that fell back to plain decoding drafted nothing.
+        draft = None if result.stats.speculative is None else describe_drafts(drafter)
+        return result, self._stats(result.stats, off or "on", calibrated, draft)
 
     def take_drafter(self, plan: DraftPlan):
         """A drafter for `plan` not in use: a pooled one, else a new one (`give_back` it)."""
