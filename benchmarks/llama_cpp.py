@@ -184,6 +184,20 @@ def faults(bin_dir: Path, model: Path) -> bool:
     return False
 
 
+def host_build(tree: Path, work: Path, f16: Path, q4_0: Path) -> tuple[Path, str, Path]:
+    """The build that runs on this host, its AMX state, and `f16` quantized to Q4_0 at `q4_0`.
+
+    Built natively; where a smoke completion on the Q4_0 model dies with SIGILL, ggml is
+    rebuilt without AMX.
+    """
+    bin_dir = build(tree, work, amx=True)
+    quantized = quantize(bin_dir, f16, q4_0, "Q4_0")
+    if not faults(bin_dir, quantized):
+        return bin_dir, "native", quantized
+    log("llama.cpp's native build died with SIGILL: rebuilding ggml without AMX")
+    return build(tree, work, amx=False), "off: faulted (SIGILL)", quantized
+
+
 def prepare(wide: Path, work: Path) -> Built:
     """Builds llama.cpp and converts pyref-1b and its drafters (kept and reused)."""
     tree = source(work)
@@ -196,12 +210,7 @@ def prepare(wide: Path, work: Path) -> Built:
         tree, layout, models / "eagle3-f16.gguf", "f16", "--target-model-dir", str(target)
     )
     draft_f16 = convert(tree, wide / "heads" / "draft-model", models / "draft-f16.gguf", "f16")
-    amx = "native"
-    bin_dir = build(tree, work, amx=True)
-    q4_0 = quantize(bin_dir, f16, models / "pyref-1b-q4_0.gguf", "Q4_0")
-    if faults(bin_dir, q4_0):
-        log("llama.cpp's native build died with SIGILL: rebuilding ggml without AMX")
-        amx, bin_dir = "off: faulted (SIGILL)", build(tree, work, amx=False)
+    bin_dir, amx, q4_0 = host_build(tree, work, f16, models / "pyref-1b-q4_0.gguf")
     return Built(
         bin=bin_dir,
         amx=amx,
@@ -211,6 +220,16 @@ def prepare(wide: Path, work: Path) -> Built:
         eagle3_f16=head,
         draft=quantize(bin_dir, draft_f16, models / "draft-q4_0.gguf", "Q4_0"),
     )
+
+
+def plain_q4_0(checkpoint: Path, work: Path) -> tuple[Path, Path, str]:
+    """Any HF checkpoint at Q4_0 for this host's build: (bin dir, the GGUF, AMX state)."""
+    tree = source(work)
+    models = work / "models"
+    models.mkdir(parents=True, exist_ok=True)
+    f16 = convert(tree, checkpoint, models / f"{checkpoint.name}-f16.gguf", "f16")
+    bin_dir, amx, q4_0 = host_build(tree, work, f16, models / f"{checkpoint.name}-q4_0.gguf")
+    return bin_dir, q4_0, amx
 
 
 def main() -> None:

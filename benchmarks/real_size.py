@@ -18,7 +18,12 @@ On the random-weight Llama-3.2-1B-shaped checkpoint (benchmarks/real_size_checkp
     python benchmarks/real_size.py --costs-only      # export/build costs, no decoding
     python benchmarks/real_size.py --default-only    # specx's default int4 and both genai
                                                      # int4s in one interleaving
+    python benchmarks/real_size.py --default-only --llama-cpp   # and llama.cpp's Q4_0
     python benchmarks/real_size.py --export-only     # export vs genai's builder, alternated
+
+`--llama-cpp` adds llama.cpp's plain decoding at Q4_0 (its `llama-server` on 127.0.0.1, a process
+of its own, prompt cache off; built and the checkpoint converted by benchmarks/llama_cpp.py under
+~/.cache/specx/llama.cpp) to the `--default-only` interleaving.
 
 Writes benchmarks/results/real_size.json. Random weights give near-uniform logits, so two
 correct runtimes can part at near-ties: tokens are compared, not required equal.
@@ -27,6 +32,7 @@ correct runtimes can part at near-ties: tokens are compared, not required equal.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -39,9 +45,12 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+import llama_cpp  # noqa: E402
 from real_size_checkpoint import write as write_checkpoint  # noqa: E402
 from runners import (  # noqa: E402
     GenaiPlain,
+    LlamaCompletion,
+    LlamaServer,
     SpecxPlain,
     directory_gb,
     interleave,
@@ -122,21 +131,38 @@ def random_prompts(args, seed: int) -> list[list[int]]:
     return [rng.integers(1, 4096, args.prompt_tokens).tolist() for _ in range(args.prompts)]
 
 
-def default_vs_genai(artifact: Path, work: Path, args) -> None:
-    """Three runners in one interleaving: specx's default int4 build and both genai int4s."""
+def default_vs_genai(checkpoint: Path, artifact: Path, work: Path, args) -> None:
+    """specx's default int4 build and both genai int4s in one interleaving (and llama.cpp's
+    Q4_0 with `--llama-cpp`); each built first where missing."""
+    specx = [sys.executable, "-m", "specx.cli"]
+    costs: dict = {}
+    if not list((artifact / "builds").glob("ort-int4.*")):
+        shutil.rmtree(artifact, ignore_errors=True)
+        step("specx export", [*specx, "export", str(checkpoint), "-o", str(artifact),
+                              "--max-context", "1024", "--no-build"], costs)  # fmt: skip
+        step("specx build int4", [*specx, "build", str(artifact), "--precision", "int4"], costs)
+    for name, block in (("genai-int4", 0), ("genai-int4-b128", 128)):
+        if not (work / name / "genai_config.json").is_file():
+            genai_build(checkpoint, work / name, "int4", work, costs, block=block)
     prompts = random_prompts(args, seed=1)
-    log("plain decoding, specx int4 default vs genai int4 (default, blocks of 128)")
-    report = compare(
-        {
-            "specx int4 (default)": SpecxPlain(artifact, "ort-int4", args.threads),
-            "genai-int4": GenaiPlain(work / "genai-int4", args.threads),
-            "genai-int4-b128": GenaiPlain(work / "genai-int4-b128", args.threads),
-        },
-        prompts,
-        args,
-    )
+    runners = {
+        "specx int4 (default)": SpecxPlain(artifact, "ort-int4", args.threads),
+        "genai-int4": GenaiPlain(work / "genai-int4", args.threads),
+        "genai-int4-b128": GenaiPlain(work / "genai-int4-b128", args.threads),
+    }
+    extra: dict = {}
+    with contextlib.ExitStack() as stack:
+        if args.llama_cpp:
+            bin_dir, gguf, amx = llama_cpp.plain_q4_0(checkpoint, llama_cpp.CACHE / "llama.cpp")
+            server = stack.enter_context(LlamaServer(bin_dir, gguf, args.threads))
+            runners["llama.cpp Q4_0"] = LlamaCompletion(server)
+            size = round(gguf.stat().st_size / 1e9, 2)
+            extra["llama_cpp"] = {"amx": amx, "gguf": gguf.name, "size_gb": size}
+        log(f"plain decoding: {', '.join(runners)}")
+        report = compare(runners, prompts, args)
     results = json.loads(args.out.read_text()) if args.out.is_file() else {}
-    results["default_vs_genai"] = {"prompts": args.prompts, "repeats": args.repeats, **report}
+    results["default_vs_genai"] = {"prompts": args.prompts, "repeats": args.repeats, **extra,
+                                   **report}  # fmt: skip
     args.out.write_text(json.dumps(results, indent=2) + "\n")
 
 
@@ -192,6 +218,11 @@ def main() -> None:
         "default and at blocks of 128, all three interleaved (results under default_vs_genai).",
     )
     parser.add_argument(
+        "--llama-cpp",
+        action="store_true",
+        help="With --default-only: llama.cpp's Q4_0 in the interleaving too.",
+    )
+    parser.add_argument(
         "--export-only",
         action="store_true",
         help="Only `specx export` vs genai's fp32 builder, alternated --repeats times "
@@ -200,12 +231,12 @@ def main() -> None:
     args = parser.parse_args()
     work = args.work
     checkpoint, artifact = work / "checkpoint", work / "artifact"
-    if args.default_only:
-        default_vs_genai(artifact, work, args)
-        return
     if not (checkpoint / "model.safetensors").is_file():
         log(f"writing the 1B-shaped checkpoint to {checkpoint}")
         write_checkpoint(checkpoint)
+    if args.default_only:
+        default_vs_genai(checkpoint, artifact, work, args)
+        return
     if args.export_only:
         export_vs_genai(checkpoint, work, args)
         return
