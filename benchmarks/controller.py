@@ -4,26 +4,30 @@ For each target (pyref-7m; pyref-deep when `benchmarks/pyref_deep.py` wrote it),
 (ngram, suffix, and every trained drafter under --heads, the committed
 benchmarks/heads/pyref-7m: EAGLE-1/3, Medusa, MTP and the draft model, all trained against
 pyref-7m, whose residual stream and tokens pyref-deep shares; what a head's layout names by
-layer is renumbered for pyref-deep, `pyref_heads.for_deep`), temperature (0, 0.7, 1.0) and batch
-(1, 4): plain decoding, the drafter at its default configuration with every draft kept
-(`--fixed-draft`: chains of 4, suffix's 16 nodes, Medusa's default tree), and the default
-`specx generate` (what `specx.load(...).generate_batch(..., speculation=DRAFTER)` does: the
-calibration entry nearest the temperature when there is one, and the per-round controller),
-on the ORT-lowered build; each repeat runs every group of prompts in turn (an untimed plain
-run, then the modes in an order rotated by repeat), fastest of --repeats per group;
-decode time only. All three go through one `Engine`. Beside it, `paired`: per group the
+layer is renumbered for pyref-deep, `pyref_heads.for_deep`), temperature (0, 0.7, 1.0) and
+batch (1, 2, 4, 6, 8; --batches): plain decoding, the drafter at its default configuration with
+every draft kept (`--fixed-draft`: chains of 4, suffix's 16 nodes, Medusa's default tree), and
+the default `specx generate` (what `specx.load(...).generate_batch(..., speculation=DRAFTER)`
+does: the calibration entry nearest the temperature when there is one, and the per-round
+controller), on the ORT-lowered build; each repeat runs every group of prompts in turn (an
+untimed plain run, then the modes in an order rotated by repeat), fastest of --repeats per
+group; decode time only. All three go through one `Engine`. Beside it, `paired`: per group the
 median over repeats of plain's time over the mode's in the same repeat (`_paired`), which a
 drift in the machine's speed does not move.
 
 With --calibrate, every drafter is first calibrated at each temperature (`specx calibrate
---temperature T`, batches 1, 2, 4; suffix drafting, which sizes its own trees, gets its
-batch threshold only) on --prompts other prompts of the same sets, as a deployment would at
-build time. Every timed run starts after `Engine.reset_drafters`: a pooled suffix drafter
-would otherwise have seen the same prompt's output in the previous repeat (drafters that do
-not learn across requests stay pooled, as on a server).
+--temperature T`, batches 1, 2, 4, 8, its default; suffix drafting, which sizes its own trees,
+gets its batch threshold only) on --prompts other prompts of the same sets, as a deployment
+would at build time. Every timed run starts after `Engine.reset_drafters`: a pooled suffix
+drafter would otherwise have seen the same prompt's output in the previous repeat (drafters
+that do not learn across requests stay pooled, as on a server). With --first-request every
+timed run starts after `Engine.forget_requests` instead: round costs, when asking pays and the
+acceptance earlier requests found are forgotten too, so each run is a fresh process's first
+request (what `specx generate` always is; a server learns them across requests).
 --only DRAFTERS --merge re-measures some drafters into an existing report.
 
-    python benchmarks/controller.py [--prompts 8] [--new-tokens 64] [--repeats 2] [--calibrate]
+    python benchmarks/controller.py [--prompts 24] [--new-tokens 64] [--repeats 2] [--calibrate]
+        [--first-request] [--batches 1,2,4,6,8] [--only ngram,suffix,eagle3,draft-model]
 
 Writes benchmarks/results/controller.json and prints a markdown table: each cell with the 95%
 bootstrap interval of its prompt groups' paired speedups (`bootstrap_interval`), then each
@@ -49,7 +53,7 @@ from runners import scratch_dir  # noqa: E402
 SHARED = Path(__file__).resolve().parents[2] / "shared"
 HEAD_KINDS = ("eagle", "eagle3", "medusa", "mtp")
 TEMPERATURES = (0.0, 0.7, 1.0)
-BATCHES = (1, 4)
+BATCHES = (1, 2, 4, 6, 8)  # 24 prompts make whole groups of each
 
 
 def log(message: str) -> None:
@@ -133,7 +137,10 @@ def measure_cell(engine, drafter, prompts, batch, temperature, args) -> dict:
             for name in names:
                 # Every run starts cold: a pooled suffix drafter would otherwise have seen
                 # this very prompt's output in the previous repeat.
-                engine.reset_drafters()
+                if args.first_request:
+                    engine.forget_requests()
+                else:
+                    engine.reset_drafters()
                 done = engine.generate_batch(group, **options, speculation=modes[name])
                 run[name].append(done[0].stats.decode_s)
                 if name not in best or done[0].stats.decode_s < best[name][0].stats.decode_s:
@@ -220,7 +227,7 @@ def calibrate(artifact, drafter, temperature, prompts, args) -> None:
     from specx.calibration.calibrate import CalibrationOptions, calibrate_artifact
 
     options = CalibrationOptions(
-        drafter=drafter, max_new_tokens=args.new_tokens, batches=(1, 2, 4), repeats=2,
+        drafter=drafter, max_new_tokens=args.new_tokens, repeats=2,
         threads=args.threads, temperature=temperature,
     )  # fmt: skip
     entry = calibrate_artifact(artifact, prompts, options)
@@ -230,7 +237,7 @@ def calibrate(artifact, drafter, temperature, prompts, args) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--prompts", type=int, default=24)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
@@ -239,6 +246,9 @@ def main() -> None:
     parser.add_argument("--calibrate", action="store_true", help="calibrate every drafter first")
     parser.add_argument("--only", default=None, help="comma-separated drafters to measure")
     parser.add_argument("--targets", default=None, help="comma-separated targets (pyref-7m, ...)")
+    parser.add_argument("--batches", default=",".join(map(str, BATCHES)))
+    parser.add_argument("--first-request", action="store_true",
+                        help="every timed run as a fresh engine's first request")  # fmt: skip
     parser.add_argument("--no-fixed", action="store_true", help="plain vs the default only")
     parser.add_argument("--control", action="store_true",
                         help="time plain twice: each cell's plain-vs-plain noise band")  # fmt: skip
@@ -267,6 +277,7 @@ def main() -> None:
         "prompts": len(prompts),
         "new_tokens": args.new_tokens,
         "calibrated": args.calibrate,
+        "first_request": args.first_request,
         "repeats": args.repeats,
         "results": {},
     }
@@ -288,7 +299,7 @@ def main() -> None:
             engine = load(artifact, threads=args.threads)
             for drafter in kinds:
                 for temperature in TEMPERATURES:
-                    for batch in BATCHES:
+                    for batch in map(int, args.batches.split(",")):
                         key = f"{target_name} {_name(drafter)} T={temperature} batch {batch}"
                         log(key)
                         row = measure_cell(engine, drafter, prompts, batch, temperature, args)

@@ -390,6 +390,26 @@ def test_an_engine_remembers_acceptance_per_plan_and_setting(artifacts):
     assert engine.acceptance_memory(plan, SamplingParams()) is greedy
 
 
+def test_forget_requests_starts_the_next_request_as_a_fresh_engines_first(artifacts):
+    """Round costs, asking and acceptance memories and learning drafters are all dropped."""
+    engine = load(artifacts["llama"], threads=2)
+    prompt, options = [5, 9, 5, 9, 5, 9, 13], {"max_new_tokens": 24, "ignore_eos": True}
+    plans = {d: engine.plan(Speculation(d), SamplingParams()) for d in ("ngram", "suffix")}
+    for drafter in plans:
+        engine.generate(prompt, **options, speculation=drafter)
+    costs = engine.round_costs(plans["ngram"], 1)
+    accepted = engine.acceptance_memory(plans["ngram"], SamplingParams())
+    asking = engine.asking_memory(plans["suffix"], 1, SamplingParams())
+    assert costs.known and accepted.judged[0] > 0 and asking.rounds > 0
+    suffix = engine.take_drafter(plans["suffix"])
+    engine.give_back(plans["suffix"], suffix)
+    engine.forget_requests()
+    assert not engine.round_costs(plans["ngram"], 1).known
+    assert engine.acceptance_memory(plans["ngram"], SamplingParams()).judged == [0] * 16
+    assert engine.asking_memory(plans["suffix"], 1, SamplingParams()).rounds == 0
+    assert engine.take_drafter(plans["suffix"]) is not suffix
+
+
 def test_peers_that_wait_for_a_draft_raise_the_bar_for_it():
     """In a continuous batch a row's draft delays every peer: it must pay for the forward."""
     alone, crowded = AdaptiveController(), AdaptiveController()

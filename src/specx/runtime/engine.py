@@ -625,6 +625,19 @@ class Engine:
             for pool in self._drafters.values():
                 pool[:] = [d for d in pool if not getattr(d, "learns_across_requests", True)]
 
+    def forget_requests(self) -> None:
+        """Forgets what earlier requests taught: the next runs as a fresh engine's first.
+
+        `reset_drafters`, and the round costs, asking and acceptance memories the
+        controllers learnt (what a new process starts without: `specx generate` always,
+        a server on its first request per batch size). Sessions stay open.
+        """
+        self.reset_drafters()
+        with self._pool_lock:
+            self._round_costs.clear()
+            self._asking.clear()
+            self._acceptance.clear()
+
     def check_drafter(self, plan: DraftPlan) -> int:
         """Builds `plan`'s drafter once (pooled), raising SpecxError if it cannot be built.
 
