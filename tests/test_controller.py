@@ -30,9 +30,10 @@ from specx.runtime.drafters.draft_model import DraftModelDrafter
 from specx.runtime.drafters.ngram import NGramDrafter
 from specx.runtime.drafters.suffix import SuffixDrafter, SuffixOptions
 from specx.runtime.drafters.tree_search import DynamicTree, StaticTree, parse_tree_spec
-from specx.runtime.engine import ASKING_SETTINGS, Speculation, load
+from specx.runtime.engine import Speculation, load
 from specx.runtime.ort_target import OrtTarget
 from specx.runtime.plain_decoding import generate_plain
+from specx.runtime.plan_state import ASKING_SETTINGS
 from specx.runtime.sampling import SamplingParams
 from specx.runtime.speculative_decoding import PROBE_TAIL, generate_speculative
 from specx.runtime.trees import DraftTree

@@ -65,6 +65,7 @@ __all__ = [
     "Controller",
     "FixedSizes",
     "RoundCosts",
+    "Trial",
     "controller_for",
     "truncated",
 ]
@@ -180,6 +181,22 @@ class FixedSizes:
         return ControllerSummary("fixed", dict(sorted(self._chosen.items())))
 
 
+@dataclass(frozen=True)
+class Trial:
+    """What a request's first draft costs it however the draft fares: the drafter's prefill.
+
+    A head's or a draft model's prefill of the prompts; none for model-free drafters.
+
+    `prefill_s`: predicted (the engine's measure per prompt token times the request's);
+    `rounds`: the request's rounds at most (its new tokens); `step_s`: one draft step of one
+    sequence, as timed on a dummy (what a draft costs before one is timed in a round).
+    """
+
+    prefill_s: float
+    rounds: int
+    step_s: float = 0.0
+
+
 class AdaptiveController:
     """The rule in the module docstring.
 
@@ -219,8 +236,13 @@ class AdaptiveController:
         probe_budget: float = 0.02,
         costs: RoundCosts | None = None,
         acceptance: AcceptanceMemory | None = None,
+        trial: Trial | None = None,
+        trial_margin: float = 2.0,
     ):
         self.prior, self.smoothing, self.max_depth = prior, smoothing, max_depth
+        # What the request's first draft costs it, and how many times over the expected
+        # saving must pay for it (`_worth_a_trial`); None: nothing to pay.
+        self.trial, self.trial_margin = trial, trial_margin
         # In a batch a draft must beat a plain step by this many tokens a row: the rows'
         # uneven progress, which no per-depth average sees. A row alone stops at a tie, not
         # before: stopping leaves it blind until its probe.
@@ -248,30 +270,71 @@ class AdaptiveController:
         self.interval = np.full(batch, self.probe_every)
         self.probing = np.zeros(batch, dtype=bool)
         self.hit = np.zeros(batch, dtype=bool)  # the row's last round accepted a draft token
+        # How often asking the drafter found a draft for the row (n-gram finds no match in
+        # many rounds; a model always drafts), and how many asks that is over.
+        self.found = np.ones(batch)
+        self.asks = np.zeros(batch, dtype=np.int64)
         self._floor: list[float] | None = None
         self._peers = 0
         self._sizes = np.zeros(batch, dtype=np.int64)
+        self._tried = self.trial is None or self.trial.prefill_s <= 0  # nothing to pay first
 
     def sizes(self, active: np.ndarray, peers: int = 0) -> np.ndarray:  # noqa: D102
         self.round += 1
         self._peers = peers
         if len(active) == 1:  # batch 1, and every row of a continuous batch: kept cheap
             size = self._size(0) if active[0] and self.round > 1 else 0
-            self._chosen[size] += int(active[0])
-            self._sizes = np.array([size], dtype=np.int64)
-            return self._sizes
-        chosen = np.zeros(len(active), dtype=np.int64)
-        rows = np.flatnonzero(active)
-        waiting = (self.next_probe[rows] > 0) & (self.round < self.next_probe[rows])
-        if self.round > 1 and not waiting.all():  # else every row waits: no estimate needed
-            # A batch ends with its slowest row: rows of a batch size by the lowest acceptance.
-            estimates = [self._estimates(b) for b in rows.tolist()]
-            self._floor = [min(p) for p in zip(*estimates, strict=True)] if len(rows) > 1 else None
-            for b in rows.tolist():
-                chosen[b] = self._size(b)
+            chosen = np.array([size], dtype=np.int64)
+        else:
+            chosen = np.zeros(len(active), dtype=np.int64)
+            rows = np.flatnonzero(active)
+            waiting = (self.next_probe[rows] > 0) & (self.round < self.next_probe[rows])
+            if self.round > 1 and not waiting.all():  # else every row waits: no estimate
+                # A batch ends with its slowest row: its rows size by the lowest acceptance.
+                estimates = [self._estimates(b) for b in rows.tolist()]
+                floor = [min(p) for p in zip(*estimates, strict=True)]
+                self._floor = floor if len(rows) > 1 else None
+                for b in rows.tolist():
+                    chosen[b] = self._size(b)
+        if not self._tried and chosen.any():
+            chosen = self._first_draft(chosen)
         self._chosen.update(chosen[active].tolist())
         self._sizes = chosen
         return chosen
+
+    def _first_draft(self, chosen: np.ndarray) -> np.ndarray:
+        """`chosen` if the request's first draft is worth its prefill, else no draft at all.
+
+        Without one, the request's rows idle to its end: plain decoding's loop.
+        """
+        assert self.trial is not None  # `_tried` is set without one
+        if self._worth_a_trial(self.trial):
+            self._tried = True
+            return chosen
+        self.next_probe[:] = self.trial.rounds + 1
+        return np.zeros_like(chosen)
+
+    def _worth_a_trial(self, trial: Trial) -> bool:
+        """Whether drafting the rest of the request saves `trial_margin` times its prefill.
+
+        Expected from p_d as the rows start (earlier requests' verdicts at this setting,
+        else the prior), a draft step as timed on the dummy until a round is timed (one per
+        row and node: it errs dear), and T(0) as measured.
+        """
+        left = max(trial.rounds - self.round, 0)
+        accept = self._floor or self._estimates(int(np.argmax(self.next_probe == 0)))
+        expected, reach = [1.0], 1.0
+        for p in accept[: min(self.max_nodes, self.max_depth)]:
+            reach *= p
+            expected.append(expected[-1] + reach)
+        step = self.costs.time(0)
+        rows = len(self.next_probe)
+        per_token = step
+        for size in self.candidates[1:]:
+            draft = self.costs.draft if self.costs.drafted else trial.step_s * rows * size
+            time = self.costs.verify(1 + size) + draft
+            per_token = min(per_token, time / expected[min(size, self.max_depth)])
+        return left * (step - per_token) >= self.trial_margin * trial.prefill_s
 
     def idle_rounds(self, active: np.ndarray) -> int:  # noqa: D102
         return _idle_rounds(self.next_probe.tolist(), active, self.round)
@@ -335,11 +398,14 @@ class AdaptiveController:
             expected.append(expected[-1] + reach)
         margin = 0.0 if self._floor is None else self.batch_margin
         # Peers emit one token a round whatever this row does, and wait for its draft: the
-        # draft must raise the whole forward's tokens per second, not just this row's.
-        peers = self._peers
+        # draft must raise the whole forward's tokens per second, not just this row's. An
+        # ask that finds nothing (with probability 1 - q) emits a token in `ask` seconds.
+        peers, q = self._peers, float(self.found[row] if self._floor is None else self.found.min())
         best, best_rate = 0, (peers + 1.0 + margin) / self.costs.time(0)
+        ask = self.costs.ask or self.costs.time(0)
         for size in self.candidates[1:]:
-            rate = (peers + expected[min(size, self.max_depth)]) / self.costs.time(size)
+            tokens = peers + 1.0 + q * (expected[min(size, self.max_depth)] - 1.0)
+            rate = tokens / (q * self.costs.time(size) + (1.0 - q) * ask)
             if rate > best_rate:
                 best, best_rate = size, rate
         return best
@@ -347,6 +413,9 @@ class AdaptiveController:
     def observe(self, row: int, depth: int, accepted: list[int]) -> None:  # noqa: D102
         count = len(accepted)
         self.hit[row] = count > 0
+        if self._sizes[row]:  # asked: whether the drafter found anything to draft
+            self.asks[row] += 1
+            self.found[row] = _learnt(self.found[row], self.asks[row], depth > 0, self.smoothing)
         for d in range(min(depth, count + 1, self.max_depth)):  # depths the target judged
             hit = d < count
             self.acceptance.learn(d, hit)
@@ -358,7 +427,10 @@ class AdaptiveController:
             )
 
     def timed(self, width: int, verify_s: float, draft_s: float) -> None:  # noqa: D102
-        self.costs.record(width, verify_s, draft_s)
+        if width == 1 and self._sizes.any():  # asked, and no row found a draft
+            self.costs.record_ask(verify_s + draft_s)
+        else:
+            self.costs.record(width, verify_s, draft_s)
 
     def summary(self) -> ControllerSummary:  # noqa: D102
         return ControllerSummary("adaptive", dict(sorted(self._chosen.items())))
@@ -725,7 +797,7 @@ class ConfidenceController:
 # requests did: two, since the first step after a prefill runs up to twice as slow as the
 # next (ONNX Runtime's first run at the decode shapes), and a stretch is priced by its
 # steps past the first (`idled`).
-FIRST_PLAIN_ROUNDS = 2
+FIRST_PLAIN_ROUNDS = 4
 
 # A batch's probe round over a plain step, assumed before any was timed: every row of the
 # batch drafts and the verify forward doubles its width (about 2x at batch 4 on pyref-7m,
@@ -780,6 +852,7 @@ def controller_for(
     costs: RoundCosts | None = None,
     memory: AskingMemory | None = None,
     acceptance: AcceptanceMemory | None = None,
+    trial: Trial | None = None,
 ) -> Controller:
     """A fresh per-round controller suited to `drafter` (see the two rules above).
 
@@ -788,10 +861,12 @@ def controller_for(
     requests' windows of asking last paid, for suffix drafting's rule only
     (`AdaptiveController` with it lost n-gram's greedy gains: benchmarks/README.md).
     `acceptance`: the p_d earlier requests found, where `AdaptiveController`'s lone rows start.
+    `trial`: what the request's first draft costs it (a drafter that sizes its own drafts has
+    no prefill).
     """
     if getattr(drafter, "sizes_own_drafts", False):  # absent on drafters written before it
         return ConfidenceController(memory=memory)
-    return AdaptiveController(costs=costs, acceptance=acceptance)
+    return AdaptiveController(costs=costs, acceptance=acceptance, trial=trial)
 
 
 class RoundCosts:
@@ -832,6 +907,7 @@ class RoundCosts:
         self._round = 0
         self._stretched = False  # a plain step was priced from a stretch (`record_stretch`)
         self.draft = 0.0
+        self.ask = 0.0  # a round whose drafter found nothing to draft (0: none timed)
 
     def record(self, width: int, verify_s: float, draft_s: float) -> None:
         """A round's verify time at `width` tokens per row and its drafting time.
@@ -870,6 +946,14 @@ class RoundCosts:
             self._timed[1] = (0, self._timed[1][1])
         self.record(1, step_s, 0.0)
         self._stretched = True
+
+    def record_ask(self, seconds: float) -> None:
+        """A round that asked the drafter and found no draft, the proposal included.
+
+        A plain step through the speculative loop: dearer than a stretch's step.
+        """
+        step = 1.0 if not self.ask else self.smoothing
+        self.ask += step * (seconds - self.ask)
 
     def _forget(self, before: int) -> None:
         stale = [w for w, (_, last) in self._timed.items() if last <= before]

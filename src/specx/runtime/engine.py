@@ -25,10 +25,10 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal
 
 from specx.artifact import Manifest, load_manifest
 from specx.errors import GenerationError
@@ -51,6 +51,7 @@ from specx.runtime.controller import (
     AskingMemory,
     Controller,
     RoundCosts,
+    Trial,
     controller_for,
 )
 from specx.runtime.detokenize import TextStream
@@ -64,6 +65,7 @@ from specx.runtime.plain_decoding import (
     check_prompts,
     generate_plain,
 )
+from specx.runtime.plan_state import PlanState, time_drafter
 from specx.runtime.sampling import SamplingParams
 from specx.runtime.speculative_decoding import generate_speculative, scratch_of
 from specx.runtime.tokenizer import TextTokenizer
@@ -93,28 +95,6 @@ class Speculation:
     adaptive: bool = True
 
 
-# Sampling settings an engine remembers `AskingMemory` and `AcceptanceMemory` for at once (a
-# server's clients may send any temperature); past it the engine starts over.
-ASKING_SETTINGS = 256
-
-
-def _setting(sampling: SamplingParams) -> tuple:
-    """What a request's sampling setting is for what the engine remembers: the seed aside."""
-    return sampling.temperature, sampling.top_k, sampling.top_p
-
-
-Remembered = TypeVar("Remembered")
-
-
-def _remembered(
-    store: dict[tuple, Remembered], key: tuple, make: Callable[[], Remembered]
-) -> Remembered:
-    """`store[key]`, made if absent; a store full of `ASKING_SETTINGS` starts over."""
-    if key not in store and len(store) >= ASKING_SETTINGS:
-        store.clear()  # bounded, whatever settings clients send
-    return store.setdefault(key, make())
-
-
 @dataclass(frozen=True)
 class DraftPlan:
     """A request's drafting, resolved: drafter options, batch threshold, controller.
@@ -140,13 +120,16 @@ class DraftPlan:
         costs: RoundCosts | None = None,
         memory: AskingMemory | None = None,
         acceptance: AcceptanceMemory | None = None,
+        trial: Trial | None = None,
     ) -> Controller | None:
         """A fresh per-round controller for `drafter` (None when drafts are kept whole).
 
-        `costs`, `memory`, `acceptance`: what earlier requests timed and learnt
-        (`controller_for`).
+        `costs`, `memory`, `acceptance`: what earlier requests timed and learnt; `trial`:
+        what the request's first draft costs (`controller_for`).
         """
-        return controller_for(drafter, costs, memory, acceptance) if self.adaptive else None
+        if not self.adaptive:
+            return None
+        return controller_for(drafter, costs, memory, acceptance, trial)
 
 
 @dataclass(frozen=True)
@@ -291,17 +274,9 @@ class Engine:
         chat = manifest.chat_template_file
         self.chat_template = ChatTemplate.load(chat) if chat else None
         self.lock = threading.Lock()  # held by whoever runs the target (one at a time)
-        self._drafters: dict[tuple, list[Any]] = {}  # plan key -> drafters not in use
-        self._pool_lock = threading.Lock()
-        self._warned: set[tuple] = set()
-        # (plan key, batch) -> round costs timed by earlier requests: the machine's, not a
-        # request's, so they outlive `reset_drafters`.
-        self._round_costs: dict[tuple, RoundCosts] = {}
+        self._plans: dict[tuple, PlanState] = {}  # plan key -> its drafters and learnt state
+        self._pool_lock = threading.Lock()  # guards `_plans`
         self._verify_shape = verify_shape(manifest)  # the build's calibrated verify curve
-        # (plan key, batch, sampling setting) -> when its requests start asking the drafter
-        self._asking: dict[tuple, AskingMemory] = {}
-        # (plan key, sampling setting) -> what the target accepted of its drafts
-        self._acceptance: dict[tuple, AcceptanceMemory] = {}
 
     @property
     def name(self) -> str:
@@ -527,9 +502,10 @@ class Engine:
         if not sampling.greedy or greedy_identity(self.manifest) != "none":
             return
         with self._pool_lock:
-            if plan.key in self._warned:
+            state = self._state(plan)
+            if state.warned:
                 return
-            self._warned.add(plan.key)
+            state.warned = True
         build = self.manifest.build
         precision = "" if build is None else f" ({build.precision})"
         logger.warning(
@@ -547,6 +523,7 @@ class Engine:
         plan = self.plan(speculation, request.sampling)
         self.warn_inexact(plan, request.sampling)
         drafter = self.take_drafter(plan)
+        batch = len(request.prompts)
         try:
             result = generate_speculative(
                 self.target,
@@ -559,9 +536,10 @@ class Engine:
                 progress=progress,
                 controller=plan.controller(
                     drafter,
-                    self.round_costs(plan, len(request.prompts)),
-                    self.asking_memory(plan, len(request.prompts), request.sampling),
+                    self.round_costs(plan, batch),
+                    self.asking_memory(plan, batch, request.sampling),
                     self.acceptance_memory(plan, request.sampling),
+                    self.trial(plan, request.prompts, request.max_new_tokens),
                 ),
                 sink=sink,
             )
@@ -569,30 +547,51 @@ class Engine:
             self.give_back(plan, drafter)
         calibrated, off = plan.calibrated, result.stats.speculation_off
         if off is not None and calibrated is not None and speculation.max_batch_spec is None:
-            off = _calibrated_off(calibrated.max_batch_spec, len(request.prompts))
+            off = _calibrated_off(calibrated.max_batch_spec, batch)
+        spec = result.stats.speculative
+        if spec is not None:
+            self.prefilled(plan, spec.draft_prefill_s, result.stats.prompt_tokens)
         # A run that fell back to plain decoding drafted nothing.
-        draft = None if result.stats.speculative is None else describe_drafts(drafter)
+        draft = None if spec is None else describe_drafts(drafter)
         return result, self._stats(result.stats, off or "on", calibrated, draft)
 
+    def _state(self, plan: DraftPlan) -> PlanState:
+        """`plan`'s state (the caller holds the pool lock)."""
+        return self._plans.setdefault(plan.key, PlanState())
+
     def take_drafter(self, plan: DraftPlan):
-        """A drafter for `plan` not in use: a pooled one, else a new one (`give_back` it)."""
+        """A drafter for `plan` not in use: a pooled one, else a new one (`give_back` it).
+
+        The plan's first drafter is timed (`time_drafter`): what its first draft costs a
+        request.
+        """
         with self._pool_lock:
-            pool = self._drafters.setdefault(plan.key, [])
-            if pool:
-                return pool.pop()
-        return self.new_drafter(plan)
+            state = self._state(plan)
+            if state.idle:
+                return state.idle.pop()
+            timed = state.drafter_costs is not None
+        drafter = self.new_drafter(plan)
+        if not timed:
+            costs = time_drafter(drafter, self.target.tap_width)
+            with self._pool_lock:
+                state = self._state(plan)
+                state.drafter_costs = state.drafter_costs or costs
+        return drafter
 
     def give_back(self, plan: DraftPlan, drafter) -> None:
         """Returns a drafter to the pool for the next request with the same plan."""
         with self._pool_lock:
-            self._drafters.setdefault(plan.key, []).append(drafter)
+            self._state(plan).idle.append(drafter)
 
     def round_costs(self, plan: DraftPlan, batch: int) -> RoundCosts:
-        """The round costs `plan`'s requests of `batch` sequences time and share."""
+        """The round costs `plan`'s requests of `batch` sequences time and share.
+
+        The machine's, not a request's: they outlive `reset_drafters`.
+        """
         # A calibration's curve of this build prices widths not yet timed; measured at batch 1.
         shape = self._verify_shape if batch == 1 else None
         with self._pool_lock:
-            return self._round_costs.setdefault((plan.key, batch), RoundCosts(shape=shape))
+            return self._state(plan).round_costs(batch, shape)
 
     def asking_memory(self, plan: DraftPlan, batch: int, sampling: SamplingParams) -> AskingMemory:
         """When `plan`'s requests of `batch` sequences at this sampling setting start asking.
@@ -601,7 +600,7 @@ class Engine:
         `reset_drafters`, like the round costs: it is learnt from the target's verdicts.
         """
         with self._pool_lock:
-            return _remembered(self._asking, (plan.key, batch, *_setting(sampling)), AskingMemory)
+            return self._state(plan).asking_memory(batch, sampling)
 
     def acceptance_memory(self, plan: DraftPlan, sampling: SamplingParams) -> AcceptanceMemory:
         """The acceptance `plan`'s requests at this sampling setting learn and start from.
@@ -610,7 +609,19 @@ class Engine:
         is the target's verdict on each sequence. Outlives `reset_drafters`.
         """
         with self._pool_lock:
-            return _remembered(self._acceptance, (plan.key, *_setting(sampling)), AcceptanceMemory)
+            return self._state(plan).acceptance_memory(sampling)
+
+    def trial(
+        self, plan: DraftPlan, prompts: Sequence[Sequence[int]], max_new_tokens: int
+    ) -> Trial | None:
+        """What the first draft of a request with `prompts` costs it: its drafter's prefill."""
+        with self._pool_lock:
+            return self._state(plan).trial(prompts, max_new_tokens)
+
+    def prefilled(self, plan: DraftPlan, seconds: float, tokens: int) -> None:
+        """A request's drafter prefilled `tokens` prompt tokens in `seconds`: the new price."""
+        with self._pool_lock:
+            self._state(plan).prefilled(seconds, tokens)
 
     def reset_drafters(self) -> None:
         """Drops the pooled drafters that learn across requests, and what they learnt.
@@ -622,21 +633,19 @@ class Engine:
         request: benchmarks/README.md, idle_cost.py).
         """
         with self._pool_lock:
-            for pool in self._drafters.values():
-                pool[:] = [d for d in pool if not getattr(d, "learns_across_requests", True)]
+            for state in self._plans.values():
+                state.drop_learning_drafters()
 
     def forget_requests(self) -> None:
         """Forgets what earlier requests taught: the next runs as a fresh engine's first.
 
         `reset_drafters`, and the round costs, asking and acceptance memories the
         controllers learnt (what a new process starts without: `specx generate` always,
-        a server on its first request per batch size). Sessions stay open.
+        a server on its first request per batch size). Sessions stay open, and the timed
+        prefill with them (a fresh engine times it when it opens them).
         """
-        self.reset_drafters()
         with self._pool_lock:
-            self._round_costs.clear()
-            self._asking.clear()
-            self._acceptance.clear()
+            self._plans = {key: state.forget() for key, state in self._plans.items()}
 
     def check_drafter(self, plan: DraftPlan) -> int:
         """Builds `plan`'s drafter once (pooled), raising SpecxError if it cannot be built.

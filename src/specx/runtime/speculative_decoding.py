@@ -201,6 +201,18 @@ def generate_speculative(
             continue
         sizes = None if controller is None else controller.sizes(active)
         drafting = active if sizes is None else active & (sizes > 0)
+        if controller is not None and not drafting.any():
+            # Every row chose not to draft: where they idle on, this round opens the stretch.
+            idle = controller.idle_rounds(active)
+            if idle:
+                rows = int(active.sum())
+                steps, row_steps, step_s = _plain_stretch(
+                    loop, _past_a_late_probe(loop, 1 + idle), progress
+                )
+                verify_s += time.perf_counter() - tick
+                forwards += steps
+                controller.idled(steps - 1, row_steps - rows, step_s)
+                continue
         proposed = drafts = None
         if drafting.any():
             if not prepared:  # once, and not this round's drafting cost

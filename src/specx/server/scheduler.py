@@ -236,7 +236,10 @@ class Scheduler:
         if job.plan is not None:  # each sequence of the batch is sized as a batch of 1
             memory = self.engine.asking_memory(job.plan, 1, job.sampling)
             acceptance = self.engine.acceptance_memory(job.plan, job.sampling)
-            controller = job.plan.controller(drafter, memory=memory, acceptance=acceptance)
+            trial = self.engine.trial(job.plan, [job.prompt], job.max_new_tokens)
+            controller = job.plan.controller(
+                drafter, memory=memory, acceptance=acceptance, trial=trial
+            )
         sequence = BatchSequence(
             job.prompt,
             job.max_new_tokens,
