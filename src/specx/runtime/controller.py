@@ -20,7 +20,9 @@ given depth d - 1 accepted (over b's own rounds: the mean of a weak prior and th
 at first, then an exponential moving average) and a round cost model T(k) learnt from the
 loop's own timings (an engine's requests share one),
 
-    k* = argmax_k (1 + sum_{d <= k} p_1 ... p_d) / T(k),   T(0) = a plain step,
+    k* = argmax_k (1 + q sum_{d <= k} p_1 ... p_d) / (q T(k) + (1 - q) T_ask),
+    T(0) = a plain step, q the share of b's asks that found a draft (1 for a model),
+    T_ask a round whose ask found none,
 
 over k in {0, 1, 2, 4, ...} up to the drafter's budget. In a batch every row uses the
 lowest p_d among the active rows: the batch finishes with its slowest row, so a draft
@@ -31,10 +33,11 @@ A sequence at k = 0 is probed with a one-node draft now and then, so one that be
 predictable gets speculation back.
 
 Never losing without calibration is the controllers' job, from a request's first round:
-what they assume before measuring is cheap to be wrong about (a plain first round, one-node
+what they assume before measuring is cheap to be wrong about (plain first rounds, one-node
 first drafts, a weak prior that the first misses overrule, a batch's first probe only once
-it is affordable), and rounds in which no row drafts are played by plain decoding's own
-loop (`idle_rounds`), so an idle speculative request costs what a plain one does. Both
+it is affordable, a drafter's prefill paid only where the request's rest is expected to
+repay it twice: `Trial`), and rounds in which no row drafts are played by plain decoding's
+own loop (`idle_rounds`), so an idle speculative request costs what a plain one does. Both
 rules remember across an engine's requests at one setting: the sized rule the acceptance
 its rows start from (`AcceptanceMemory`), suffix drafting's rule when asking last paid
 (`AskingMemory`), so that a setting where drafts lose stops paying for them.
@@ -207,6 +210,11 @@ class AdaptiveController:
       probes are affordable (its rows all draft in a probe round, which costs about two
       plain steps before anything is timed: `UNTIMED_BATCH_PROBE`);
     - the first draft and every probe use the smallest size (one node);
+    - a drafter with a prefill (`trial`) drafts the request's first draft only where the
+      rest of the request is expected to save `trial_margin` times that prefill; else the
+      request is plain to its end (`_first_draft`);
+    - a drafter that finds no draft in some rounds (n-gram) is priced for them: the share
+      of asks that found one (q) and what an ask that found none cost (`RoundCosts.ask`);
     - given `costs` that earlier requests timed (`Engine` keeps one per drafting plan and
       batch size: costs are the machine's, not the request's), neither of the two above
       happens: the first round drafts at the size the rule picks (`RoundCosts` says how
@@ -364,7 +372,11 @@ class AdaptiveController:
             elif self.probing[b]:  # it found something: probe again soon
                 self.interval[b] = self.probe_every
             step = max(int(self.interval[b]), self._affordable(len(self.interval)))
-            self.next_probe[b] = (self.round // step + 1) * step
+            # On a multiple of the step, so a batch's idle rows probe together, and at least
+            # half a step away: the next multiple can be the next round (n-gram at T = 1
+            # probed 11 rounds after a window at an affordable step of 18).
+            probe = (self.round // step + 1) * step
+            self.next_probe[b] = probe + step if probe - self.round < step // 2 else probe
         self.probing[b] = False
         return size
 
@@ -711,12 +723,16 @@ class ConfidenceController:
     def _idle(self, b: int) -> None:
         """Row b proposes again in `interval` rounds, or as many as keep probes affordable.
 
-        In a request that has not paid, at least as many as the engine's memory says.
+        Affordable: what the window of asking that ends lost (the loss since asking last
+        paid, in plain steps a row), and a probe's wider forward, within `probe_budget` of
+        the rounds until the next. In a request that has not paid, at least as many as the
+        engine's memory says.
         """
         self.misses[b] = 0
         # A probe widens the forward by a node for every row in it, peers included.
         probe = self.costs.verify(2) / self.costs.verify(1)
-        affordable = _affordable_interval(probe, self.probe_budget)
+        lost = self.loss / max(self._peers + self._active, 1)
+        affordable = _affordable_interval(max(probe, 1.0 + lost), self.probe_budget)
         wait = 0 if self.request_paid else self.wait
         self.idle_until[b] = self.round + max(self.interval[b], affordable, wait)
 
@@ -794,9 +810,11 @@ class ConfidenceController:
 
 
 # A request's first rounds are plain steps that price a plain step (T(0)) unless earlier
-# requests did: two, since the first step after a prefill runs up to twice as slow as the
-# next (ONNX Runtime's first run at the decode shapes), and a stretch is priced by its
-# steps past the first (`idled`).
+# requests did: a stretch is priced by the median of its steps past the first (`idled`),
+# and the steps right after a prefill run up to twice as slow (ONNX Runtime's first runs
+# at the decode shapes). Two rounds priced T(0) by one such step, so dear on pyref-7m that
+# n-gram drafts at T=1 looked profitable and first requests read 0.83x plain; four price
+# it by a median of three.
 FIRST_PLAIN_ROUNDS = 4
 
 # A batch's probe round over a plain step, assumed before any was timed: every row of the
