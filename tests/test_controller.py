@@ -461,6 +461,33 @@ def test_forget_requests_starts_the_next_request_as_a_fresh_engines_first(artifa
     assert engine.take_drafter(plans["suffix"]) is not suffix
 
 
+def test_an_engine_prices_a_drafters_prefill_and_pays_it_only_where_it_pays(head_artifacts):
+    """A head's prefill is timed when the plan first builds it, then as each request paid it;
+    a request whose rest cannot repay it decodes plainly to its end, never prefilling."""
+    engine = load(head_artifacts["eagle3"], threads=2)
+    head, ngram = (engine.plan(Speculation(d), SamplingParams()) for d in ("eagle3", "ngram"))
+    prompt, options = list(range(1, 30)), {"max_new_tokens": 24, "ignore_eos": True}
+    assert engine.trial(head, [prompt], 24) is None  # not built: nothing timed
+    for plan in (head, ngram):
+        engine.check_drafter(plan)
+    trial = engine.trial(head, [prompt, prompt], 24)
+    assert trial is not None and trial.prefill_s > 0 and trial.step_s > 0 and trial.rounds == 24
+    assert engine.trial(ngram, [prompt], 24) == Trial(0.0, 24, 0.0)  # model-free: no prefill
+    plain = engine.generate(prompt, **options).tokens
+    engine.prefilled(head, seconds=60.0, tokens=1)  # a minute a prompt token: never repaid
+    done = engine.generate(prompt, **options, speculation="eagle3")
+    speculative = done.stats.run.speculative
+    assert done.tokens == plain
+    assert set(speculative.controller.sizes_chosen) == {0} and speculative.draft_prefill_s == 0
+    engine.prefilled(head, seconds=1e-9, tokens=1)
+    done = engine.generate(prompt, **options, speculation="eagle3")
+    speculative = done.stats.run.speculative
+    assert done.tokens == plain and speculative.draft_prefill_s > 0
+    assert engine.trial(head, [prompt], 24).prefill_s == pytest.approx(  # the request's own
+        speculative.draft_prefill_s
+    )
+
+
 def test_peers_that_wait_for_a_draft_raise_the_bar_for_it():
     """In a continuous batch a row's draft delays every peer: it must pay for the forward."""
     alone, crowded = AdaptiveController(), AdaptiveController()

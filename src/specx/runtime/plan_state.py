@@ -20,6 +20,7 @@ import numpy as np
 from specx.runtime.controller import AcceptanceMemory, AskingMemory, RoundCosts, Trial
 from specx.runtime.drafters.base import prepare_drafter
 from specx.runtime.sampling import SamplingParams
+from specx.runtime.speculative_decoding import scratch_of
 
 __all__ = ["ASKING_SETTINGS", "DrafterCosts", "PlanState", "time_drafter"]
 
@@ -28,7 +29,7 @@ __all__ = ["ASKING_SETTINGS", "DrafterCosts", "PlanState", "time_drafter"]
 ASKING_SETTINGS = 256
 
 # Tokens of the dummy history a drafter is first timed on (`time_drafter`).
-TIMED_PREFILL_TOKENS = 32
+TIMED_PREFILL_TOKENS = 16
 
 Remembered = TypeVar("Remembered")
 
@@ -121,7 +122,7 @@ def time_drafter(drafter, tap_width: int) -> DrafterCosts:
     rng, active = np.random.default_rng(0), np.ones(1, dtype=bool)
     prefill = step = 0.0
     for _ in range(2):
-        drafter.start([history[:-1]], 2 * len(history) + drafter.max_nodes + 8, taps)
+        drafter.start([history[:-1]], len(history) + scratch_of(drafter), taps)
         prefill = prepare_drafter(drafter, [history])
         started = time.perf_counter()
         drafter.propose([history], active, SamplingParams(), rng, budget=1)
