@@ -479,13 +479,13 @@ def test_an_engine_prices_a_drafters_prefill_and_pays_it_only_where_it_pays(head
     speculative = done.stats.run.speculative
     assert done.tokens == plain
     assert set(speculative.controller.sizes_chosen) == {0} and speculative.draft_prefill_s == 0
-    engine.prefilled(head, seconds=1e-9, tokens=1)
-    done = engine.generate(prompt, **options, speculation="eagle3")
+    # Drafting every round (no controller), a request prefills: its price is the next one's.
+    fixed = Speculation("eagle3", adaptive=False)
+    assert engine.plan(fixed, SamplingParams()).key == head.key
+    done = engine.generate(prompt, **options, speculation=fixed)
     speculative = done.stats.run.speculative
     assert done.tokens == plain and speculative.draft_prefill_s > 0
-    assert engine.trial(head, [prompt], 24).prefill_s == pytest.approx(  # the request's own
-        speculative.draft_prefill_s
-    )
+    assert engine.trial(head, [prompt], 24).prefill_s == pytest.approx(speculative.draft_prefill_s)
 
 
 def test_peers_that_wait_for_a_draft_raise_the_bar_for_it():
