@@ -192,12 +192,8 @@ def generate_speculative(
         idle = 0 if controller is None else controller.idle_rounds(active)
         if idle:
             assert controller is not None  # idle rounds are a controller's choice
-            steps, row_steps, step_s = _plain_stretch(
-                loop, _past_a_late_probe(loop, idle), progress
-            )
+            forwards += _idle_stretch(loop, controller, idle, progress)
             verify_s += time.perf_counter() - tick
-            forwards += steps
-            controller.idled(steps, row_steps, step_s)
             continue
         sizes = None if controller is None else controller.sizes(active)
         drafting = active if sizes is None else active & (sizes > 0)
@@ -205,13 +201,8 @@ def generate_speculative(
             # Every row chose not to draft: where they idle on, this round opens the stretch.
             idle = controller.idle_rounds(active)
             if idle:
-                rows = int(active.sum())
-                steps, row_steps, step_s = _plain_stretch(
-                    loop, _past_a_late_probe(loop, 1 + idle), progress
-                )
+                forwards += _idle_stretch(loop, controller, 1 + idle, progress, sized=True)
                 verify_s += time.perf_counter() - tick
-                forwards += steps
-                controller.idled(steps - 1, row_steps - rows, step_s)
                 continue
         proposed = drafts = None
         if drafting.any():
@@ -373,6 +364,24 @@ def _past_a_late_probe(loop: _Loop, idle: int) -> int:
     """The stretch's rounds: `idle`, or to the end where the round after it comes too late."""
     left = loop.max_new_tokens - min(len(loop.emitted[b]) for b in np.flatnonzero(loop.active))
     return left if left - idle < PROBE_TAIL else idle
+
+
+def _idle_stretch(
+    loop: _Loop,
+    controller: Controller,
+    rounds: int,
+    progress: Progress | None,
+    sized: bool = False,
+) -> int:
+    """Plays `rounds` rounds in which no row drafts (`_plain_stretch`); returns the steps.
+
+    The controller hears of them (`idled`); `sized`: its `sizes` counted the first already.
+    """
+    counted = int(sized)
+    rows = int(loop.active.sum())
+    steps, row_steps, step_s = _plain_stretch(loop, _past_a_late_probe(loop, rounds), progress)
+    controller.idled(steps - counted, row_steps - counted * rows, step_s)
+    return steps
 
 
 def _plain_round(loop: _Loop, tried: np.ndarray | None = None) -> None:
