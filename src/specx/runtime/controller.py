@@ -316,13 +316,13 @@ class AdaptiveController:
         Without one, the request's rows idle to its end: plain decoding's loop.
         """
         assert self.trial is not None  # `_tried` is set without one
-        if self._worth_a_trial(self.trial):
+        if self._worth_a_trial(self.trial, int(np.flatnonzero(chosen)[0])):
             self._tried = True
             return chosen
         self.next_probe[:] = self.trial.rounds + 1
         return np.zeros_like(chosen)
 
-    def _worth_a_trial(self, trial: Trial) -> bool:
+    def _worth_a_trial(self, trial: Trial, row: int) -> bool:
         """Whether drafting the rest of the request saves `trial_margin` times its prefill.
 
         Expected from p_d as the rows start (earlier requests' verdicts at this setting,
@@ -330,11 +330,7 @@ class AdaptiveController:
         row and node: it errs dear), and T(0) as measured.
         """
         left = max(trial.rounds - self.round, 0)
-        accept = self._floor or self._estimates(int(np.argmax(self.next_probe == 0)))
-        expected, reach = [1.0], 1.0
-        for p in accept[: min(self.max_nodes, self.max_depth)]:
-            reach *= p
-            expected.append(expected[-1] + reach)
+        expected = self._expected(row)
         step = self.costs.time(0)
         rows = len(self.next_probe)
         per_token = step
@@ -401,13 +397,20 @@ class AdaptiveController:
                 accept[d] = min(accept[d], accept[d - 1])
         return accept
 
-    def _best(self, row: int) -> int:
+    def _expected(self, row: int) -> list[float]:
+        """[k]: tokens a chain of k emits, 1 + the sum of P(depth d accepted) for d <= k.
+
+        With the row's p_d, or in a batch the lowest of its rows' (`_floor`).
+        """
         accept = self._estimates(row) if self._floor is None else self._floor
-        # expected[k]: 1 + the sum of P(depth d accepted) for d <= k, a chain of k's tokens
         expected, reach = [1.0], 1.0
         for p in accept[: min(self.max_nodes, self.max_depth)]:
             reach *= p
             expected.append(expected[-1] + reach)
+        return expected
+
+    def _best(self, row: int) -> int:
+        expected = self._expected(row)
         margin = 0.0 if self._floor is None else self.batch_margin
         # Peers emit one token a round whatever this row does, and wait for its draft: the
         # draft must raise the whole forward's tokens per second, not just this row's. An
