@@ -22,12 +22,18 @@ from specx.calibration.acceptance import AcceptanceCounts, probe_choices
 from specx.calibration.calibrate import (
     PAYS,
     CalibrationOptions,
+    _candidates,
     _max_batch_spec,
     calibrate_artifact,
 )
 from specx.calibration.costs import VerifyCurve, fit_draft_cost
 from specx.calibration.timing import measure_speedup
-from specx.calibration.tree_selection import best_trees, chain_expected, expected_accepted
+from specx.calibration.tree_selection import (
+    RankedTree,
+    best_trees,
+    chain_expected,
+    expected_accepted,
+)
 from specx.cli import main
 from specx.errors import CalibrationError
 from specx.graphs.weight_only import WeightOnlyConfig
@@ -174,9 +180,12 @@ def test_calibrate_a_draft_model_then_generate_uses_the_choice(artifact, draft_a
     assert set(report["costs"]["chain_draft_ms"]) == {"per_round", "per_depth", "per_node"}
     assert measured["measured_speedup"] > 0 and len(measured["candidates"]) >= 3
     labels = [c["label"] for c in measured["candidates"]]
-    assert any(x.startswith("dynamic") for x in labels) and any(
-        x.startswith("chain") for x in labels
-    )
+    assert any(x.startswith("chain") for x in labels)
+    # A dynamic candidate is grown from the best-predicted tree when it branches: which tree
+    # that is rests on timings, so the rule is checked against the recorded prediction.
+    best_tree = max(report["trees_by_budget"], key=lambda t: t["predicted_speedup"])
+    branches = best_tree["nodes"] > best_tree["depth"]
+    assert any(x.startswith("dynamic") for x in labels) == branches
     best = max(c["measured_speedup"] for c in measured["candidates"])
     assert measured["measured_speedup"] == best
     assert [b["batch"] for b in report["batch_curve"]] == [1, 2]
@@ -185,6 +194,30 @@ def test_calibrate_a_draft_model_then_generate_uses_the_choice(artifact, draft_a
     drafter = f"draft-model:{draft_artifacts['llama']}"
     args = ["generate", str(artifact), "--drafter", drafter, "--max-batch-spec", "1"]
     _assert_generate_follows(entry, args)
+
+
+def test_candidates_grow_a_dynamic_tree_only_from_a_branching_best_tree():
+    p = np.array([[0.8, 0.1], [0.6, 0.2]])
+    branching = RankedTree(((0,), (1,), (0, 0)), 1.38)
+    chain = RankedTree(((0,), (0, 0)), 1.28)
+    chains = [(1.3, 1), (1.4, 2)]
+
+    def labels(scored, spec="draft-model:x"):
+        return [c.label for c in _candidates(scored, chains, p, spec)]
+
+    assert labels([(1.5, branching), (1.2, chain)]) == [
+        "static 3 nodes, depth 2",
+        "chain 2",
+        "chain 1",
+        "dynamic 4,1,2",  # EAGLE-2 terms: total_token counts the root, depth the levels - 1
+    ]
+    # A chain-shaped best tree is measured once, as a chain, and grows nothing dynamic.
+    assert labels([(1.2, branching), (1.5, chain)]) == [
+        "static 3 nodes, depth 2",
+        "chain 2",
+        "chain 1",
+    ]
+    assert not any(x.startswith("dynamic") for x in labels([(1.5, branching)], "ngram"))
 
 
 def _assert_generate_follows(entry: CalibrationEntry, args: list[str]) -> None:
