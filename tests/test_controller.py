@@ -12,6 +12,7 @@ import pytest
 
 from conftest import HEAD_VOCAB
 from cost_curves import FixedCurve
+from no_replay import NoReplay
 from specx.artifact import load_manifest, manifest_body, write_manifest
 from specx.manifest_types import CalibratedSampling, CalibrationEntry, TreeChoice, VerifyShape
 from specx.runtime.backends import build_name
@@ -22,6 +23,7 @@ from specx.runtime.controller import (
     ConfidenceController,
     FixedSizes,
     RoundCosts,
+    Stretch,
     Trial,
     controller_for,
     truncated,
@@ -143,7 +145,9 @@ def test_a_request_pays_a_drafters_prefill_only_where_its_rest_repays_it_twice()
         controller = AdaptiveController(trial=Trial(prefill_s, rounds=64, step_s=0.1))
         controller.start(1, 4)
         one = np.array([True])
-        controller.idled(controller.idle_rounds(one), 4, 1.0)  # the plain first rounds: T(0) 1 s
+        controller.idled(
+            Stretch(controller.idle_rounds(one), 4, 1.0)
+        )  # the plain first rounds: T(0) 1 s
         return controller, [int(controller.sizes(one)[0]) for _ in range(3)]
 
     # Chains of 2 at the prior's 0.5 emit 1.75 tokens in 1.3 s (a one-row draft step 0.1 s
@@ -155,7 +159,7 @@ def test_a_request_pays_a_drafters_prefill_only_where_its_rest_repays_it_twice()
     assert dear.idle_rounds(np.array([True])) == 64 + 1 - (dear.round + 1)  # plain to the end
     free = AdaptiveController(trial=Trial(0.0, rounds=64))  # model-free: nothing to pay
     free.start(1, 4)
-    free.idled(free.idle_rounds(np.array([True])), 4, 1.0)
+    free.idled(Stretch(free.idle_rounds(np.array([True])), 4, 1.0))
     assert free.sizes(np.array([True]))[0] == 1
 
 
@@ -508,7 +512,8 @@ def random_tree(rng, n: int) -> DraftTree:
     return DraftTree(np.arange(n), np.array(parents), confidence=rng.uniform(0.05, 1.0, n))
 
 
-def test_suffix_drafts_trimmed_by_confidence_equal_plain(artifacts, rng):
+@pytest.mark.parametrize("replays", [True, False])
+def test_suffix_drafts_trimmed_by_confidence_equal_plain(artifacts, rng, replays):
     target = OrtTarget(load_manifest(artifacts["llama"]), threads=2)
     prompts = loopy(rng, target.vocab_size, 3)
     for batch in (1, 3):
@@ -517,10 +522,14 @@ def test_suffix_drafts_trimmed_by_confidence_equal_plain(artifacts, rng):
             costs=FixedCurve(0.3), patience=1, probe_every=2, probe_budget=0.5
         )
         drafter = SuffixDrafter(SuffixOptions(8, min_prob=0.0))
+        if not replays:
+            drafter = NoReplay(drafter)
         spec = generate_speculative(target, drafter, prompts[:batch], 30, controller=controller)
         assert spec.tokens == generate_plain(target, prompts[:batch], 30).tokens
         controller_stats = spec.stats.speculative.controller
-        assert len(controller_stats.sizes_chosen) >= 3 and controller_stats.name == "confidence"
+        assert controller_stats.name == "confidence"
+        # Replays keep a row from asking where they would not have paid: fewer sizes mix.
+        assert len(controller_stats.sizes_chosen) >= (2 if replays else 3)
 
 
 def test_confidence_trimming_keeps_the_prefix_that_pays_most():
@@ -580,7 +589,7 @@ def play(
         idle = min(controller.idle_rounds(np.array([True])), rounds - len(kept))
         if idle:  # as the loop, no further than the request's budget
             kept += [None] * idle
-            controller.idled(idle, idle, 1.0)
+            controller.idled(Stretch(idle, idle, 1.0))
             continue
         if not controller.sizes(np.array([True]))[0]:
             kept.append(None)
@@ -674,7 +683,7 @@ def test_a_batch_is_paid_by_the_tokens_its_least_lucky_row_accepted(accepted):
     controller = ConfidenceController()
     controller.start(2, 8)
     both = np.array([True, True])
-    controller.idled(controller.idle_rounds(both), 4, 1.0)  # the plain first rounds
+    controller.idled(Stretch(controller.idle_rounds(both), 4, 1.0))  # the plain first rounds
     controller.sizes(both)
     kept = controller.keep([chain([1.0] * 8)] * 2)
     assert [len(d) for d in kept] == [1, 1]  # no wider than the widths timed allow

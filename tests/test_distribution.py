@@ -17,6 +17,7 @@ from broken_verifiers import broken_verify
 from chi_square import p_values
 from conftest import perturbed_copy
 from cost_curves import FixedCurve
+from no_replay import NoReplay
 from specx.artifact import load_manifest
 from specx.runtime import speculative_decoding
 from specx.runtime.controller import ConfidenceController, FixedSizes
@@ -148,7 +149,7 @@ def test_broken_verifier_is_detected_with_switching_sizes(pair, drafter_name):
     assert min(p_values(plain, spec, VOCAB)) < 1e-6
 
 
-def run_trimmed(pair, sampling, verifier, chunk=8, positions=8):
+def run_trimmed(pair, sampling, verifier, chunk=8, positions=8, replays=False):
     """`run` for suffix drafts trimmed by their confidence, in batches of `chunk`.
 
     One kept size serves a batch (its verify forward is as wide as its widest row), so
@@ -157,6 +158,8 @@ def run_trimmed(pair, sampling, verifier, chunk=8, positions=8):
     positions than `run`'s: the first two are plain steps); a patience of 1 and quick
     probes add idle rows. Such short requests would be played plainly from their first
     stretch on (`PROBE_TAIL`, a cost rule that only lengthens plain stretches): it is off.
+    Without `replays` every window of asking opens on a probe (with them, a random target
+    keeps most windows shut).
 
     Returns:
         (plain result, the speculative tokens as a result's `tokens`, sizes chosen: count).
@@ -169,6 +172,8 @@ def run_trimmed(pair, sampling, verifier, chunk=8, positions=8):
             costs=FixedCurve(0.3), patience=1, probe_every=2, probe_budget=0.5
         )
         drafter = SuffixDrafter(SuffixOptions(max_nodes=6, min_prob=0.0))
+        if not replays:
+            drafter = NoReplay(drafter)
         params = sampling_with(sampling, 1000 + start)
         with mock.patch.object(speculative_decoding, "PROBE_TAIL", 0):
             spec = generate_speculative(target, drafter, [prompt] * chunk, positions, params,
@@ -187,6 +192,12 @@ def sampling_with(sampling: SamplingParams, seed: int) -> SamplingParams:
 def test_sampling_with_drafts_trimmed_by_confidence_matches_plain(pair, sampling):
     plain, spec, sizes = run_trimmed(pair, sampling, verify)
     assert len(sizes) >= 4, sizes
+    assert min(p_values(plain, spec, VOCAB)) > 1e-3
+
+
+def test_sampling_with_windows_opened_by_replays_matches_plain(pair):
+    plain, spec, sizes = run_trimmed(pair, SAMPLING[0], verify, replays=True)
+    assert len(sizes) >= 2, sizes
     assert min(p_values(plain, spec, VOCAB)) > 1e-3
 
 

@@ -25,6 +25,7 @@ __all__ = [
     "chain_parents",
     "choices_parents",
     "depths",
+    "followed",
     "validate_parents",
     "verify_parents",
 ]
@@ -152,3 +153,22 @@ class DraftTree:
     def children(self, node: int) -> list[int]:
         """Draft nodes whose parent is `node` (-1 = the root), in index order."""
         return np.flatnonzero(self.parents == node).tolist()
+
+
+def followed(draft: DraftTree, tokens: Sequence[int]) -> list[int]:
+    """The nodes `tokens` run through from the root: the path emitting them would accept.
+
+    Node of depth d + 1 on the path is the child whose token is `tokens[d]`; the path ends
+    where no child matches or the tokens run out.
+    """
+    # (parent, token) -> node: a deterministic draft's siblings carry distinct tokens
+    pairs = zip(draft.parents.tolist(), draft.tokens.tolist(), strict=True)
+    nodes = {pair: i for i, pair in enumerate(pairs)}
+    path: list[int] = []
+    node = -1
+    for token in tokens:
+        node = nodes.get((node, token), -1)
+        if node < 0:
+            break
+        path.append(node)
+    return path

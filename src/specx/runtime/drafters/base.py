@@ -36,6 +36,11 @@ class Drafter(Protocol):
     # prompts. The loops call it once per request, before its first proposal and outside
     # that round's timing: a request that never drafts never pays it, its first token does
     # not wait for it, and a controller prices a round's drafting, not a prefill.
+    # Optional: `replay(row, history, positions)` -> [(position, draft)]: the draft it would
+    # have proposed for `row` had the history ended before each position (ascending), from
+    # `history[:position]` alone, for the positions past what it has seen; it then stands
+    # as after seeing them. Drafters whose drafts are deterministic functions of the
+    # history offer it: plain steps then judge their drafts for free (`controller.Replay`).
 
     def start(
         self, prompts: Sequence[Sequence[int]], capacity: int, taps: list[np.ndarray] | None

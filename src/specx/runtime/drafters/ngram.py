@@ -99,6 +99,11 @@ class NGramIndex:
                 return _distinct(history, reversed(starts), n, length, max_matches)
         return []
 
+    @property
+    def indexed(self) -> int:
+        """The length of the history indexed: a longer one extends it at its new tokens."""
+        return self._ends
+
     def index(self, history: Sequence[int]) -> None:
         """Indexes what `history` gained since the last call (all of it if it is another)."""
         size = len(history)
@@ -151,6 +156,19 @@ class NGramDrafter:
             found = index.continuations(history, nodes, self.max_matches) if is_active else []
             drafts.append(_trie(found, nodes))
         return drafts
+
+    def replay(
+        self, row: int, history: Sequence[int], positions: Sequence[int]
+    ) -> list[tuple[int, DraftTree]]:
+        """What `propose` would have drafted before each position (`Drafter.replay`)."""
+        if row >= len(self._indexes):
+            return []
+        index, nodes = self._indexes[row], self.max_nodes
+        return [
+            (t, _trie(index.continuations(history[:t], nodes, self.max_matches), nodes))
+            for t in positions
+            if t >= index.indexed
+        ]
 
     def accept(self, row: int, draft: DraftTree, accepted: list[int], taps=None) -> None:  # noqa: D102
         pass

@@ -220,6 +220,19 @@ class SuffixDrafter:
                 best, best_expected = tree, expected
         return best
 
+    def replay(
+        self, row: int, history: Sequence[int], positions: Sequence[int]
+    ) -> list[tuple[int, DraftTree]]:
+        """What `propose` would have drafted before each position (`Drafter.replay`)."""
+        if row >= len(self._rows):
+            return []
+        state, drafts = self._rows[row], []
+        for t in positions:
+            if t >= len(state.history):
+                state.catch_up(history[:t], self.shared)
+                drafts.append((t, self._draft(state, self.max_nodes)))
+        return drafts
+
     def accept(self, row: int, draft: DraftTree, accepted: list[int], taps=None) -> None:  # noqa: D102
         pass
 
