@@ -68,13 +68,13 @@ def measure(engine, drafter: str, groups, temperature: float, repeats: int) -> d
     def idle(group, controller) -> tuple[float, float]:
         engine.reset_drafters()  # as `default`: a drafter that learns starts fresh
         plan = engine.plan(Speculation(drafter), sampling)
-        pooled = engine.take_drafter(plan)
+        pooled = engine.plans.take(plan)
         try:
             done = generate_speculative(
                 engine.target, pooled, group, 64, sampling, controller=controller
             )
         finally:
-            engine.give_back(plan, pooled)
+            engine.plans.give_back(plan, pooled)
         return done.stats.decode_s, done.stats.total_s
 
     def default(group) -> tuple[float, float]:

@@ -36,7 +36,7 @@ from specx.runtime.drafters.tree_search import DynamicTree, StaticTree, parse_tr
 from specx.runtime.engine import Speculation, load
 from specx.runtime.ort_target import OrtTarget
 from specx.runtime.plain_decoding import generate_plain
-from specx.runtime.plan_state import ASKING_SETTINGS
+from specx.runtime.plans import ASKING_SETTINGS
 from specx.runtime.sampling import SamplingParams
 from specx.runtime.speculative_decoding import PROBE_TAIL, generate_speculative
 from specx.runtime.trees import DraftTree
@@ -364,9 +364,9 @@ def test_an_engine_prices_batch_1_on_a_calibration_of_its_own_build(artifacts, t
         write_manifest(artifact, manifest_body(calibrated))
         engine = load(artifact, threads=2)
         plan = engine.plan(Speculation("ngram"), SamplingParams())
-        priced = engine.round_costs(plan, 1).shape
+        priced = engine.plans.round_costs(plan, 1).shape
         assert getattr(priced, "tokens", None) == expected, build  # another build's: not used
-        assert not isinstance(engine.round_costs(plan, 2).shape, VerifyShape)  # measured at 1
+        assert not isinstance(engine.plans.round_costs(plan, 2).shape, VerifyShape)  # measured at 1
 
 
 def test_an_engine_shares_round_costs_per_plan_and_batch(artifacts):
@@ -374,14 +374,14 @@ def test_an_engine_shares_round_costs_per_plan_and_batch(artifacts):
     prompt = [5, 9, 5, 9, 5, 9, 13]
     plain = engine.generate(prompt, max_new_tokens=24, ignore_eos=True).tokens
     plan = engine.plan(Speculation("ngram"), SamplingParams())
-    costs = engine.round_costs(plan, 1)
+    costs = engine.plans.round_costs(plan, 1)
     assert not costs.known
     done = [engine.generate(prompt, max_new_tokens=24, ignore_eos=True, speculation="ngram")]
-    assert costs.known and engine.round_costs(plan, 1) is costs
-    assert engine.round_costs(plan, 2) is not costs  # a wider batch times other forwards
+    assert costs.known and engine.plans.round_costs(plan, 1) is costs
+    assert engine.plans.round_costs(plan, 2) is not costs  # a wider batch times other forwards
     engine.reset_drafters()  # drops what drafters learnt, not what the machine costs
     done.append(engine.generate(prompt, max_new_tokens=24, ignore_eos=True, speculation="ngram"))
-    assert engine.round_costs(plan, 1) is costs
+    assert engine.plans.round_costs(plan, 1) is costs
     assert [d.tokens for d in done] == [plain, plain]
 
 
@@ -393,23 +393,24 @@ def test_reset_drafters_drops_only_drafters_that_learn_across_requests(artifacts
     plans = {d: engine.plan(Speculation(d), SamplingParams()) for d in ("ngram", "suffix")}
     for drafter in [*plans, *plans]:  # suffix remembers a text at its next request's start
         engine.generate(prompt, max_new_tokens=12, ignore_eos=True, speculation=drafter)
-    pooled = {d: engine.take_drafter(plan) for d, plan in plans.items()}
+    pooled = {d: engine.plans.take(plan) for d, plan in plans.items()}
     for d, plan in plans.items():
-        engine.give_back(plan, pooled[d])
+        engine.plans.give_back(plan, pooled[d])
     assert len(pooled["suffix"].shared) > 1  # nodes past the root: it learnt a text
     engine.reset_drafters()
-    assert engine.take_drafter(plans["ngram"]) is pooled["ngram"]
-    fresh = engine.take_drafter(plans["suffix"])
+    assert engine.plans.take(plans["ngram"]) is pooled["ngram"]
+    fresh = engine.plans.take(plans["suffix"])
     assert fresh is not pooled["suffix"] and len(fresh.shared) == 1  # the root alone
 
 
 def test_an_engine_remembers_when_asking_pays_per_plan_batch_and_setting(artifacts):
     engine = load(artifacts["llama"], threads=2)
     plan = engine.plan(Speculation("suffix"), SamplingParams())
-    hot = engine.asking_memory(plan, 1, SamplingParams(1.0, seed=1))
-    assert hot is engine.asking_memory(plan, 1, SamplingParams(1.0, seed=2))  # seeds aside
-    assert hot is not engine.asking_memory(plan, 1, SamplingParams(0.0))
-    assert hot is not engine.asking_memory(plan, 4, SamplingParams(1.0))
+    state = engine.plans.state(plan)
+    hot = state.asking_memory(1, SamplingParams(1.0, seed=1))
+    assert hot is state.asking_memory(1, SamplingParams(1.0, seed=2))  # seeds aside
+    assert hot is not state.asking_memory(1, SamplingParams(0.0))
+    assert hot is not state.asking_memory(4, SamplingParams(1.0))
     hot.probe_at = 64  # earlier requests at T = 1 found that asking lost
     engine.reset_drafters()  # learnt from the target's verdicts: it stays
     options = {"max_new_tokens": 24, "temperature": 1.0, "seed": 3, "ignore_eos": True}
@@ -418,31 +419,32 @@ def test_an_engine_remembers_when_asking_pays_per_plan_batch_and_setting(artifac
     assert speculative.controller.sizes_chosen == {0: 23} and speculative.draft_s == 0  # unasked
     assert done.tokens == engine.generate([5, 9, 5, 9, 5, 9, 13], **options).tokens
     # Greedy, a remembered wait of 8: plain rounds, then a probe and drafts; plain's tokens.
-    engine.asking_memory(plan, 1, SamplingParams()).probe_at = 8
+    engine.plans.state(plan).asking_memory(1, SamplingParams()).probe_at = 8
     greedy = {"max_new_tokens": 40, "ignore_eos": True}
     done = engine.generate([5, 9, 5, 9, 5, 9, 13], **greedy, speculation="suffix")
     chosen = done.stats.run.speculative.controller.sizes_chosen
     assert chosen[0] >= 7 and max(chosen) > 0  # its probe keeps a node of the match
     assert done.tokens == engine.generate([5, 9, 5, 9, 5, 9, 13], **greedy).tokens
     for i in range(ASKING_SETTINGS):  # as many other settings as it keeps: it starts over
-        engine.asking_memory(plan, 1, SamplingParams(0.5 + i / 1000))
-    assert engine.asking_memory(plan, 1, SamplingParams(1.0)).probe_at == 0
+        engine.plans.state(plan).asking_memory(1, SamplingParams(0.5 + i / 1000))
+    assert engine.plans.state(plan).asking_memory(1, SamplingParams(1.0)).probe_at == 0
 
 
 def test_an_engine_remembers_acceptance_per_plan_and_setting(artifacts):
     """Where a request starts from it: `test_a_request_starts_from_the_acceptance_...`."""
     engine = load(artifacts["llama"], threads=2)
     plan = engine.plan(Speculation("ngram"), SamplingParams())
-    hot = engine.acceptance_memory(plan, SamplingParams(1.0, seed=1))
-    assert hot is engine.acceptance_memory(plan, SamplingParams(1.0, seed=2))  # seeds aside
-    greedy = engine.acceptance_memory(plan, SamplingParams())
+    state = engine.plans.state(plan)
+    hot = state.acceptance_memory(SamplingParams(1.0, seed=1))
+    assert hot is state.acceptance_memory(SamplingParams(1.0, seed=2))  # seeds aside
+    greedy = state.acceptance_memory(SamplingParams())
     assert hot is not greedy
     prompt, options = [5, 9, 5, 9, 5, 9, 13], {"max_new_tokens": 40, "ignore_eos": True}
     plain = engine.generate(prompt, **options).tokens
     assert engine.generate(prompt, **options, speculation="ngram").tokens == plain
     assert greedy.judged[0] > 0 and hot.judged == [0] * 16  # the request's verdicts, there
     engine.reset_drafters()  # learnt from the target's verdicts: it stays
-    assert engine.acceptance_memory(plan, SamplingParams()) is greedy
+    assert engine.plans.state(plan).acceptance_memory(SamplingParams()) is greedy
 
 
 def test_forget_requests_starts_the_next_request_as_a_fresh_engines_first(artifacts):
@@ -452,17 +454,17 @@ def test_forget_requests_starts_the_next_request_as_a_fresh_engines_first(artifa
     plans = {d: engine.plan(Speculation(d), SamplingParams()) for d in ("ngram", "suffix")}
     for drafter in plans:
         engine.generate(prompt, **options, speculation=drafter)
-    costs = engine.round_costs(plans["ngram"], 1)
-    accepted = engine.acceptance_memory(plans["ngram"], SamplingParams())
-    asking = engine.asking_memory(plans["suffix"], 1, SamplingParams())
+    costs = engine.plans.round_costs(plans["ngram"], 1)
+    accepted = engine.plans.state(plans["ngram"]).acceptance_memory(SamplingParams())
+    asking = engine.plans.state(plans["suffix"]).asking_memory(1, SamplingParams())
     assert costs.known and accepted.judged[0] > 0 and asking.rounds > 0
-    suffix = engine.take_drafter(plans["suffix"])
-    engine.give_back(plans["suffix"], suffix)
+    suffix = engine.plans.take(plans["suffix"])
+    engine.plans.give_back(plans["suffix"], suffix)
     engine.forget_requests()
-    assert not engine.round_costs(plans["ngram"], 1).known
-    assert engine.acceptance_memory(plans["ngram"], SamplingParams()).judged == [0] * 16
-    assert engine.asking_memory(plans["suffix"], 1, SamplingParams()).rounds == 0
-    assert engine.take_drafter(plans["suffix"]) is not suffix
+    assert not engine.plans.round_costs(plans["ngram"], 1).known
+    assert engine.plans.state(plans["ngram"]).acceptance_memory(SamplingParams()).judged == [0] * 16
+    assert engine.plans.state(plans["suffix"]).asking_memory(1, SamplingParams()).rounds == 0
+    assert engine.plans.take(plans["suffix"]) is not suffix
 
 
 def test_an_engine_prices_a_drafters_prefill_and_pays_it_only_where_it_pays(head_artifacts):
@@ -471,14 +473,15 @@ def test_an_engine_prices_a_drafters_prefill_and_pays_it_only_where_it_pays(head
     engine = load(head_artifacts["eagle3"], threads=2)
     head, ngram = (engine.plan(Speculation(d), SamplingParams()) for d in ("eagle3", "ngram"))
     prompt, options = list(range(1, 30)), {"max_new_tokens": 24, "ignore_eos": True}
-    assert engine.trial(head, [prompt], 24) is None  # not built: nothing timed
+    assert engine.plans.state(head).trial([prompt], 24) is None  # not built: nothing timed
     for plan in (head, ngram):
-        engine.check_drafter(plan)
-    trial = engine.trial(head, [prompt, prompt], 24)
+        engine.plans.check(plan)
+    trial = engine.plans.state(head).trial([prompt, prompt], 24)
     assert trial is not None and trial.prefill_s > 0 and trial.step_s > 0 and trial.rounds == 24
-    assert engine.trial(ngram, [prompt], 24) == Trial(0.0, 24, 0.0)  # model-free: no prefill
+    # model-free: no prefill
+    assert engine.plans.state(ngram).trial([prompt], 24) == Trial(0.0, 24, 0.0)
     plain = engine.generate(prompt, **options).tokens
-    engine.prefilled(head, seconds=60.0, tokens=1)  # a minute a prompt token: never repaid
+    engine.plans.prefilled(head, seconds=60.0, tokens=1)  # a minute a prompt token: never repaid
     done = engine.generate(prompt, **options, speculation="eagle3")
     speculative = done.stats.run.speculative
     assert done.tokens == plain
@@ -489,7 +492,8 @@ def test_an_engine_prices_a_drafters_prefill_and_pays_it_only_where_it_pays(head
     done = engine.generate(prompt, **options, speculation=fixed)
     speculative = done.stats.run.speculative
     assert done.tokens == plain and speculative.draft_prefill_s > 0
-    assert engine.trial(head, [prompt], 24).prefill_s == pytest.approx(speculative.draft_prefill_s)
+    trial = engine.plans.state(head).trial([prompt], 24)
+    assert trial.prefill_s == pytest.approx(speculative.draft_prefill_s)
 
 
 def test_peers_that_wait_for_a_draft_raise_the_bar_for_it():

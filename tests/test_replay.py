@@ -91,7 +91,7 @@ def test_replays_have_the_law_of_verification_when_sampling():
 
 
 def _stretch(rounds: int, *replays: Replay) -> Stretch:
-    return Stretch(rounds, rounds, 1.0, (tuple(replays),))
+    return Stretch(rounds, rounds, 1.0, lambda row: replays)
 
 
 def _known_costs() -> RoundCosts:
@@ -144,3 +144,16 @@ def test_a_plain_step_costs_at_most_a_wider_round_or_an_ask():
     assert costs.time(0) == 1.2
     costs.record_stretch(1.4)  # a stretch prices it again
     assert costs.time(0) == 1.4
+
+
+def test_only_the_rows_that_decide_next_are_replayed():
+    """A replay costs a proposal per step: rows idle past the next round are not replayed."""
+    adaptive, confidence = AdaptiveController(costs=_known_costs()), ConfidenceController()
+    for controller in (adaptive, confidence):
+        controller.start(2, 4)
+    adaptive.next_probe[:] = [3, 40]
+    confidence.idle_until[:] = [0, 40]
+    for controller in (adaptive, confidence):
+        replayed: list[int] = []
+        controller.idled(Stretch(1, 2, 1.0, lambda row, seen=replayed: seen.append(row) or ()))
+        assert replayed == [0]

@@ -56,6 +56,7 @@ from specx.calibration.acceptance import AcceptanceCounts, probe_choices
 from specx.calibration.costs import DraftCost, fit_draft_cost, measure_verify_curve
 from specx.calibration.timing import measure_speedup
 from specx.calibration.tree_selection import RankedTree, best_trees, chain_expected
+from specx.drafter_name import DrafterName
 from specx.errors import CalibrationError, SpecxError
 from specx.manifest_types import (
     CalibratedSampling,
@@ -258,7 +259,7 @@ def calibrate_artifact(
     relative = tuple(s / curve.seconds[0] for s in curve.seconds)
     verify = VerifyShape(build_name(manifest), curve.tokens, relative)
     entry = _entry(choice, batch_curve, sampling, report, verify)
-    key = calibration_key(spec.partition(":")[0], sampling)
+    key = calibration_key(DrafterName.parse(spec).kind, sampling)
     write_manifest(manifest.root, manifest_body(manifest.with_calibration(key, entry)))
     progress(
         f"calibrated {spec} ({setting}): {choice.label} "
@@ -499,7 +500,7 @@ def _candidates(
                 measured=_predicted(length, chain_expected(p, length), speedup),
             )
         )
-    if scored and spec.partition(":")[0] in DYNAMIC_DRAFTERS:
+    if scored and DrafterName.parse(spec).kind in DYNAMIC_DRAFTERS:
         speedup, tree = max(scored, key=lambda item: item[0])
         top_k = 1 + max(max(c) for c in tree.choices)
         if top_k > 1:  # top-1 growth is a chain, measured above

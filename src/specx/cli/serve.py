@@ -163,7 +163,7 @@ def serve(
 
     engine = load(artifact_dir, threads, build_name)  # checked here, before any replica starts
     if drafter is not None:  # a bad default is refused now, not on the first request
-        engine.check_drafter(engine.plan(Speculation(drafter), SamplingParams()))
+        engine.plans.check(engine.plan(Speculation(drafter), SamplingParams()))
     options = ServeOptions(
         slots, queue_size, drafter, max_body_bytes, chat_template=template, access=access,
         request_timeout_s=request_timeout,

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from specx.artifact import sha256_file
+from specx.drafter_name import DrafterName
 from specx.export.heads.eagle import EagleHead
 from specx.export.heads.eagle3 import Eagle3Head
 from specx.export.heads.medusa import MedusaHeads
@@ -78,7 +79,7 @@ def _ar_example(head: AutoregressiveHead) -> tuple[tuple[Any, ...], tuple[Any, .
 
 
 def _source(spec: str) -> dict[str, Any]:
-    _, _, directory = spec.partition(":")
+    directory = DrafterName.parse(spec).argument
     if not directory:
         return {"spec": spec, "weights": "in the target checkpoint"}
     files = sorted(

@@ -7,6 +7,7 @@ import shutil
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import astuple
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ from specx.artifact import (
     sha256_file,
     write_manifest,
 )
+from specx.drafter_name import DrafterName
 from specx.errors import ExportError
 from specx.export.checkpoint import Checkpoint, load_checkpoint
 from specx.export.config import TargetConfig, load_target_config
@@ -136,7 +138,7 @@ def _check_request(
         )
     sources = [checkpoint_dir]
     if drafter is not None:
-        kind, _, directory = drafter.partition(":")
+        kind, directory = astuple(DrafterName.parse(drafter))
         if kind not in HEAD_TAPS:
             raise ExportError(f"unknown drafter {kind!r}; export supports {', '.join(HEAD_TAPS)}")
         if taps not in (None, HEAD_TAPS[kind]):

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from specx.artifact import MANIFEST_NAME, Manifest
+from specx.drafter_name import DrafterName
 from specx.errors import ArtifactError
 from specx.manifest_types import CalibratedSampling, TreeChoice, VerifyShape
 from specx.runtime.backends import build_name
@@ -86,7 +87,7 @@ def calibrated_choice(
     manifest: Manifest, drafter: str, sampling: SamplingParams | None = None
 ) -> CalibratedChoice | None:
     """The recorded choice for `drafter` (its name before any `:`) nearest `sampling`, or None."""
-    name = drafter.partition(":")[0]
+    name = DrafterName.parse(drafter).kind
     recorded = {
         key: manifest.calibration(key)
         for key in manifest.calibration_keys

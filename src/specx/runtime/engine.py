@@ -39,23 +39,10 @@ from specx.runtime.backends import (
     open_decoder,
     select_build,
 )
-from specx.runtime.calibrated import (
-    CalibratedChoice,
-    calibrated_choice,
-    greedy_identity,
-    verify_shape,
-)
+from specx.runtime.calibrated import CalibratedChoice, calibrated_choice, verify_shape
 from specx.runtime.chat import ChatTemplate
-from specx.runtime.controller import (
-    AcceptanceMemory,
-    AskingMemory,
-    Controller,
-    RoundCosts,
-    Trial,
-    controller_for,
-)
 from specx.runtime.detokenize import TextStream
-from specx.runtime.drafters import DrafterOptions, describe_drafts, make_drafter
+from specx.runtime.drafters import DrafterOptions, describe_drafts
 from specx.runtime.drafters.tree_search import parse_tree_spec
 from specx.runtime.metrics import RunStats
 from specx.runtime.plain_decoding import (
@@ -65,9 +52,9 @@ from specx.runtime.plain_decoding import (
     check_prompts,
     generate_plain,
 )
-from specx.runtime.plan_state import PlanState, time_drafter
+from specx.runtime.plans import DraftPlan, Plans
 from specx.runtime.sampling import SamplingParams
-from specx.runtime.speculative_decoding import generate_speculative, scratch_of
+from specx.runtime.speculative_decoding import generate_speculative
 from specx.runtime.tokenizer import TextTokenizer
 
 __all__ = ["Chunk", "Completion", "DraftPlan", "Engine", "Speculation", "Stats", "load"]
@@ -93,43 +80,6 @@ class Speculation:
     ngram: tuple[int, int, int] = (1, 3, 1)  # shortest and longest n-gram, matches merged
     max_batch_spec: int | None = None
     adaptive: bool = True
-
-
-@dataclass(frozen=True)
-class DraftPlan:
-    """A request's drafting, resolved: drafter options, batch threshold, controller.
-
-    What `Speculation` leaves open comes from the calibration entry nearest the request's
-    sampling setting (`calibrated`, None when none applies).
-    """
-
-    drafter: str
-    options: DrafterOptions
-    max_batch_spec: int | None
-    adaptive: bool
-    calibrated: CalibratedChoice | None
-
-    @property
-    def key(self) -> tuple:
-        """Equal for plans that build the same drafter."""
-        return (self.drafter, repr(self.options))
-
-    def controller(
-        self,
-        drafter,
-        costs: RoundCosts | None = None,
-        memory: AskingMemory | None = None,
-        acceptance: AcceptanceMemory | None = None,
-        trial: Trial | None = None,
-    ) -> Controller | None:
-        """A fresh per-round controller for `drafter` (None when drafts are kept whole).
-
-        `costs`, `memory`, `acceptance`: what earlier requests timed and learnt; `trial`:
-        what the request's first draft costs (`controller_for`).
-        """
-        if not self.adaptive:
-            return None
-        return controller_for(drafter, costs, memory, acceptance, trial)
 
 
 @dataclass(frozen=True)
@@ -274,9 +224,9 @@ class Engine:
         chat = manifest.chat_template_file
         self.chat_template = ChatTemplate.load(chat) if chat else None
         self.lock = threading.Lock()  # held by whoever runs the target (one at a time)
-        self._plans: dict[tuple, PlanState] = {}  # plan key -> its drafters and learnt state
-        self._pool_lock = threading.Lock()  # guards `_plans`
-        self._verify_shape = verify_shape(manifest)  # the build's calibrated verify curve
+        # Each drafting plan's drafters and learnt state (the build's calibrated verify
+        # curve prices widths not yet timed)
+        self.plans = Plans(self.target, threads, verify_shape(manifest))
 
     @property
     def name(self) -> str:
@@ -487,43 +437,14 @@ class Engine:
         options = DrafterOptions(count, shape, *spec.ngram, self.threads)
         return DraftPlan(spec.drafter, options, max_batch_spec, spec.adaptive, calibrated)
 
-    def new_drafter(self, plan: DraftPlan):
-        """A fresh drafter for `plan`."""
-        return make_drafter(plan.drafter, self.target, plan.options)
-
-    def warn_inexact(self, plan: DraftPlan, sampling: SamplingParams) -> None:
-        """Warns a greedy request, once per drafting plan, on a build exact for no draft.
-
-        That is a build of greedy identity "none": no draft keeps greedy speculation
-        identical to its plain decoding there. Builds exact by rows ("chains") verify
-        greedy trees through their spine; sampled decoding promises the target's
-        distribution, not its plain run's tokens.
-        """
-        if not sampling.greedy or greedy_identity(self.manifest) != "none":
-            return
-        with self._pool_lock:
-            state = self._state(plan)
-            if state.warned:
-                return
-            state.warned = True
-        build = self.manifest.build
-        precision = "" if build is None else f" ({build.precision})"
-        logger.warning(
-            "the %s build%s keeps greedy speculation identical to its plain decoding for no "
-            "draft: its kernels quantize activations on the fly and compute a row alone other "
-            "than rows together, so a token can differ where that rounding flips a near-tie "
-            "(build with --block-size 32, or --accuracy-level 0)",
-            self.manifest.default_build,
-            precision,
-        )
-
     def _speculative(self, request: _Request, sink, progress) -> tuple[GenerationResult, Stats]:
         speculation = request.speculation
         assert speculation is not None  # plain requests never get here
         plan = self.plan(speculation, request.sampling)
-        self.warn_inexact(plan, request.sampling)
-        drafter = self.take_drafter(plan)
+        self.plans.warn_inexact(plan, request.sampling)
+        drafter = self.plans.take(plan)
         batch = len(request.prompts)
+        sampling, prompts, tokens = request.sampling, request.prompts, request.max_new_tokens
         try:
             result = generate_speculative(
                 self.target,
@@ -534,94 +455,20 @@ class Engine:
                 request.eos,
                 plan.max_batch_spec,
                 progress=progress,
-                controller=plan.controller(
-                    drafter,
-                    self.round_costs(plan, batch),
-                    self.asking_memory(plan, batch, request.sampling),
-                    self.acceptance_memory(plan, request.sampling),
-                    self.trial(plan, request.prompts, request.max_new_tokens),
-                ),
+                controller=self.plans.controller(plan, drafter, sampling, prompts, tokens, batch),
                 sink=sink,
             )
         finally:
-            self.give_back(plan, drafter)
+            self.plans.give_back(plan, drafter)
         calibrated, off = plan.calibrated, result.stats.speculation_off
         if off is not None and calibrated is not None and speculation.max_batch_spec is None:
             off = _calibrated_off(calibrated.max_batch_spec, batch)
         spec = result.stats.speculative
         if spec is not None:
-            self.prefilled(plan, spec.draft_prefill_s, result.stats.prompt_tokens)
+            self.plans.prefilled(plan, spec.draft_prefill_s, result.stats.prompt_tokens)
         # A run that fell back to plain decoding drafted nothing.
         draft = None if spec is None else describe_drafts(drafter)
         return result, self._stats(result.stats, off or "on", calibrated, draft)
-
-    def _state(self, plan: DraftPlan) -> PlanState:
-        """`plan`'s state (the caller holds the pool lock)."""
-        return self._plans.setdefault(plan.key, PlanState())
-
-    def take_drafter(self, plan: DraftPlan):
-        """A drafter for `plan` not in use: a pooled one, else a new one (`give_back` it).
-
-        The plan's first drafter is timed (`time_drafter`): what its first draft costs a
-        request.
-        """
-        with self._pool_lock:
-            state = self._state(plan)
-            if state.idle:
-                return state.idle.pop()
-            timed = state.drafter_costs is not None
-        drafter = self.new_drafter(plan)
-        if not timed:
-            costs = time_drafter(drafter, self.target.tap_width)
-            with self._pool_lock:
-                state = self._state(plan)
-                state.drafter_costs = state.drafter_costs or costs
-        return drafter
-
-    def give_back(self, plan: DraftPlan, drafter) -> None:
-        """Returns a drafter to the pool for the next request with the same plan."""
-        with self._pool_lock:
-            self._state(plan).idle.append(drafter)
-
-    def round_costs(self, plan: DraftPlan, batch: int) -> RoundCosts:
-        """The round costs `plan`'s requests of `batch` sequences time and share.
-
-        The machine's, not a request's: they outlive `reset_drafters`.
-        """
-        # A calibration's curve of this build prices widths not yet timed; measured at batch 1.
-        shape = self._verify_shape if batch == 1 else None
-        with self._pool_lock:
-            return self._state(plan).round_costs(batch, shape)
-
-    def asking_memory(self, plan: DraftPlan, batch: int, sampling: SamplingParams) -> AskingMemory:
-        """When `plan`'s requests of `batch` sequences at this sampling setting start asking.
-
-        Per sampling setting (the seed aside): whether drafts pay depends on it. Outlives
-        `reset_drafters`, like the round costs: it is learnt from the target's verdicts.
-        """
-        with self._pool_lock:
-            return self._state(plan).asking_memory(batch, sampling)
-
-    def acceptance_memory(self, plan: DraftPlan, sampling: SamplingParams) -> AcceptanceMemory:
-        """The acceptance `plan`'s requests at this sampling setting learn and start from.
-
-        Per sampling setting (the seed aside), not per batch size: a draft's acceptance
-        is the target's verdict on each sequence. Outlives `reset_drafters`.
-        """
-        with self._pool_lock:
-            return self._state(plan).acceptance_memory(sampling)
-
-    def trial(
-        self, plan: DraftPlan, prompts: Sequence[Sequence[int]], max_new_tokens: int
-    ) -> Trial | None:
-        """What the first draft of a request with `prompts` costs it: its drafter's prefill."""
-        with self._pool_lock:
-            return self._state(plan).trial(prompts, max_new_tokens)
-
-    def prefilled(self, plan: DraftPlan, seconds: float, tokens: int) -> None:
-        """A request's drafter prefilled `tokens` prompt tokens in `seconds`: the new price."""
-        with self._pool_lock:
-            self._state(plan).prefilled(seconds, tokens)
 
     def reset_drafters(self) -> None:
         """Drops the pooled drafters that learn across requests, and what they learnt.
@@ -632,9 +479,7 @@ class Engine:
         pooled with its sessions open, as a server keeps it (what reopening them cost each
         request: benchmarks/README.md, idle_cost.py).
         """
-        with self._pool_lock:
-            for state in self._plans.values():
-                state.drop_learning_drafters()
+        self.plans.reset_drafters()
 
     def forget_requests(self) -> None:
         """Forgets what earlier requests taught: the next runs as a fresh engine's first.
@@ -644,17 +489,7 @@ class Engine:
         a server on its first request per batch size). Sessions stay open, and the timed
         prefill with them (a fresh engine times it when it opens them).
         """
-        with self._pool_lock:
-            self._plans = {key: state.forget() for key, state in self._plans.items()}
-
-    def check_drafter(self, plan: DraftPlan) -> int:
-        """Builds `plan`'s drafter once (pooled), raising SpecxError if it cannot be built.
-
-        Returns the KV slots it needs past a sequence's history (`scratch_of`).
-        """
-        drafter = self.take_drafter(plan)
-        self.give_back(plan, drafter)
-        return scratch_of(drafter)
+        self.plans.forget()
 
     def _completions(
         self, request: _Request, result: GenerationResult, stats: Stats, texts: list[TextStream]

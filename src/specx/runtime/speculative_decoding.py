@@ -241,7 +241,7 @@ def generate_speculative(
         draft_prefill_s=draft_prefill_s,
         verify_s=verify_s,
         acceptance=AcceptanceStats.merge(stats).summary(),
-        # controller.py's summary is a dict: typed here, at the loop's boundary.
+        # the controller's summary, typed at the loop's boundary
         controller=None if controller is None else controller.summary(),
         per_request=tuple(s.summary() for s in stats),
     )
@@ -380,8 +380,8 @@ def _idle_stretch(
     counted = int(sized)
     starts = {b: len(loop.histories[b]) for b in np.flatnonzero(loop.active).tolist()}
     steps, row_steps, step_s = _plain_stretch(loop, _past_a_late_probe(loop, rounds), progress)
-    replays = _replays(loop, starts)
-    controller.idled(Stretch(steps - counted, row_steps - counted * len(starts), step_s, replays))
+    replay = _replayer(loop, starts)
+    controller.idled(Stretch(steps - counted, row_steps - counted * len(starts), step_s, replay))
     return steps
 
 
@@ -391,21 +391,22 @@ def _idle_stretch(
 REPLAYS = 4
 
 
-def _replays(loop: _Loop, starts: dict[int, int]) -> tuple[tuple[Replay, ...], ...]:
-    """Each row's drafter replayed at the last steps of a stretch, judged by what followed.
+def _replayer(loop: _Loop, starts: dict[int, int]) -> Callable[[int], tuple[Replay, ...]]:
+    """Replays a row's drafter at the last steps of a stretch, judged by what followed.
 
-    `starts[b]`: row b's history length when the stretch began. () where the drafter cannot
-    replay (`Drafter.replay`).
+    `starts[b]`: row b's history length when the stretch began (rows absent did not play
+    it). () where the drafter cannot replay (`Drafter.replay`) or no row decodes on.
     """
     replay = getattr(loop.drafter, "replay", None)
-    if replay is None or not loop.active.any():  # no decision left to inform
-        return ()
-    replays: list[tuple[Replay, ...]] = [()] * len(loop.histories)
-    for b, start in starts.items():
+
+    def replayed(b: int) -> tuple[Replay, ...]:
+        if replay is None or b not in starts or not loop.active.any():
+            return ()
         history = loop.histories[b]
-        positions = range(max(start, len(history) - REPLAYS), len(history))
-        replays[b] = tuple(Replay.of(d, history[t:]) for t, d in replay(b, history, positions))
-    return tuple(replays)
+        positions = range(max(starts[b], len(history) - REPLAYS), len(history))
+        return tuple(Replay.of(d, history[t:]) for t, d in replay(b, history, positions))
+
+    return replayed
 
 
 def _plain_round(loop: _Loop, tried: np.ndarray | None = None) -> None:

@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 from specx.errors import SpecxError
 from specx.runtime.continuous import BatchSequence, ContinuousBatch
 from specx.runtime.detokenize import TextStream
-from specx.runtime.engine import DraftPlan, Engine
+from specx.runtime.engine import Engine
+from specx.runtime.plans import DraftPlan
 from specx.runtime.prefix_cache import PrefixCache
 from specx.runtime.sampling import SamplingParams
 from specx.server.metrics import Metrics
@@ -223,7 +224,7 @@ class Scheduler:
             return
         text = self.engine.text_stream(job.stop)
         if job.plan is not None:
-            self.engine.warn_inexact(job.plan, job.sampling)
+            self.engine.plans.warn_inexact(job.plan, job.sampling)
         drafter = self._take_drafter(job.plan)
 
         def sink(_row: int, tokens: list[int]) -> bool:
@@ -234,11 +235,8 @@ class Scheduler:
 
         controller = None
         if job.plan is not None:  # each sequence of the batch is sized as a batch of 1
-            memory = self.engine.asking_memory(job.plan, 1, job.sampling)
-            acceptance = self.engine.acceptance_memory(job.plan, job.sampling)
-            trial = self.engine.trial(job.plan, [job.prompt], job.max_new_tokens)
-            controller = job.plan.controller(
-                drafter, memory=memory, acceptance=acceptance, trial=trial
+            controller = self.engine.plans.controller(
+                job.plan, drafter, job.sampling, [job.prompt], job.max_new_tokens, batch=None
             )
         sequence = BatchSequence(
             job.prompt,
@@ -306,11 +304,11 @@ class Scheduler:
         self._finish(job, done)
 
     def _take_drafter(self, plan: DraftPlan | None):
-        return None if plan is None else self.engine.take_drafter(plan)
+        return None if plan is None else self.engine.plans.take(plan)
 
     def _give_back(self, plan: DraftPlan | None, drafter) -> None:
         if plan is not None and drafter is not None:
-            self.engine.give_back(plan, drafter)
+            self.engine.plans.give_back(plan, drafter)
 
 
 def _cancelled(job: Job) -> Finished:

@@ -9,8 +9,10 @@ features to the logits of every head at once.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import astuple
 from pathlib import Path
 
+from specx.drafter_name import DrafterName
 from specx.errors import ExportError
 from specx.export.checkpoint import Checkpoint
 from specx.export.heads.eagle import load_eagle
@@ -38,7 +40,7 @@ def load_head(spec: str, target: Checkpoint):
         ExportError: unknown kind or a missing directory.
         CheckpointError: the head checkpoint is malformed or does not fit the target.
     """
-    kind, _, directory = spec.partition(":")
+    kind, directory = astuple(DrafterName.parse(spec))
     if kind not in _LOADERS:
         raise ExportError(f"unknown drafter {kind!r}; export supports {', '.join(_LOADERS)}")
     if not directory and kind != "mtp":

@@ -6,6 +6,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from specx.drafter_name import DrafterName
 from specx.errors import SpecxError
 from specx.runtime.backends import open_decoder
 from specx.runtime.decoder_backend import DecoderBackend
@@ -97,10 +98,10 @@ DRAFTERS: dict[str, Callable[[DecoderBackend, str | None, DrafterOptions], Draft
 
 def make_drafter(spec: str, target: DecoderBackend, options: DrafterOptions) -> Drafter:
     """Builds a drafter from `NAME` or `NAME:ARGUMENT` (e.g. `draft-model:artifacts/small`)."""
-    name, _, argument = spec.partition(":")
-    if name not in DRAFTERS:
-        raise SpecxError(f"unknown drafter {name!r}; choose one of {', '.join(DRAFTERS)}")
-    return DRAFTERS[name](target, argument or None, options)
+    parsed = DrafterName.parse(spec)
+    if parsed.kind not in DRAFTERS:
+        raise SpecxError(f"unknown drafter {parsed.kind!r}; choose one of {', '.join(DRAFTERS)}")
+    return DRAFTERS[parsed.kind](target, parsed.argument, options)
 
 
 def describe_drafts(drafter: Drafter) -> str:

@@ -1,0 +1,34 @@
+"""`DrafterName`: a drafter as users name it, `KIND` or `KIND:ARGUMENT`, parsed in one place.
+
+The runtime (which drafter to build, which calibration entry applies), export (which head
+to export) and calibration (which entry to write, keyed by the kind) read the same
+grammar; a module below every layer keeps it one definition. (`manifest_types.DrafterSpec` is another
+thing: the head an artifact was exported with.)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["DrafterName"]
+
+
+@dataclass(frozen=True)
+class DrafterName:
+    """`kind` (ngram, suffix, draft-model, eagle3, eagle, mtp, medusa) and its argument.
+
+    The argument is a path (a draft model's artifact, a head's checkpoint directory) or
+    None; `str()` spells the spec back as it was given.
+    """
+
+    kind: str
+    argument: str | None = None
+
+    @classmethod
+    def parse(cls, text: str) -> DrafterName:
+        """`KIND` or `KIND:ARGUMENT`; the argument may itself contain ':' (a path)."""
+        kind, _, argument = text.partition(":")
+        return cls(kind, argument or None)
+
+    def __str__(self) -> str:
+        return self.kind if self.argument is None else f"{self.kind}:{self.argument}"
