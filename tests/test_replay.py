@@ -146,14 +146,23 @@ def test_a_plain_step_costs_at_most_a_wider_round_or_an_ask():
     assert costs.time(0) == 1.4
 
 
+def _replayed_rows(controller, rows: int, waits: list[int]) -> list[int]:
+    """The rows `controller` has replayed after a stretch, its rows idle as `waits` say."""
+    controller.start(rows, 4)
+    if isinstance(controller, AdaptiveController):
+        controller.next_probe[:] = waits
+    else:
+        controller.idle_until[:] = waits
+    replayed: list[int] = []
+    controller.idled(Stretch(1, rows, 1.0, lambda row: replayed.append(row) or ()))
+    return replayed
+
+
 def test_only_the_rows_that_decide_next_are_replayed():
     """A replay costs a proposal per step: rows idle past the next round are not replayed."""
-    adaptive, confidence = AdaptiveController(costs=_known_costs()), ConfidenceController()
-    for controller in (adaptive, confidence):
-        controller.start(2, 4)
-    adaptive.next_probe[:] = [3, 40]
-    confidence.idle_until[:] = [0, 40]
-    for controller in (adaptive, confidence):
-        replayed: list[int] = []
-        controller.idled(Stretch(1, 2, 1.0, lambda row, seen=replayed: seen.append(row) or ()))
-        assert replayed == [0]
+    assert _replayed_rows(AdaptiveController(costs=_known_costs()), 2, [3, 40]) == [0]
+    assert _replayed_rows(ConfidenceController(), 1, [0]) == [0]
+    assert _replayed_rows(ConfidenceController(), 1, [40]) == []
+    # Suffix drafting's rows in a batch are not replayed: reading every row's tokens into its
+    # trie cost more than the asks it spared.
+    assert _replayed_rows(ConfidenceController(), 2, [0, 0]) == []

@@ -8,13 +8,13 @@ from dataclasses import replace
 import pytest
 
 from specx.runtime.calibrated import CalibratedChoice
-from specx.runtime.engine import Stats
 from specx.runtime.metrics import (
     AcceptanceStats,
     ControllerSummary,
     RunStats,
     SpeculativeStats,
 )
+from specx.runtime.results import Stats
 
 
 def _acceptance(rounds: list[tuple[int, int]]) -> AcceptanceStats:

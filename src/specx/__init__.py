@@ -20,13 +20,16 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from specx.runtime.engine import Chunk, Completion, Engine, Speculation, Stats, load
+    from specx.runtime.engine import Engine, Speculation, load
+    from specx.runtime.results import Chunk, Completion, Stats
+
+_RESULTS = ("Chunk", "Completion", "Stats")
 
 
 def __getattr__(name: str) -> Any:
     # Lazy: `import specx` (the CLI, the exporter) does not load onnxruntime until asked.
     if name in __all__ and name != "__version__":
-        from specx.runtime import engine
+        from specx.runtime import engine, results
 
-        return getattr(engine, name)
+        return getattr(results if name in _RESULTS else engine, name)
     raise AttributeError(f"module 'specx' has no attribute {name!r}")

@@ -2,8 +2,8 @@
 
 The runtime (which drafter to build, which calibration entry applies), export (which head
 to export) and calibration (which entry to write, keyed by the kind) read the same
-grammar; a module below every layer keeps it one definition. (`manifest_types.DrafterSpec` is another
-thing: the head an artifact was exported with.)
+grammar; a module below every layer keeps it one definition. (`manifest_types.DrafterSpec`
+is another thing: the head an artifact was exported with.)
 """
 
 from __future__ import annotations

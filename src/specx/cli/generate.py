@@ -23,8 +23,8 @@ from specx.cli.common import (
 from specx.errors import GenerationError
 
 if TYPE_CHECKING:  # the runtime loads once a command runs (onnxruntime, numpy)
-    from specx.runtime.engine import Stats
     from specx.runtime.metrics import RunStats
+    from specx.runtime.results import Stats
 
 __all__ = ["COMMANDS", "Comparison", "DecodeProgress", "generate", "print_stats"]
 
@@ -296,7 +296,7 @@ def print_stats(stats: Stats | RunStats, compare: Comparison | None = None) -> N
     `stats`: an engine's (with its build, calibration and speculation), or a decoding
     loop's.
     """
-    from specx.runtime.engine import Stats
+    from specx.runtime.results import Stats
 
     run = stats.run if isinstance(stats, Stats) else stats
     line = (
