@@ -36,9 +36,10 @@ A drafter whose drafts are functions of the history alone (n-gram, suffix decodi
 replayed instead at the last plain steps of each stretch (`Replay`, `Drafter.replay`): its
 draft there, judged by the tokens the steps emitted, is learnt from as a verified round
 (greedily the same verdict; when sampling, the same law), and its rows decide at their
-probe without paying for one. What it bought on pyref-7m's first requests at T = 1 (24
-prompts x 64 tokens, batch 1, paired, 3 repeats): n-gram 0.82x -> 0.95x plain, suffix
-0.86x -> 0.96x, where most asks had found nothing or been rejected.
+probe without paying for one (suffix decoding's rows only where they decode alone: see
+`ConfidenceController.idled`). On pyref-7m's first requests at T = 1, batch 1, where most
+asks had found nothing or been rejected, n-gram went from 0.87x to 0.94x plain and suffix
+decoding from 0.88x to 0.94x (benchmarks/README.md, controller.py).
 
 Never losing without calibration is the controllers' job, from a request's first round:
 what they assume before measuring is cheap to be wrong about (plain first rounds, one-node
