@@ -228,8 +228,8 @@ def specx_drafting(target, prompts, outputs) -> dict[str, SpecxSpeculative]:
 
 def verify_section(cases: list[Case], args) -> dict:
     from specx.artifact import load_manifest
+    from specx.masks import causal_mask
     from specx.runtime.backends import open_decoder
-    from specx.runtime.masks import causal_mask
 
     curves = {}
     for case in cases:

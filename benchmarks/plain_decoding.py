@@ -52,7 +52,7 @@ def main() -> None:
     from specx.artifact import load_manifest
     from specx.export.random_checkpoint import write_random_checkpoint
     from specx.export.target_export import export_target
-    from specx.runtime.masks import causal_mask
+    from specx.masks import causal_mask
     from specx.runtime.ort_target import OrtTarget
     from specx.runtime.plain_decoding import generate_plain
 

@@ -47,8 +47,8 @@ def summarize(profile: Path, label: str, top: int = 6) -> None:
 def profile_specx(args, work: Path) -> None:
     from specx import sessions
     from specx.artifact import load_manifest
+    from specx.masks import causal_mask
     from specx.runtime.backends import open_decoder
-    from specx.runtime.masks import causal_mask
 
     for label, width in (("decode", 1), (f"verify {args.verify}", args.verify)):
         base = sessions.session_options

@@ -17,7 +17,6 @@ from specx.errors import ArtifactError, BuildError
 from specx.manifest_types import BuildEntry, TensorSpec
 from specx.runtime.backends import open_decoder
 from specx.runtime.drafters.ngram import NGramDrafter
-from specx.runtime.engine_compat import engine_mismatches
 from specx.runtime.plain_decoding import generate_plain
 from specx.runtime.speculative_decoding import generate_speculative
 from specx.tensorrt.profiles import ProfileLimits, optimization_profiles
@@ -159,9 +158,9 @@ def test_engine_mismatches_name_the_version_and_gpu():
     build = BuildEntry(
         "trt", "fp16", tensorrt_version="10.15.1", compute_capability="9.0", gpu="H200"
     )
-    assert engine_mismatches(build, "10.15.3", "9.0") == []
-    assert engine_mismatches(build, None, None) == []
-    problems = engine_mismatches(build, "11.1.0", "8.9")
+    assert build.engine_mismatches("10.15.3", "9.0") == []
+    assert build.engine_mismatches(None, None) == []
+    problems = build.engine_mismatches("11.1.0", "8.9")
     assert "built with TensorRT 10.15.1, this is TensorRT 11.1.0" in problems[0]
     assert "compute capability 9.0 (H200), this GPU is 8.9" in problems[1]
 

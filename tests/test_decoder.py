@@ -9,7 +9,7 @@ import torch
 from conftest import FAMILIES
 from specx.export.checkpoint import load_checkpoint
 from specx.export.decoder import TargetDecoder
-from specx.runtime.masks import causal_mask
+from specx.masks import causal_mask
 
 
 def run_decoder(decoder, ids):

@@ -16,9 +16,9 @@ from specx.build import BuildOptions, build_artifact  # noqa: E402
 from specx.build.openvino import _Compression, compress_weights  # noqa: E402
 from specx.graphs.ov_lowering import lower_for_openvino  # noqa: E402
 from specx.graphs.weight_only import quantize_rtn  # noqa: E402
+from specx.masks import causal_mask  # noqa: E402
 from specx.runtime.backends import open_decoder  # noqa: E402
 from specx.runtime.drafters import DrafterOptions, make_drafter  # noqa: E402
-from specx.runtime.masks import causal_mask  # noqa: E402
 from specx.runtime.ort_target import OrtTarget  # noqa: E402
 from specx.runtime.plain_decoding import generate_plain  # noqa: E402
 from specx.runtime.speculative_decoding import generate_speculative  # noqa: E402

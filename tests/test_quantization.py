@@ -23,9 +23,9 @@ from specx.cli import main
 from specx.cli.calibrate import quantize
 from specx.errors import BuildError, SpecxError
 from specx.graphs import tree_attention as tree_op
+from specx.masks import causal_mask
 from specx.runtime.backends import open_decoder
 from specx.runtime.drafters import DrafterOptions, make_drafter
-from specx.runtime.masks import causal_mask
 from specx.runtime.plain_decoding import generate_plain, prefill
 from specx.runtime.speculative_decoding import generate_speculative
 from specx.runtime.tokenizer import TextTokenizer

@@ -12,7 +12,7 @@ from onnx import TensorProto, helper, numpy_helper
 from specx.artifact import load_manifest
 from specx.graphs import tree_attention as tree_op
 from specx.graphs.row_invariance import RowInvariantPass
-from specx.runtime.masks import causal_mask
+from specx.masks import causal_mask
 from specx.sessions import load_session
 
 WIDTH = 8

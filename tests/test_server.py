@@ -408,8 +408,8 @@ def test_a_chat_template_supplied_at_serve_or_export_time(artifacts, tmp_path):
 
     from conftest import CHAT_TEMPLATE
     from specx.artifact import load_manifest
+    from specx.chat import ChatTemplate
     from specx.cli import main
-    from specx.runtime.chat import ChatTemplate
 
     messages = [{"role": "user", "content": "Sort a list"}]
     body = {"messages": messages, "max_tokens": 6, "temperature": 0, "ignore_eos": True}

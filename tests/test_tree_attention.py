@@ -7,7 +7,7 @@ import pytest
 
 from conftest import FAMILIES
 from specx.artifact import load_manifest
-from specx.runtime.masks import causal_mask
+from specx.masks import causal_mask
 from specx.runtime.ort_target import OrtTarget
 from specx.runtime.plain_decoding import prefill
 

@@ -368,7 +368,7 @@ class Manifest:
 
     @property
     def chat_template_file(self) -> Path | None:
-        """The artifact's chat template (`specx.runtime.chat`), or None when it has none."""
+        """The artifact's chat template (`specx.chat`), or None when it has none."""
         return None if self.chat_template is None else self.root / self.chat_template
 
     @property

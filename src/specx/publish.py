@@ -31,7 +31,6 @@ from specx.artifact import (
 )
 from specx.errors import ArtifactError
 from specx.manifest_types import BuildEntry
-from specx.runtime.engine_compat import engine_mismatches
 
 __all__ = ["VerifyReport", "pack_artifact", "verify_artifact"]
 
@@ -217,7 +216,7 @@ def _check_builds(version: str, builds: Mapping[str, BuildEntry], report: Verify
                 "available here, so they were not checked against this machine"
             )
             continue
-        problems = engine_mismatches(build, *local)
+        problems = build.engine_mismatches(*local)
         if problems:
             raise ArtifactError(f"build {name}: " + "; ".join(problems))
 

@@ -40,7 +40,7 @@ from specx.build.registry import BuildJob, BuildOptions, BuildOutput, Progress
 from specx.build.staging import exported_entries, graph_entry
 from specx.errors import BuildError
 from specx.manifest_types import BuildEntry, TensorSpec
-from specx.runtime.masks import causal_mask
+from specx.masks import causal_mask
 
 if TYPE_CHECKING:
     import onnx

@@ -100,7 +100,7 @@ def export(
     exported precision), unless --no-build; the exported graphs stay in the artifact and
     run with `specx generate --build exported`.
     """
-    from specx.runtime.chat import ChatTemplate
+    from specx.chat import ChatTemplate
 
     template = ChatTemplate.from_file(chat_template) if chat_template else None
     require_extra("export")

@@ -154,7 +154,7 @@ def serve(
         raise SpecxError(only_applies(ray_only, "--ray"))
     if on_ray:
         require_extra("serve --ray", "ray")
-    from specx.runtime.chat import ChatTemplate
+    from specx.chat import ChatTemplate
     from specx.runtime.engine import Speculation, load
     from specx.runtime.sampling import SamplingParams
     from specx.server.service import ServeOptions

@@ -21,6 +21,7 @@ from specx.artifact import (
     sha256_file,
     write_manifest,
 )
+from specx.chat import CHAT_TEMPLATE_FILE, ChatTemplate, read_checkpoint_template
 from specx.drafter_name import DrafterName
 from specx.errors import ExportError
 from specx.export.checkpoint import Checkpoint, load_checkpoint
@@ -30,7 +31,6 @@ from specx.export.onnx_graph import export_streamed, graph_entry, save_graph_str
 from specx.export.weight_writer import WeightWriter, planned_weights
 from specx.manifest_types import ModelSpec, TapSpec
 from specx.progress import Progress, heartbeat
-from specx.runtime.chat import CHAT_TEMPLATE_FILE, ChatTemplate, read_checkpoint_template
 
 __all__ = ["DEFAULT_MAX_CONTEXT", "export_target", "io_names"]
 

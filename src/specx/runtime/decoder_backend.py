@@ -15,8 +15,8 @@ import numpy as np
 
 from specx.artifact import MANIFEST_NAME, Manifest
 from specx.errors import ArtifactError, GenerationError
+from specx.masks import causal_mask
 from specx.runtime.kv_cache import KVCache
-from specx.runtime.masks import causal_mask
 
 __all__ = ["DecoderBackend", "StepOutput"]
 

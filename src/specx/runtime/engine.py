@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from specx.artifact import Manifest, load_manifest
+from specx.chat import ChatTemplate
 from specx.errors import GenerationError
 from specx.runtime.backends import (
     backend_name,
@@ -40,7 +41,6 @@ from specx.runtime.backends import (
     select_build,
 )
 from specx.runtime.calibrated import CalibratedChoice, calibrated_choice, verify_shape
-from specx.runtime.chat import ChatTemplate
 from specx.runtime.detokenize import TextStream
 from specx.runtime.drafters import DrafterOptions, describe_drafts
 from specx.runtime.drafters.tree_search import parse_tree_spec

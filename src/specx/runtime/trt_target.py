@@ -18,7 +18,6 @@ import numpy as np
 from specx.artifact import Manifest
 from specx.errors import ArtifactError, GenerationError
 from specx.runtime.decoder_backend import DecoderBackend, StepOutput
-from specx.runtime.engine_compat import engine_mismatches
 from specx.runtime.kv_cache import KVCache
 
 if TYPE_CHECKING:
@@ -37,7 +36,7 @@ class _Engine:
         build = manifest.build
         assert build is not None, "a TensorRT engine comes from a build"
         capability = "{}.{}".format(*torch.cuda.get_device_capability())
-        problems = engine_mismatches(build, trt.__version__, capability)
+        problems = build.engine_mismatches(trt.__version__, capability)
         if problems:
             raise ArtifactError(f"{manifest.root}: " + "; ".join(problems))
         entry = manifest.runtime_graph(graph)

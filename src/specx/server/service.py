@@ -15,8 +15,8 @@ import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
+from specx.chat import ChatTemplate
 from specx.errors import CapacityError, SpecxError
-from specx.runtime.chat import ChatTemplate
 from specx.runtime.engine import Engine, Speculation
 from specx.runtime.prefix_cache import PrefixCache
 from specx.server.auth import Access

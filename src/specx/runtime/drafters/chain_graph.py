@@ -17,9 +17,9 @@ import numpy as np
 import onnxruntime as ort
 
 from specx.artifact import Manifest
+from specx.masks import causal_mask
 from specx.runtime.backends import graph_runtime
 from specx.runtime.kv_cache import KVCache
-from specx.runtime.masks import causal_mask
 from specx.runtime.ort_target import open_session
 
 __all__ = ["DraftChain"]
