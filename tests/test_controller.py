@@ -37,8 +37,9 @@ from specx.runtime.engine import Speculation, load
 from specx.runtime.ort_target import OrtTarget
 from specx.runtime.plain_decoding import generate_plain
 from specx.runtime.plans import ASKING_SETTINGS
+from specx.runtime.rounds import PROBE_TAIL
 from specx.runtime.sampling import SamplingParams
-from specx.runtime.speculative_decoding import PROBE_TAIL, generate_speculative
+from specx.runtime.speculative_decoding import generate_speculative
 from specx.runtime.trees import DraftTree
 
 SWITCHING = [0, 3, 1, 0, 0, 0, 5, 2, 8]  # sizes change every round; none, and idle stretches

@@ -19,7 +19,7 @@ from conftest import perturbed_copy
 from cost_curves import FixedCurve
 from no_replay import NoReplay
 from specx.artifact import load_manifest
-from specx.runtime import speculative_decoding
+from specx.runtime import rounds
 from specx.runtime.controller import ConfidenceController, FixedSizes
 from specx.runtime.drafters.draft_model import DraftModelDrafter
 from specx.runtime.drafters.ngram import NGramDrafter
@@ -175,7 +175,7 @@ def run_trimmed(pair, sampling, verifier, chunk=8, positions=8, replays=False):
         if not replays:
             drafter = NoReplay(drafter)
         params = sampling_with(sampling, 1000 + start)
-        with mock.patch.object(speculative_decoding, "PROBE_TAIL", 0):
+        with mock.patch.object(rounds, "PROBE_TAIL", 0):
             spec = generate_speculative(target, drafter, [prompt] * chunk, positions, params,
                                         verifier=verifier, controller=controller)  # fmt: skip
         tokens += spec.tokens

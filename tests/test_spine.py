@@ -16,6 +16,7 @@ from functools import partial
 import numpy as np
 import pytest
 
+import specx.runtime.rounds as rounds_module
 import specx.runtime.speculative_decoding as speculative_module
 from conftest import HEAD_VOCAB
 from specx.artifact import load_manifest
@@ -244,14 +245,14 @@ def test_a_heads_trees_equal_plain_decoding_on_an_int4_build(
     target = OrtTarget(load_manifest(artifact), threads=2)
     drafter = make_drafter("eagle3", target, DrafterOptions(tree=shape))
     carried = []
-    original = speculative_module.settle
+    original = rounds_module.settle
 
     def counting(verdict, arranged, spine_only):
         settled = original(verdict, arranged, spine_only)
         carried.append(len(settled.carry))
         return settled
 
-    monkeypatch.setattr(speculative_module, "settle", counting)
+    monkeypatch.setattr(rounds_module, "settle", counting)
     prompts = [rng.integers(1, HEAD_VOCAB, n).tolist() for n in (3, 8, 5, 12, 2, 7, 4, 9)]
     for batch in (1, 4):
         for start in range(0, len(prompts), batch):
