@@ -6,16 +6,21 @@ import numpy as np
 import pytest
 
 from cost_curves import FixedCurve
+from specx.artifact import load_manifest
 from specx.runtime.controller import (
     AdaptiveController,
     ConfidenceController,
     Replay,
     RoundCosts,
     Stretch,
+    controller_for,
 )
 from specx.runtime.drafters.ngram import NGramDrafter
 from specx.runtime.drafters.suffix import SuffixDrafter, SuffixOptions
+from specx.runtime.ort_target import OrtTarget
+from specx.runtime.plain_decoding import generate_plain
 from specx.runtime.sampling import SamplingParams
+from specx.runtime.speculative_decoding import generate_speculative
 from specx.runtime.trees import DraftTree, followed
 from specx.runtime.verification import RandomCoin, verify
 
@@ -166,3 +171,38 @@ def test_only_the_rows_that_decide_next_are_replayed():
     # Suffix drafting's rows in a batch are not replayed: reading every row's tokens into its
     # trie cost more than the asks it spared.
     assert _replayed_rows(ConfidenceController(), 2, [0, 0]) == []
+
+
+class CountingReplays:
+    """A drafter whose replays are counted (the default controllers ask for them)."""
+
+    def __init__(self, drafter):
+        self._drafter, self.replays = drafter, 0
+
+    def __getattr__(self, name):
+        return getattr(self._drafter, name)
+
+    def replay(self, row, history, positions):
+        replayed = self._drafter.replay(row, history, positions)
+        self.replays += len(replayed)
+        return replayed
+
+
+@pytest.mark.parametrize(
+    ("make", "batches"),
+    [(lambda: NGramDrafter(5), (1, 3)), (lambda: SuffixDrafter(SuffixOptions(8)), (1,))],
+    ids=["ngram", "suffix"],
+)
+def test_greedy_decoding_with_replays_equals_plain(make, batches, artifacts, rng):
+    """The default controllers, fed by replays, change only sizes: greedy output is plain's."""
+    target = OrtTarget(load_manifest(artifacts["llama"]), threads=2)
+    span = [rng.integers(1, target.vocab_size, 5).tolist() for _ in range(3)]
+    prompts = [rng.integers(1, target.vocab_size, 4).tolist() + s * 3 for s in span]
+    for batch in batches:
+        drafter = CountingReplays(make())
+        spec = generate_speculative(
+            target, drafter, prompts[:batch], 80, controller=controller_for(drafter)
+        )
+        assert spec.tokens == generate_plain(target, prompts[:batch], 80).tokens
+        # the controller learnt from replays (a batch's first, as its rows wait for a probe)
+        assert drafter.replays > 0
