@@ -38,11 +38,11 @@ from specx.runtime.kv_cache import KVCache
 from specx.runtime.metrics import AcceptanceStats
 from specx.runtime.plain_decoding import TokenSink, check_prompts, prefill
 from specx.runtime.prefix_cache import PrefixCache
-from specx.runtime.rounds import EMPTY_DRAFT, accept, depth_of, verify_inputs
+from specx.runtime.rounds import EMPTY_DRAFT, accept, verify_inputs
 from specx.runtime.sampling import SamplingParams, next_tokens, sampling_probs
 from specx.runtime.speculative_decoding import scratch_of
 from specx.runtime.spine import Arranged, arrange, settle
-from specx.runtime.trees import DraftTree
+from specx.runtime.trees import DraftTree, depth_of
 from specx.runtime.verification import RandomCoin, verify
 
 __all__ = ["BatchSequence", "ContinuousBatch"]

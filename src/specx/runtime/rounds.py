@@ -29,6 +29,7 @@ from specx.runtime.trees import (
     DraftTree,
     TreeError,
     ancestor_mask,
+    depth_of,
     depths,
     validate_parents,
     verify_parents,
@@ -43,7 +44,6 @@ __all__ = [
     "Verifier",
     "accept",
     "arranged",
-    "depth_of",
     "idle_stretch",
     "plain_round",
     "verify_inputs",
@@ -332,8 +332,3 @@ def accept(
         drafter.accept(row, EMPTY_DRAFT, [], taps)
     else:
         drafter.accept(row, proposed, settled.drafted, taps)
-
-
-def depth_of(draft: DraftTree) -> int:
-    """Levels of a draft tree (0 for an empty draft)."""
-    return int(depths(draft.parents).max()) + 1 if len(draft) else 0

@@ -24,6 +24,7 @@ __all__ = [
     "ancestor_mask",
     "chain_parents",
     "choices_parents",
+    "depth_of",
     "depths",
     "followed",
     "validate_parents",
@@ -103,6 +104,11 @@ def depths(parents: np.ndarray) -> np.ndarray:
         if parent >= 0:
             out[i] = out[parent] + 1
     return out
+
+
+def depth_of(draft: DraftTree) -> int:
+    """Levels of a draft tree (0 for an empty draft)."""
+    return int(depths(draft.parents).max()) + 1 if len(draft) else 0
 
 
 def ancestor_mask(parents: np.ndarray) -> np.ndarray:

@@ -15,7 +15,7 @@ from typing import Protocol
 import numpy as np
 
 from specx.runtime.metrics import ControllerSummary
-from specx.runtime.trees import DraftTree, depths, followed
+from specx.runtime.trees import DraftTree, depth_of, followed
 
 __all__ = [
     "FIRST_PLAIN_ROUNDS",
@@ -104,8 +104,7 @@ class Replay:
     def of(cls, draft: DraftTree, emitted: Sequence[int]) -> Replay:
         """`draft` judged by the tokens emitted after it (`emitted`, in order)."""
         accepted = followed(draft, emitted)
-        levels = int(depths(draft.parents).max()) + 1 if len(draft) else 0
-        return cls(draft, accepted, min(len(accepted) + 1, len(emitted), levels))
+        return cls(draft, accepted, min(len(accepted) + 1, len(emitted), depth_of(draft)))
 
 
 @dataclass(frozen=True)

@@ -175,18 +175,15 @@ class ConfidenceController:
         self._chosen[0] += stretch.row_rounds
         self.asked = [False] * len(self.asked)  # the last round that asked is accounted for
         self.costs.record_stretch(stretch.step_s)
-        if len(self.idle_until) > 1:
-            return
-        for row, until in enumerate(self.idle_until):
-            if until > self.round + 1:  # not deciding next round
-                continue
-            replays = stretch.replay(row)
-            for replay in replays:
-                if replay.draft.confidence is not None:  # an empty draft teaches nothing
-                    self._learn(row, replay.draft, replay.accepted, replay.judged)
-            if replays:
-                net = sum(self._replay_net(row, replay) for replay in replays)
-                self.replayed[row] = (self.replayed[row] or 0.0) + net
+        if len(self.idle_until) > 1 or self.idle_until[0] > self.round + 1:
+            return  # a batch's rows, or a row that does not decide next round
+        replays = stretch.replay(0)
+        for replay in replays:
+            if replay.draft.confidence is not None:  # an empty draft teaches nothing
+                self._learn(0, replay.draft, replay.accepted, replay.judged)
+        if replays:
+            net = sum(self._replay_net(0, replay) for replay in replays)
+            self.replayed[0] = (self.replayed[0] or 0.0) + net
 
     def _replay_net(self, row: int, replay: Replay) -> float:
         """Tokens keeping the rule's prefix of a replayed draft would have earned, net.
