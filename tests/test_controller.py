@@ -23,6 +23,7 @@ from specx.runtime.controller import (
     ConfidenceController,
     FixedSizes,
     RoundCosts,
+    Schedule,
     Stretch,
     Trial,
     controller_for,
@@ -126,7 +127,7 @@ def rounds(controller, accepted_at, count: int, width_cost=0.1) -> list[int]:
 
 
 def test_the_controller_backs_off_probes_and_comes_back():
-    controller = AdaptiveController(probe_every=4, max_probe_every=16)
+    controller = AdaptiveController(schedule=Schedule(probe_every=4, max_probe_every=16))
     controller.start(1, 8)
     chosen = rounds(controller, accepted_at=0, count=60)
     assert chosen[0] == 0 and chosen[1] > 0  # a plain step first, then the prior's draft
@@ -524,7 +525,7 @@ def test_suffix_drafts_trimmed_by_confidence_equal_plain(artifacts, rng, replays
     for batch in (1, 3):
         # Steep costs, a short patience and quick probes: trims, idle rows and probes mix.
         controller = ConfidenceController(
-            costs=FixedCurve(0.3), patience=1, probe_every=2, probe_budget=0.5
+            costs=FixedCurve(0.3), patience=1, schedule=Schedule(probe_every=2, probe_budget=0.5)
         )
         drafter = SuffixDrafter(SuffixOptions(8, min_prob=0.0))
         if not replays:
@@ -561,7 +562,7 @@ def test_confidence_trimming_keeps_the_prefix_that_pays_most():
 
 
 def test_confidence_learns_what_the_target_accepts_idles_and_comes_back():
-    controller = ConfidenceController(probe_every=4, max_probe_every=16)
+    controller = ConfidenceController(schedule=Schedule(probe_every=4, max_probe_every=16))
     controller.start(1, 8)
     sure = chain([1.0] * 8)
 

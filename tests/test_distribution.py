@@ -20,7 +20,7 @@ from cost_curves import FixedCurve
 from no_replay import NoReplay
 from specx.artifact import load_manifest
 from specx.runtime import rounds
-from specx.runtime.controller import ConfidenceController, FixedSizes
+from specx.runtime.controller import ConfidenceController, FixedSizes, Schedule
 from specx.runtime.drafters.draft_model import DraftModelDrafter
 from specx.runtime.drafters.ngram import NGramDrafter
 from specx.runtime.drafters.suffix import SuffixDrafter, SuffixOptions
@@ -169,7 +169,7 @@ def run_trimmed(pair, sampling, verifier, chunk=8, positions=8, replays=False):
     tokens, sizes = [], Counter()
     for start in range(0, SAMPLES, chunk):
         controller = ConfidenceController(
-            costs=FixedCurve(0.3), patience=1, probe_every=2, probe_budget=0.5
+            costs=FixedCurve(0.3), patience=1, schedule=Schedule(probe_every=2, probe_budget=0.5)
         )
         drafter = SuffixDrafter(SuffixOptions(max_nodes=6, min_prob=0.0))
         if not replays:

@@ -12,6 +12,7 @@ from specx.runtime.controller import (
     ConfidenceController,
     Replay,
     RoundCosts,
+    Schedule,
     Stretch,
     controller_for,
 )
@@ -111,7 +112,7 @@ def test_an_idle_row_decides_from_its_replays_instead_of_probing():
     chain = DraftTree.chain([1, 2, 3, 4])
     held, missed = Replay.of(chain, [1, 2, 3, 4]), Replay.of(chain, [9, 9, 9, 9])
     for replays, expected in (((), 1), ((missed,) * 4, 0), ((held,) * 4, 4)):
-        controller = AdaptiveController(costs=_known_costs(), probe_every=8)
+        controller = AdaptiveController(costs=_known_costs(), schedule=Schedule(probe_every=8))
         controller.start(1, 4)
         controller.idled(_stretch(1))
         controller.next_probe[0] = 8  # idle until round 8, as after a draft that missed
@@ -131,7 +132,7 @@ def test_a_window_of_asking_opens_only_where_its_replays_would_have_paid():
     sure = DraftTree(np.arange(4), np.arange(4) - 1, confidence=np.ones(4))
     held, missed = Replay.of(sure, [0, 1, 2, 3]), Replay.of(sure, [7, 7, 7, 7])
     for replays, asks in (((missed,) * 4, False), ((held,) * 4, True)):
-        controller = ConfidenceController(costs=FixedCurve(0.1), probe_every=4)
+        controller = ConfidenceController(costs=FixedCurve(0.1), schedule=Schedule(probe_every=4))
         controller.start(1, 4)
         controller.idled(_stretch(controller.idle_rounds(ONE), *replays))
         assert bool(controller.sizes(ONE)[0]) == asks

@@ -62,6 +62,7 @@ from specx.runtime.controller.base import (
     Controller,
     FixedSizes,
     Replay,
+    Schedule,
     Stretch,
     truncated,
 )
@@ -78,6 +79,7 @@ __all__ = [
     "FixedSizes",
     "Replay",
     "RoundCosts",
+    "Schedule",
     "Stretch",
     "Trial",
     "controller_for",

@@ -9,6 +9,7 @@ import numpy as np
 
 from specx.runtime.controller.base import (
     UNTIMED_BATCH_PROBE,
+    Schedule,
     Stretch,
     affordable_interval,
     learnt,
@@ -62,11 +63,11 @@ class AdaptiveController:
       shared costs stay fresh);
     - p_d starts as the mean of a Beta prior of weight 2 and the evidence, so the first
       misses count fully (a drafter the target rejects stops within a few rounds) until
-      the moving average's weight `smoothing` is reached; a row alone takes for prior what
+      the moving average's weight `schedule.smoothing` is reached; a row alone takes for prior what
       the engine's earlier requests at this setting found (`acceptance`), a batch `prior`;
     - a row that stopped drafting is not re-evaluated until its probe; the interval doubles
-      after each probe that found nothing (`probe_every` up to `max_probe_every` rounds)
-      and is never shorter than keeps probes within `probe_budget` of the time;
+      after each probe that found nothing, and is never shorter than keeps probes within
+      their share of the time (`Schedule`);
     - probes fall on multiples of the interval, so the idle rows of a batch probe together
       and the rounds between are plain decoding's steps for all of them (`idle_rounds`);
     - a row alone stops drafting only where a draft no longer beats a plain step: stopping
@@ -77,18 +78,14 @@ class AdaptiveController:
     def __init__(
         self,
         prior: float = 0.5,
-        smoothing: float = 0.2,
-        probe_every: int = 8,
-        max_probe_every: int = 64,
-        max_depth: int = 16,
         batch_margin: float = 0.5,
-        probe_budget: float = 0.02,
         costs: RoundCosts | None = None,
         acceptance: AcceptanceMemory | None = None,
         trial: Trial | None = None,
         trial_margin: float = 2.0,
+        schedule: Schedule | None = None,
     ):
-        self.prior, self.smoothing, self.max_depth = prior, smoothing, max_depth
+        self.prior, self.schedule = prior, schedule or Schedule()
         # What the request's first draft costs it, and how many times over the expected
         # saving must pay for it (`_worth_a_trial`); None: nothing to pay.
         self.trial, self.trial_margin = trial, trial_margin
@@ -96,11 +93,9 @@ class AdaptiveController:
         # uneven progress, which no per-depth average sees. A row alone stops at a tie, not
         # before: stopping leaves it blind until its probe.
         self.batch_margin = batch_margin
-        self.probe_budget = probe_budget  # the share of time probes may cost
-        self.probe_every, self.max_probe_every = probe_every, max_probe_every
         self.costs = costs or RoundCosts()
         # p_d where a request's rows start: earlier requests' (an engine's), or the prior
-        self.acceptance = acceptance or AcceptanceMemory(prior, max_depth)
+        self.acceptance = acceptance or AcceptanceMemory(prior, self.schedule.max_depth)
         self._chosen: Counter = Counter()
 
     def start(self, batch: int, max_nodes: int) -> None:  # noqa: D102
@@ -108,15 +103,17 @@ class AdaptiveController:
         self.candidates = sorted({0, max_nodes, *(2**i for i in range(8) if 2**i < max_nodes)})
         # A batch is paid by its least lucky row, and a mean over earlier sequences
         # overstates it: a batch's rows start from the prior (benchmarks/README.md).
-        start = self.acceptance.accept[: self.max_depth] if batch == 1 else []
-        start += [self.prior] * (self.max_depth - len(start))
+        start = self.acceptance.accept[: self.schedule.max_depth] if batch == 1 else []
+        start += [self.prior] * (self.schedule.max_depth - len(start))
         self.accept = np.tile(start, (batch, 1))  # p_d per row
-        self.judged = np.zeros((batch, self.max_depth), dtype=np.int64)  # rounds that tested d
+        self.judged = np.zeros(
+            (batch, self.schedule.max_depth), dtype=np.int64
+        )  # rounds that tested d
         self.round = int(self.costs.known)  # known costs: no plain first round to time them
         # 0: the row drafts; else the round of its next probe (a batch waits for its first).
-        first = 0 if batch == 1 else max(self.probe_every, self._affordable(batch))
+        first = 0 if batch == 1 else max(self.schedule.probe_every, self._affordable(batch))
         self.next_probe = np.full(batch, first, dtype=np.int64)
-        self.interval = np.full(batch, self.probe_every)
+        self.interval = np.full(batch, self.schedule.probe_every)
         self.probing = np.zeros(batch, dtype=bool)
         self.hit = np.zeros(batch, dtype=bool)  # the row's last round accepted a draft token
         # Replays judged the row's drafter since its last decision: its probe is free.
@@ -180,7 +177,7 @@ class AdaptiveController:
         for size in self.candidates[1:]:
             draft = self.costs.draft if self.costs.drafted else trial.step_s * rows * size
             time = self.costs.verify(1 + size) + draft
-            per_token = min(per_token, time / expected[min(size, self.max_depth)])
+            per_token = min(per_token, time / expected[min(size, self.schedule.max_depth)])
         return left * (step - per_token) >= self.trial_margin * trial.prefill_s
 
     def idle_rounds(self, active: np.ndarray) -> int:  # noqa: D102
@@ -221,12 +218,12 @@ class AdaptiveController:
         if size and not self.costs.drafted:
             size = self.candidates[1]  # what a draft costs is unknown: learn it cheaply first
         if size and self.probing[b]:
-            self.interval[b] = self.probe_every  # the probe brought speculation back
+            self.interval[b] = self.schedule.probe_every  # the probe brought speculation back
         elif not size:
             if self.probing[b] and not self.hit[b]:  # a probe that found nothing: wait longer
-                self.interval[b] = min(2 * self.interval[b], self.max_probe_every)
+                self.interval[b] = min(2 * self.interval[b], self.schedule.max_probe_every)
             elif self.probing[b]:  # it found something: probe again soon
-                self.interval[b] = self.probe_every
+                self.interval[b] = self.schedule.probe_every
             step = max(int(self.interval[b]), self._affordable(len(self.interval)))
             # On a multiple of the step, so a batch's idle rows probe together, and at least
             # half a step away: the next multiple can be the next round (n-gram at T = 1
@@ -242,7 +239,7 @@ class AdaptiveController:
             probe = self.costs.time(self.candidates[1]) / self.costs.time(0)
         else:  # nothing timed: a batch's probe is dear (its rows all draft), a row's cheap
             probe = UNTIMED_BATCH_PROBE if batch > 1 else self.costs.time(1) / self.costs.time(0)
-        return affordable_interval(probe, self.probe_budget)
+        return affordable_interval(probe, self.schedule.probe_budget)
 
     def _estimates(self, row: int) -> list[float]:
         """The row's p_d, each depth tested fewer than 3 times capped by the one before.
@@ -264,7 +261,7 @@ class AdaptiveController:
         """
         accept = self._estimates(row) if self._floor is None else self._floor
         expected, reach = [1.0], 1.0
-        for p in accept[: min(self.max_nodes, self.max_depth)]:
+        for p in accept[: min(self.max_nodes, self.schedule.max_depth)]:
             reach *= p
             expected.append(expected[-1] + reach)
         return expected
@@ -280,7 +277,7 @@ class AdaptiveController:
         # An ask is a plain step and a proposal: one timed cheaper is a plain step timed dear.
         ask = max(self.costs.ask, self.costs.time(0))
         for size in self.candidates[1:]:
-            tokens = peers + 1.0 + q * (expected[min(size, self.max_depth)] - 1.0)
+            tokens = peers + 1.0 + q * (expected[min(size, self.schedule.max_depth)] - 1.0)
             rate = tokens / (q * self.costs.time(size) + (1.0 - q) * ask)
             if rate > best_rate:
                 best, best_rate = size, rate
@@ -296,18 +293,18 @@ class AdaptiveController:
     def _asked(self, row: int, found: bool) -> None:
         """The row's drafter was asked (or replayed) and found a draft or not."""
         self.asks[row] += 1
-        self.found[row] = learnt(self.found[row], self.asks[row], found, self.smoothing)
+        self.found[row] = learnt(self.found[row], self.asks[row], found, self.schedule.smoothing)
 
     def _learn(self, row: int, count: int, judged: int) -> None:
         """The target judged the row's first `judged` depths and accepted `count` of them."""
-        for d in range(min(judged, self.max_depth)):
+        for d in range(min(judged, self.schedule.max_depth)):
             hit = d < count
             self.acceptance.learn(d, hit)
             self.judged[row, d] += 1
             # The first misses count fully: a drafter the target rejects stops within a
             # few rounds, not a dozen.
             self.accept[row, d] = learnt(
-                self.accept[row, d], self.judged[row, d], hit, self.smoothing
+                self.accept[row, d], self.judged[row, d], hit, self.schedule.smoothing
             )
 
     def timed(self, width: int, verify_s: float, draft_s: float) -> None:  # noqa: D102

@@ -23,12 +23,31 @@ __all__ = [
     "Controller",
     "FixedSizes",
     "Replay",
+    "Schedule",
     "Stretch",
     "affordable_interval",
     "rounds_all_idle",
     "learnt",
     "truncated",
 ]
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """How the two rules learn and when a row that stopped drafting tries again.
+
+    A row's averages weigh each round's evidence by `smoothing` (once the prior's weight
+    is passed) over its first `max_depth` levels. An idle row probes after `probe_every`
+    rounds; the interval doubles after each probe that found nothing, up to
+    `max_probe_every`, and is never so short that probes cost more than `probe_budget`
+    of the time.
+    """
+
+    smoothing: float = 0.2
+    max_depth: int = 16
+    probe_every: int = 8
+    max_probe_every: int = 64
+    probe_budget: float = 0.02
 
 
 class Controller(Protocol):

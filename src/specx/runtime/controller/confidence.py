@@ -9,6 +9,7 @@ import numpy as np
 
 from specx.runtime.controller.base import (
     Replay,
+    Schedule,
     Stretch,
     affordable_interval,
     rounds_all_idle,
@@ -57,10 +58,10 @@ class ConfidenceController:
 
     A row stops proposing until a probe where asking loses more than `loss_budget` plain
     steps (`timed`), or after `patience` rounds in a row that kept nothing in a batch: a
-    probe is a round, after `probe_every` rounds (doubling up to `max_probe_every` while
-    probes fail, and never so often that probes cost more than `probe_budget` of the
-    time; in a request that has not paid, at least the engine's `AskingMemory` countdown),
-    that keeps at least one node (see `_after_proposal`). Where the drafter was replayed
+    probe is a round, after `schedule.probe_every` rounds (doubling while probes fail, and
+    never so often that probes cost more than their share of the time: `Schedule`; in a
+    request that has not paid, at least the engine's `AskingMemory` countdown), that keeps
+    at least one node (see `_after_proposal`). Where the drafter was replayed
     since the row last asked, the window opens only if keeping what the rule would have
     kept of the replayed drafts earned tokens net of the wider forwards (`_replay_net`);
     else the row waits another interval, doubled.
@@ -72,22 +73,16 @@ class ConfidenceController:
 
     def __init__(
         self,
-        smoothing: float = 0.2,
         margin: float = 0.05,
         patience: int = 4,
-        probe_every: int = 8,
-        max_probe_every: int = 64,
-        max_depth: int = 16,
-        probe_budget: float = 0.02,
         loss_budget: float = 0.5,
         costs: RoundCosts | None = None,
         memory: AskingMemory | None = None,
+        schedule: Schedule | None = None,
     ):
-        self.smoothing, self.margin, self.max_depth = smoothing, margin, max_depth
+        self.margin, self.schedule = margin, schedule or Schedule()
         self.patience = patience  # rounds keeping nothing before the row stops proposing
         self.loss_budget = loss_budget  # plain steps asking may lose before rows idle
-        self.probe_every, self.max_probe_every = probe_every, max_probe_every
-        self.probe_budget = probe_budget  # the share of time probes may cost
         # T(k); tests pass a fixed curve so that what is kept does not depend on the host
         self.costs = costs or RoundCosts()
         self.memory = memory or AskingMemory()  # earlier requests' (an engine's), or none
@@ -97,18 +92,20 @@ class ConfidenceController:
         self.max_nodes = max_nodes
         # Moving averages per row and depth over the levels judged there: a child accepted,
         # and the children's summed confidence; g their ratio (see `_correct`).
-        self.hits = [[1.0] * self.max_depth for _ in range(batch)]
-        self.expected = [[1.0] * self.max_depth for _ in range(batch)]
-        self.g = [[1.0] * self.max_depth for _ in range(batch)]
+        self.hits = [[1.0] * self.schedule.max_depth for _ in range(batch)]
+        self.expected = [[1.0] * self.schedule.max_depth for _ in range(batch)]
+        self.g = [[1.0] * self.schedule.max_depth for _ in range(batch)]
         self.kept: list[DraftTree | None] = [None] * batch  # this round's kept drafts
         self.misses = [0] * batch  # drafts in a row trimmed to nothing
         # The round each row proposes again (0: it proposes); the first as earlier learnt.
         wait = self.memory.start()
         self.idle_until = [wait] * batch
-        self.interval = [self.probe_every] * batch
+        self.interval = [self.schedule.probe_every] * batch
         self.probing = [False] * batch
         self.asked = [False] * batch
-        self.judged = [[0] * self.max_depth for _ in range(batch)]  # levels judged per depth
+        self.judged = [
+            [0] * self.schedule.max_depth for _ in range(batch)
+        ]  # levels judged per depth
         # What asking lost since it last paid (`timed`); a request whose predecessors'
         # windows did not pay goes on doubling their wait.
         self.loss, self.paid = 0.0, self.memory.interval == 0
@@ -156,7 +153,7 @@ class ConfidenceController:
         paid = (self.replayed[b] or 0.0) > 0
         self.replayed[b] = None
         if not paid:
-            self.interval[b] = min(2 * self.interval[b], self.max_probe_every)
+            self.interval[b] = min(2 * self.interval[b], self.schedule.max_probe_every)
             self.idle_until[b] = self.round + self.interval[b]
         return paid
 
@@ -221,7 +218,7 @@ class ConfidenceController:
         """π_i per node of a deterministic draft with confidences; None for any other."""
         if draft.probs is not None or draft.confidence is None:
             return None
-        g, last = self.g[row], self.max_depth - 1
+        g, last = self.g[row], self.schedule.max_depth - 1
         path: list[float] = []
         depths: list[int] = []
         for c, parent in zip(draft.confidence.tolist(), draft.parents.tolist(), strict=True):
@@ -284,7 +281,7 @@ class ConfidenceController:
         # A probe widens the forward by a node for every row in it, peers included.
         probe = self.costs.verify(2) / self.costs.verify(1)
         lost = self.loss / max(self._peers + self._active, 1)
-        affordable = affordable_interval(max(probe, 1.0 + lost), self.probe_budget)
+        affordable = affordable_interval(max(probe, 1.0 + lost), self.schedule.probe_budget)
         wait = 0 if self.request_paid else self.wait
         self.idle_until[b] = self.round + max(self.interval[b], affordable, wait)
 
@@ -298,11 +295,11 @@ class ConfidenceController:
     def _learn(self, row: int, draft: DraftTree, accepted: list[int], judged: int) -> None:
         """Learns g from the first `judged` levels of a confident draft the target judged."""
         hits, expected, judged_at = self.hits[row], self.expected[row], self.judged[row]
-        levels = _judged_levels(draft, accepted)[: min(judged, self.max_depth)]
+        levels = _judged_levels(draft, accepted)[: min(judged, self.schedule.max_depth)]
         for d, level in enumerate(levels):
             judged_at[d] += 1
             # The counts' own word weighs one level, then the moving average takes over.
-            s = max(self.smoothing, 1.0 / (judged_at[d] + 1))
+            s = max(self.schedule.smoothing, 1.0 / (judged_at[d] + 1))
             hits[d] += s * (float(d < len(accepted)) - hits[d])
             expected[d] += s * (level - expected[d])
         self._correct(row)
@@ -352,9 +349,9 @@ class ConfidenceController:
             return
         for b in asked:
             if self.paid:
-                self.interval[b] = self.probe_every
+                self.interval[b] = self.schedule.probe_every
             else:
-                self.interval[b] = min(2 * self.interval[b], self.max_probe_every)
+                self.interval[b] = min(2 * self.interval[b], self.schedule.max_probe_every)
         if not self.request_paid:  # one request that paid keeps the next asking at once
             self.wait = self.memory.lost(min(self.interval[b] for b in asked))
         for b in asked:
