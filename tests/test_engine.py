@@ -12,8 +12,11 @@ from click.testing import CliRunner
 import specx
 from conftest import CHAT_TEMPLATE
 from specx.cli import main
+from specx.drafter_name import KINDS, DrafterName
 from specx.errors import GenerationError
 from specx.runtime.detokenize import TextStream
+from specx.runtime.drafters import DRAFTERS
+from specx.runtime.engine import Speculation
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
@@ -141,3 +144,19 @@ def test_bad_requests_are_refused_by_name_before_decoding(engine, artifacts):
         engine.generate([1, -2])
     with pytest.raises(specx.errors.SpecxError, match="unknown drafter"):
         engine.generate("x", speculation="telepathy")
+
+
+def test_speculation_parses_its_drafter_once_and_refuses_an_unknown_kind_at_construction():
+    spec = Speculation("draft-model:artifacts/small:v2")
+    assert spec.drafter == DrafterName("draft-model", "artifacts/small:v2")
+    assert spec.drafter_name is spec.drafter
+    assert str(spec.drafter) == "draft-model:artifacts/small:v2"
+    assert Speculation(DrafterName("ngram")).drafter == Speculation("ngram").drafter
+    with pytest.raises(specx.errors.SpecxError, match="unknown drafter 'telepathy'; choose one of"):
+        Speculation("telepathy")
+    with pytest.raises(specx.errors.SpecxError, match="named by a string"):
+        Speculation(3)  # type: ignore[arg-type]
+
+
+def test_every_drafter_kind_is_built_by_the_runtime():
+    assert set(DRAFTERS) == set(KINDS)

@@ -10,7 +10,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["DrafterName"]
+from specx.errors import SpecxError
+
+__all__ = ["KINDS", "DrafterName"]
+
+# Every drafter specx builds (`specx.runtime.drafters.DRAFTERS` builds each of these).
+KINDS = ("ngram", "suffix", "draft-model", "eagle3", "eagle", "mtp", "medusa")
 
 
 @dataclass(frozen=True)
@@ -25,10 +30,25 @@ class DrafterName:
     argument: str | None = None
 
     @classmethod
-    def parse(cls, text: str) -> DrafterName:
-        """`KIND` or `KIND:ARGUMENT`; the argument may itself contain ':' (a path)."""
+    def parse(cls, text: str | DrafterName) -> DrafterName:
+        """`KIND` or `KIND:ARGUMENT`; the argument may itself contain ':' (a path).
+
+        A `DrafterName` is returned as it is, so a boundary may take either.
+        """
+        if isinstance(text, DrafterName):
+            return text
+        if not isinstance(text, str):
+            raise SpecxError(f"a drafter is named by a string such as 'ngram', got {text!r}")
         kind, _, argument = text.partition(":")
         return cls(kind, argument or None)
+
+    @classmethod
+    def known(cls, text: str | DrafterName) -> DrafterName:
+        """`parse`, refusing a kind specx does not build (export and training know fewer)."""
+        name = cls.parse(text)
+        if name.kind not in KINDS:
+            raise SpecxError(f"unknown drafter {name.kind!r}; choose one of {', '.join(KINDS)}")
+        return name
 
     def __str__(self) -> str:
         return self.kind if self.argument is None else f"{self.kind}:{self.argument}"

@@ -84,7 +84,7 @@ def choice_shape(choice: TreeChoice) -> TreeShape | None:
 
 
 def calibrated_choice(
-    manifest: Manifest, drafter: str, sampling: SamplingParams | None = None
+    manifest: Manifest, drafter: str | DrafterName, sampling: SamplingParams | None = None
 ) -> CalibratedChoice | None:
     """The recorded choice for `drafter` (its name before any `:`) nearest `sampling`, or None."""
     name = DrafterName.parse(drafter).kind

@@ -32,6 +32,7 @@ from typing import Any
 
 from specx.artifact import Manifest, load_manifest
 from specx.chat import ChatTemplate
+from specx.drafter_name import DrafterName
 from specx.errors import GenerationError
 from specx.runtime.backends import (
     backend_name,
@@ -74,12 +75,20 @@ class Speculation:
     False drafts the whole tree every round.
     """
 
-    drafter: str
+    drafter: DrafterName | str  # a str is parsed at construction: an unknown kind fails here
     num_draft_tokens: int | None = None
     tree: Any = None
     ngram: tuple[int, int, int] = (1, 3, 1)  # shortest and longest n-gram, matches merged
     max_batch_spec: int | None = None
     adaptive: bool = True
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "drafter", DrafterName.known(self.drafter))
+
+    @property
+    def drafter_name(self) -> DrafterName:
+        """`drafter`, parsed (what the runtime reads)."""
+        return DrafterName.parse(self.drafter)
 
 
 @dataclass(frozen=True)
@@ -304,9 +313,9 @@ class Engine:
         spec = speculation
         shape = parse_tree_spec(spec.tree) if isinstance(spec.tree, str) else spec.tree
         count = spec.num_draft_tokens
-        calibrated = calibrated_choice(self.manifest, spec.drafter, sampling)
+        calibrated = calibrated_choice(self.manifest, spec.drafter_name, sampling)
         if calibrated is not None and shape is None and count is None:
-            if calibrated.shape is None or spec.drafter.startswith("ngram"):
+            if calibrated.shape is None or spec.drafter_name.kind == "ngram":
                 count = calibrated.nodes  # n-gram's chain, suffix's node budget
             else:
                 shape = calibrated.shape
@@ -316,7 +325,7 @@ class Engine:
         if max_batch_spec is None and calibrated is not None:
             max_batch_spec = calibrated.max_batch_spec
         options = DrafterOptions(count, shape, *spec.ngram, self.threads)
-        return DraftPlan(spec.drafter, options, max_batch_spec, spec.adaptive, calibrated)
+        return DraftPlan(spec.drafter_name, options, max_batch_spec, spec.adaptive, calibrated)
 
     def _speculative(self, request: _Request, sink, progress) -> tuple[GenerationResult, Stats]:
         speculation = request.speculation

@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from specx.drafter_name import DrafterName
 from specx.runtime.calibrated import CalibratedChoice, greedy_identity
 from specx.runtime.controller import (
     AcceptanceMemory,
@@ -79,7 +80,7 @@ class DraftPlan:
     its sampling setting (`calibrated`, None when none applies): `Engine.plan`.
     """
 
-    drafter: str
+    drafter: DrafterName
     options: DrafterOptions
     max_batch_spec: int | None
     adaptive: bool

@@ -96,11 +96,11 @@ DRAFTERS: dict[str, Callable[[DecoderBackend, str | None, DrafterOptions], Draft
 }
 
 
-def make_drafter(spec: str, target: DecoderBackend, options: DrafterOptions) -> Drafter:
+def make_drafter(
+    spec: str | DrafterName, target: DecoderBackend, options: DrafterOptions
+) -> Drafter:
     """Builds a drafter from `NAME` or `NAME:ARGUMENT` (e.g. `draft-model:artifacts/small`)."""
-    parsed = DrafterName.parse(spec)
-    if parsed.kind not in DRAFTERS:
-        raise SpecxError(f"unknown drafter {parsed.kind!r}; choose one of {', '.join(DRAFTERS)}")
+    parsed = DrafterName.known(spec)
     return DRAFTERS[parsed.kind](target, parsed.argument, options)
 
 
