@@ -32,7 +32,6 @@ from typing import Any
 
 from specx.artifact import Manifest, load_manifest
 from specx.chat import ChatTemplate
-from specx.drafter_name import DrafterName
 from specx.errors import GenerationError
 from specx.runtime.backends import (
     backend_name,
@@ -41,10 +40,9 @@ from specx.runtime.backends import (
     open_decoder,
     select_build,
 )
-from specx.runtime.calibrated import CalibratedChoice, calibrated_choice, verify_shape
+from specx.runtime.calibrated import CalibratedChoice, verify_shape
 from specx.runtime.detokenize import TextStream
-from specx.runtime.drafters import DrafterOptions, describe_drafts
-from specx.runtime.drafters.tree_search import parse_tree_spec
+from specx.runtime.drafters import describe_drafts
 from specx.runtime.metrics import RunStats
 from specx.runtime.plain_decoding import (
     GenerationResult,
@@ -56,6 +54,7 @@ from specx.runtime.plain_decoding import (
 from specx.runtime.plans import DraftPlan, Plans
 from specx.runtime.results import Chunk, Completion, FinishReason, Stats
 from specx.runtime.sampling import SamplingParams
+from specx.runtime.speculation import Speculation, plan_for
 from specx.runtime.speculative_decoding import generate_speculative
 from specx.runtime.tokenizer import TextTokenizer
 
@@ -63,32 +62,6 @@ __all__ = ["Engine", "Speculation", "load"]
 
 logger = logging.getLogger("specx")
 Prompt = str | Sequence[int]
-
-
-@dataclass(frozen=True)
-class Speculation:
-    """How a request drafts. Fields left None take the calibration's choice, else defaults.
-
-    drafter: ngram | suffix | draft-model:ARTIFACT | eagle3 | eagle | mtp | medusa.
-    tree: chain:K, dynamic:TOTAL,DEPTH,TOPK, static:FILE or a JSON choice list (or a
-    parsed `TreeShape`). adaptive: the per-round controller (`specx.runtime.controller`);
-    False drafts the whole tree every round.
-    """
-
-    drafter: DrafterName | str  # a str is parsed at construction: an unknown kind fails here
-    num_draft_tokens: int | None = None
-    tree: Any = None
-    ngram: tuple[int, int, int] = (1, 3, 1)  # shortest and longest n-gram, matches merged
-    max_batch_spec: int | None = None
-    adaptive: bool = True
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "drafter", DrafterName.known(self.drafter))
-
-    @property
-    def drafter_name(self) -> DrafterName:
-        """`drafter`, parsed (what the runtime reads)."""
-        return DrafterName.parse(self.drafter)
 
 
 @dataclass(frozen=True)
@@ -310,22 +283,7 @@ class Engine:
 
     def plan(self, speculation: Speculation, sampling: SamplingParams) -> DraftPlan:
         """What a request with `speculation` at `sampling` drafts with (see `DraftPlan`)."""
-        spec = speculation
-        shape = parse_tree_spec(spec.tree) if isinstance(spec.tree, str) else spec.tree
-        count = spec.num_draft_tokens
-        calibrated = calibrated_choice(self.manifest, spec.drafter_name, sampling)
-        if calibrated is not None and shape is None and count is None:
-            if calibrated.shape is None or spec.drafter_name.kind == "ngram":
-                count = calibrated.nodes  # n-gram's chain, suffix's node budget
-            else:
-                shape = calibrated.shape
-        else:
-            calibrated = None  # the request chose its own shape: nothing of it applies
-        max_batch_spec = spec.max_batch_spec
-        if max_batch_spec is None and calibrated is not None:
-            max_batch_spec = calibrated.max_batch_spec
-        options = DrafterOptions(count, shape, *spec.ngram, self.threads)
-        return DraftPlan(spec.drafter_name, options, max_batch_spec, spec.adaptive, calibrated)
+        return plan_for(self.manifest, speculation, sampling, self.threads)
 
     def _speculative(self, request: _Request, sink, progress) -> tuple[GenerationResult, Stats]:
         speculation = request.speculation
