@@ -28,6 +28,7 @@ from specx.artifact import Manifest
 from specx.build.registry import BuildJob, BuildOptions, BuildOutput, Progress
 from specx.build.staging import exported_entries, load_graph, save_graph
 from specx.errors import BuildError
+from specx.graphs.draft_chain import save_draft_chain
 from specx.graphs.ort_lowering import GroupQueryAttentionPass, SkipRmsNormPass, gqa_available
 from specx.graphs.precision import PRECISIONS, ConvertPrecisionPass
 from specx.graphs.row_invariance import PadRowPass, RowInvariantPass
@@ -240,8 +241,6 @@ def _single_matmul(weight: np.ndarray) -> ir.Model:
 
 def _derive_chain(manifest: Manifest, head: GraphEntry, output: BuildOutput) -> GraphEntry:
     """The one-call chain graph of the built head (`specx.graphs.draft_chain`)."""
-    from specx.export.head_export import save_draft_chain
-
     d2t = None if manifest.drafter is None else manifest.drafter.d2t
     to_target = None
     if d2t:

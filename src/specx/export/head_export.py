@@ -7,7 +7,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import onnx
 import torch
 from torch import nn
 
@@ -17,8 +16,9 @@ from specx.export.heads.eagle import EagleHead
 from specx.export.heads.eagle3 import Eagle3Head
 from specx.export.heads.medusa import MedusaHeads
 from specx.export.heads.mtp import MTPHead
-from specx.export.onnx_graph import export_module, graph_entry, save_graph
-from specx.graphs.draft_chain import HEAD_INPUTS, HEAD_OUTPUTS, build_draft_chain
+from specx.export.onnx_graph import export_module, save_graph
+from specx.graphs.draft_chain import HEAD_INPUTS, HEAD_OUTPUTS, save_draft_chain
+from specx.graphs.signature import graph_entry
 from specx.manifest_types import DecoderSpec, DrafterSpec, GraphEntry
 
 __all__ = ["export_head"]
@@ -151,18 +151,3 @@ def drafter_d2t(head: nn.Module) -> np.ndarray | None:
     """EAGLE-3's draft id -> target id table (i + d2t[i]); None for target-vocabulary heads."""
     d2t = getattr(head, "d2t", None)
     return None if d2t is None else np.arange(len(d2t)) + d2t.numpy()
-
-
-def save_draft_chain(
-    directory: Path, head_entry: GraphEntry, to_target: np.ndarray | None
-) -> GraphEntry:
-    """Writes `draft_chain.onnx` from the head graph saved in `directory` (same weights file).
-
-    Returns:
-        Its manifest entry (`ort_only`: TensorRT builds and lint leave it out).
-    """
-    head = onnx.load(directory / Path(head_entry.file).name, load_external_data=False)
-    chain = build_draft_chain(head, to_target)
-    onnx.save(chain, directory / "draft_chain.onnx")
-    entry = graph_entry(chain, "draft_chain.onnx", Path(head_entry.data_files[0]).name)
-    return replace(entry, ort_only=True)

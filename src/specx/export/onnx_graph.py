@@ -21,13 +21,11 @@ from specx.graphs.model_io import TensorSink, save_streamed
 from specx.graphs.packed_matmuls import PackSiblingMatMulsPass
 from specx.graphs.signature import graph_signature
 from specx.graphs.tree_attention import attach_function_ir
-from specx.manifest_types import GraphEntry
 
 __all__ = [
     "EXPORT_OPSET",
     "export_module",
     "export_streamed",
-    "graph_entry",
     "graph_signature",
     "save_graph",
     "save_graph_streamed",
@@ -169,15 +167,3 @@ def save_graph(model: onnx.ModelProto, directory: Path, name: str) -> tuple[str,
         size_threshold=1024,
     )
     return graph_file, data_file
-
-
-def graph_entry(model: onnx.ModelProto, graph_file: str, data_file: str) -> GraphEntry:
-    """The manifest entry of a saved graph."""
-    inputs, outputs = graph_signature(model)
-    return GraphEntry(
-        graph_file,
-        inputs,
-        outputs,
-        data_files=(data_file,),
-        opset=next(o.version for o in model.opset_import if o.domain == ""),
-    )

@@ -27,8 +27,9 @@ from specx.errors import ExportError
 from specx.export.checkpoint import Checkpoint, load_checkpoint
 from specx.export.config import TargetConfig, load_target_config
 from specx.export.decoder import TargetDecoder
-from specx.export.onnx_graph import export_streamed, graph_entry, save_graph_streamed
+from specx.export.onnx_graph import export_streamed, save_graph_streamed
 from specx.export.weight_writer import WeightWriter, planned_weights
+from specx.graphs.signature import graph_entry
 from specx.manifest_types import ModelSpec, TapSpec
 from specx.progress import Progress, heartbeat
 

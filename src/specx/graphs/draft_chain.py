@@ -23,11 +23,24 @@ are the outer graph's initializers, stored once. Ties go to the lowest id, as
 
 from __future__ import annotations
 
+from dataclasses import replace
+from pathlib import Path
+
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-__all__ = ["CHAIN_INPUTS", "CHAIN_OUTPUTS", "HEAD_INPUTS", "HEAD_OUTPUTS", "build_draft_chain"]
+from specx.graphs.signature import graph_entry
+from specx.manifest_types import GraphEntry
+
+__all__ = [
+    "CHAIN_INPUTS",
+    "CHAIN_OUTPUTS",
+    "HEAD_INPUTS",
+    "HEAD_OUTPUTS",
+    "build_draft_chain",
+    "save_draft_chain",
+]
 
 # An autoregressive head's graph (`draft_head`) as export writes it and the chain inlines it.
 HEAD_INPUTS = [
@@ -233,3 +246,18 @@ def build_draft_chain(
     model = helper.make_model(chain, opset_imports=head.opset_import, ir_version=head.ir_version)
     model.functions.extend(head.functions)
     return model
+
+
+def save_draft_chain(
+    directory: Path, head_entry: GraphEntry, to_target: np.ndarray | None
+) -> GraphEntry:
+    """Writes `draft_chain.onnx` from the head graph saved in `directory` (same weights file).
+
+    Returns:
+        Its manifest entry (`ort_only`: TensorRT builds and lint leave it out).
+    """
+    head = onnx.load(directory / Path(head_entry.file).name, load_external_data=False)
+    chain = build_draft_chain(head, to_target)
+    onnx.save(chain, directory / "draft_chain.onnx")
+    entry = graph_entry(chain, "draft_chain.onnx", Path(head_entry.data_files[0]).name)
+    return replace(entry, ort_only=True)

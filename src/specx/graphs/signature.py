@@ -1,12 +1,12 @@
-"""The IO signature of an ONNX graph as the manifest records it."""
+"""The IO signature of an ONNX graph as the manifest records it, and a saved graph's entry."""
 
 from __future__ import annotations
 
 import onnx
 
-from specx.manifest_types import TensorSpec
+from specx.manifest_types import GraphEntry, TensorSpec
 
-__all__ = ["graph_signature"]
+__all__ = ["graph_entry", "graph_signature"]
 
 
 def graph_signature(
@@ -23,4 +23,16 @@ def graph_signature(
     return (
         tuple(describe(v) for v in model.graph.input),
         tuple(describe(v) for v in model.graph.output),
+    )
+
+
+def graph_entry(model: onnx.ModelProto, graph_file: str, data_file: str) -> GraphEntry:
+    """The manifest entry of a saved graph."""
+    inputs, outputs = graph_signature(model)
+    return GraphEntry(
+        graph_file,
+        inputs,
+        outputs,
+        data_files=(data_file,),
+        opset=next(o.version for o in model.opset_import if o.domain == ""),
     )
