@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
@@ -11,8 +10,10 @@ import torch
 from conftest import SHARED
 from specx.training.block_expansion import ExpansionLayout, expand_checkpoint
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-import pyref_deep  # noqa: E402
+# pyref-deep: pyref-7m's 5 layers at these positions of 32 (benchmarks/models/pyref_deep.py
+# writes it with this placement; a test checks the library, never imports a benchmark).
+PYREF_DEEP_LAYERS = 32
+PYREF_DEEP_REAL = (0, 1, 15, 28, 31)
 
 
 def logits(path: Path, prompts: list[list[int]]) -> list[torch.Tensor]:
@@ -47,11 +48,24 @@ def test_layout_places_real_layers_and_copies():
 
 
 def test_pyref_deep_taps_read_the_streams_after_real_layers_1_2_3():
-    layout = ExpansionLayout.placing(pyref_deep.LAYERS, pyref_deep.REAL_POSITIONS)
-    n = pyref_deep.LAYERS
+    layout = ExpansionLayout.placing(PYREF_DEEP_LAYERS, PYREF_DEEP_REAL)
+    n = PYREF_DEEP_LAYERS
     for tap, real_before in zip((2, n // 2, n - 3), (2, 3, 4), strict=True):
         assert sum(layout.real[:tap]) == real_before  # the stream after R1, R2, R3
     assert sum(layout.real) == 5 and layout.real[-1]
+
+
+def test_the_stream_after_i_real_blocks_enters_the_layer_after_the_ith():
+    """What pyref-1b's renumbered EAGLE-3 taps (and OpenVINO's `hidden_layers_list`) read:
+    benchmarks/models/pyref_wide.py places R0..R4 at 0, 1, L/2 - 1, L - 3, L - 1 and names
+    the stream entering pyref-7m's layer i by the wide layer after R(i - 1)."""
+    for layers in (20, 32):
+        real = (0, 1, layers // 2 - 1, layers - 3, layers - 1)
+        layout = ExpansionLayout.placing(layers, real)
+        entering = [0, *(p + 1 for p in real)]
+        for i in range(6):
+            assert sum(layout.real[: entering[i]]) == i
+        assert entering[5] == layers  # the last real block is the last layer
 
 
 def test_expanded_checkpoint_computes_the_same_logits(checkpoints, tmp_path, rng):
@@ -69,7 +83,8 @@ def test_pyref_deep_greedy_equals_pyref_7m(tmp_path):
     source = SHARED / "models" / "pyref-7m"
     if not (source / "model.safetensors").is_file():
         pytest.skip(f"{source} is absent")
-    deep = pyref_deep.write(source, tmp_path / "pyref-deep")
+    layout = ExpansionLayout.placing(PYREF_DEEP_LAYERS, PYREF_DEEP_REAL)
+    deep = expand_checkpoint(source, tmp_path / "pyref-deep", layout)
     prompts = [[1, 2, 3, 4], list(range(10, 40))]
     assert greedy(deep, prompts, 24) == greedy(source, prompts, 24)
 

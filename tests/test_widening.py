@@ -166,22 +166,3 @@ def test_a_tensor_without_a_rule_or_too_few_heads_is_refused():
         widen_tensors({}, shape, Widening(factor=2, heads=4, kv_heads=4, intermediate=16))
     with pytest.raises(ValueError, match="intermediate 8 <"):
         widen_tensors({}, shape, Widening(factor=2, heads=4, kv_heads=2, intermediate=8))
-
-
-def test_pyref_1b_layer_map_lands_on_the_streams_after_real_blocks():
-    """pyref_wide's `entering(i)`: the wide layer entered by the stream after i real blocks,
-    which is what EAGLE-3's renumbered taps read (and OpenVINO's `hidden_layers_list`)."""
-    import sys
-    from pathlib import Path
-
-    from specx.training.block_expansion import ExpansionLayout
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    import pyref_wide
-
-    for layers in (20, 32):
-        shape = pyref_wide.Shape(layers=layers)
-        layout = ExpansionLayout.placing(layers, shape.real_positions)
-        for i in range(6):
-            assert sum(layout.real[: shape.entering(i)]) == i
-        assert shape.entering(5) == layers  # the last real block is the last layer
