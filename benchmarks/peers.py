@@ -107,12 +107,11 @@ def _stale(manifest, precision: str) -> bool:
 
 def load_prompts(file: str, count: int, max_tokens: int = 200) -> list[list[int]]:
     """The first `count` prompts of an eval set, as pyref-7m's token ids."""
-    from ngram import load_prompts as read_prompts
-
     from specx.runtime.tokenizer import TextTokenizer
 
     tokenizer = TextTokenizer(SHARED / "models" / "pyref-7m" / "tokenizer.json")
-    return read_prompts(SHARED / "data" / "eval" / file, tokenizer, count, max_tokens)
+    lines = (SHARED / "data" / "eval" / file).read_text(encoding="utf-8").splitlines()
+    return [tokenizer.encode(json.loads(line)["turns"][0])[:max_tokens] for line in lines[:count]]
 
 
 class TransformersPlain:
