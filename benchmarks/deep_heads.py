@@ -1,8 +1,8 @@
 """Trained heads on pyref-deep: measured speedup next to its ideal bound, and drafting overhead.
 
-pyref-deep (benchmarks/pyref_deep.py) is exported with each trained head under
+pyref-deep (benchmarks/models/pyref_deep.py) is exported with each trained head under
 `--heads DIR/<kind>` (the committed benchmarks/heads/pyref-7m, trained against pyref-7m by
-benchmarks/pyref_heads.py; `--retrain` trains and ships them again). For every configuration,
+benchmarks/models/pyref_heads.py; `--retrain` trains and ships them again). For every configuration,
 on 18 held-out prompts (12 HumanEval stubs + 6 held-out stdlib files, as the suite), 96 new
 tokens, each prompt plain and speculative back to back, fastest of `--repeats`
 (`specx.calibration.timing`), greedy and at T=0.7:
@@ -15,7 +15,7 @@ context (median of 7), N the configuration's node budget and `draft` the measure
 time per round. For one-call chains the drafting overhead is also reported: the draft_chain
 graph's own ONNX Runtime time per round against the drafter's wall time per round.
 
-    python benchmarks/deep_heads.py [--heads benchmarks/heads/pyref-7m] [--kinds eagle,eagle3]
+    python -m benchmarks.deep_heads [--heads benchmarks/heads/pyref-7m] [--kinds eagle,eagle3]
         [--build ort-fp32|ort-int4|ort-int8-draft|ort-int4-draft|exported]
 
 The target runs as `specx build --backend ort` leaves it (the ORT lowering) unless
@@ -29,40 +29,14 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
-
-import pyref_deep  # noqa: E402
-import pyref_heads  # noqa: E402
-from runners import scratch_dir  # noqa: E402
-from suite import SHARED, prompts_for  # noqa: E402
+from benchmarks.inputs import PYREF_7M, RESULTS, log, prompts_for
+from benchmarks.models import pyref_deep, pyref_heads
+from benchmarks.runners import BUILDS, build_options, scratch_dir
 
 CONFIGS = ["chain:2", "chain:3", "chain:4", "chain:5", "dynamic:9,3,2", "dynamic:13,4,3"]
-
-
-# --build: precision and what a weight-only build quantizes ("draft": the head, target fp32)
-BUILDS = {
-    "ort-fp32": ("fp32", None),
-    "ort-int4": ("int4", "all"),
-    "ort-int8-draft": ("int8", "draft"),
-    "ort-int4-draft": ("int4", "draft"),
-}
-
-
-def build_options(name: str):
-    from specx.build import BuildOptions
-    from specx.graphs.weight_only import WeightOnlyConfig
-
-    precision, scope = BUILDS[name]
-    config = WeightOnlyConfig(bits=int(precision[3:]), scope=scope) if scope else None
-    return BuildOptions("ort", precision, weight_only=config)
-
-
-def log(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
 
 
 def draft_overhead(drafter, target, prompts, new_tokens) -> dict:
@@ -148,9 +122,9 @@ def main() -> None:
         "--model-free", default="", help="also these drafters (e.g. ngram,suffix) on the target"
     )
     parser.add_argument("--configs", default=";".join(CONFIGS), help="tree specs, ';'-separated")
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/deep_heads.json"))
+    parser.add_argument("--out", type=Path, default=RESULTS / "deep_heads.json")
     args = parser.parse_args()
-    source = SHARED / "models" / "pyref-7m"
+    source = PYREF_7M
     if not (source / "model.safetensors").is_file():
         log(f"skipped: {source} is absent")
         return

@@ -1,7 +1,7 @@
 """The edge benchmark: pyref-1b at int4 on this CPU, specx against onnxruntime-genai and
 OpenVINO GenAI on the same weights, in one process.
 
-pyref-1b (benchmarks/pyref_wide.py: pyref-7m widened to 1.085B parameters, same logits) and
+pyref-1b (benchmarks/models/pyref_wide.py: pyref-7m widened to 1.085B parameters, same logits) and
 the committed pyref-7m drafters widened with it. Every runner decodes the same prompts (HumanEval
 stubs and held-out stdlib files, as the suite) for exactly `--new-tokens` tokens at batch 1,
 interleaved prompt by prompt, fastest of `--repeats` per prompt (benchmarks/runners.py);
@@ -39,7 +39,7 @@ Peers: `pip install -e ".[bench]"` (onnxruntime-genai, openvino-genai); the expo
 `python -m venv ~/.cache/specx/ov-export-venv && ~/.cache/specx/ov-export-venv/bin/pip install
 torch==2.13.0 "optimum-intel[openvino]" einops && .../bin/pip uninstall -y torchvision`.
 
-    python benchmarks/edge.py [--wide ~/.cache/specx/pyref-wide] [--prompts 6]
+    python -m benchmarks.edge [--wide ~/.cache/specx/pyref-wide] [--prompts 6]
         [--new-tokens 64] [--repeats 3] [--sections greedy,sampled] [--only REGEX]
         [--int4-heads] [--openvino-builds] [--llama-cpp]
 
@@ -54,9 +54,10 @@ build (`specx build --backend openvino --precision int4`), timed as "specx-ov" r
 n-gram, the heads' chains) with their own verify curve, plain step and greedy comparison.
 
 `--int4-heads`: kinds with a head distilled against pyref-1b's int4 build
-(`benchmarks/heads/pyref-1b-int4`, see int4_heads.py) draft with it, OpenVINO's EAGLE-3
-included when there is an int4-distilled EAGLE-3 head. Artifacts are rebuilt when the head
-they hold changes.
+(`benchmarks/heads/pyref-1b-int4`, `pyref_heads --int4-twin`; what it bought:
+docs/decisions.md#heads-distilled-against-fp32) draft with it, OpenVINO's EAGLE-3 included
+when there is an int4-distilled EAGLE-3 head. Artifacts are rebuilt when the head they hold
+changes.
 
 Preparation (exports and builds, ~10 minutes) is kept under `--work` and reused. Writes
 benchmarks/results/edge.json and prints a markdown table.
@@ -80,11 +81,9 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).parent))
-
-import pyref_wide  # noqa: E402
-from deep_heads import build_options  # noqa: E402
-from runners import (  # noqa: E402
+from benchmarks.inputs import RESULTS, ROOT, prompts_for
+from benchmarks.models import pyref_wide
+from benchmarks.runners import (
     GenaiNgram,
     GenaiPlain,
     LlamaCompletion,
@@ -92,14 +91,14 @@ from runners import (  # noqa: E402
     OpenvinoGenai,
     SpecxPlain,
     SpecxSpeculative,
+    build_options,
     calls_ms,
     interleave,
 )
-from suite import prompts_for  # noqa: E402
 
 CACHE = Path.home() / ".cache" / "specx"
 # Heads distilled against pyref-1b's int4 build (pyref_heads.py --int4-twin).
-INT4_HEADS = Path(__file__).resolve().parent / "heads" / "pyref-1b-int4"
+INT4_HEADS = ROOT / "benchmarks" / "heads" / "pyref-1b-int4"
 HEADS = ("eagle3", "eagle", "mtp", "medusa")
 CHAINS = (2, 3, 4)
 # `--openvino-builds`: these artifacts also get specx's OpenVINO int4 build ("specx-ov" rows).
@@ -639,7 +638,7 @@ def main() -> None:
         "--llama-cpp", action="store_true",
         help="also time llama.cpp's llama-server (built and converted by llama_cpp.py)",
     )  # fmt: skip
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/edge.json"))
+    parser.add_argument("--out", type=Path, default=RESULTS / "edge.json")
     args = parser.parse_args()
     if not (pyref_wide.SOURCE / "model.safetensors").is_file():
         log("skipped: shared/models/pyref-7m is absent")
@@ -651,7 +650,7 @@ def main() -> None:
     prepared = prepare(args.wide, args.work, args.ov_venv, args.int4_heads, args.openvino_builds)
     built = None
     if args.llama_cpp:
-        import llama_cpp
+        from benchmarks import llama_cpp
 
         built = llama_cpp.prepare(args.wide, CACHE / "llama.cpp")
     if args.prepare_only:

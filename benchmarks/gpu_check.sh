@@ -25,7 +25,7 @@ for f in "${files[@]}"; do
     [ "$code" -ne 0 ] && status=1
     tail -n 5 "$out/$name.log" >&2
 done
-python benchmarks/gpu_summary.py "$out" "${files[@]}"
+python -m benchmarks.gpu_summary "$out" "${files[@]}"
 summary_status=$?
 rm -rf "$out"
 exit $(( status | summary_status ))

@@ -1,6 +1,6 @@
 """The JSON summary of benchmarks/gpu_check.sh: environment, and per test file its counts.
 
-    python benchmarks/gpu_summary.py OUT_DIR tests/test_a.py tests/test_b.py ...
+    python -m benchmarks.gpu_summary OUT_DIR tests/test_a.py tests/test_b.py ...
 
 OUT_DIR holds each file's junit XML (`<name>.xml`) and pytest exit code (`<name>.code`). A
 file without a report (pytest killed by `timeout`, or crashed) is reported with its exit

@@ -1,6 +1,7 @@
 """llama.cpp as a peer: built from a pinned source, pyref-1b and its drafters in GGUF.
 
-Never a dependency of specx: the benchmarks (edge.py) time its `llama-server` beside specx.
+Never a dependency of specx: the benchmarks (edge.py, real_size.py) time its `llama-server`
+beside specx.
 
 - Source: the sdist of llama-cpp-python (PINNED) vendors llama.cpp with its converter
   (`convert_hf_to_gguf.py`, gguf-py) and every tool; `pip download` fetches it from PyPI.
@@ -16,7 +17,7 @@ Never a dependency of specx: the benchmarks (edge.py) time its `llama-server` be
   the config's top level only: the head is converted from a copy whose config has them
   there (nested under `eagle_config` the converter fell back to its default layers).
 
-    python benchmarks/llama_cpp.py [--wide ~/.cache/specx/pyref-wide]
+    python -m benchmarks.llama_cpp [--wide ~/.cache/specx/pyref-wide]
         [--work ~/.cache/specx/llama.cpp]
 
 Everything is kept under `--work` and reused (a stamp per step); prints the paths as JSON.
@@ -174,7 +175,7 @@ def eagle3_layout(head: Path, work: Path) -> Path:
 
 def faults(bin_dir: Path, model: Path) -> bool:
     """Whether a short completion on `model` dies with SIGILL (the faulting AMX kernels)."""
-    from runners import LlamaServer
+    from benchmarks.runners import LlamaServer
 
     try:
         with LlamaServer(bin_dir, model, threads=2) as server:
@@ -243,5 +244,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).parent))
     main()

@@ -16,7 +16,7 @@ Sections:
 - verify: t(N)/t(1) of one target forward over N tokens at 256 cached tokens, exported vs
   lowered, pyref-7m and bench-27m.
 
-    python benchmarks/peers.py [--prompts 12] [--new-tokens 128] [--repeats 3]
+    python -m benchmarks.peers [--prompts 12] [--new-tokens 128] [--repeats 3]
         [--sections plain,model-free,verify] [--work ~/.cache/specx/peers]
 
 Needs onnxruntime-genai and ../shared (prompts, pyref-7m); writes benchmarks/results/
@@ -38,8 +38,8 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from runners import (  # noqa: E402
+from benchmarks.inputs import PYREF_7M, RESULTS, SHARED, load_prompts, log
+from benchmarks.runners import (
     GenaiNgram,
     GenaiPlain,
     SpecxPlain,
@@ -49,12 +49,7 @@ from runners import (  # noqa: E402
     interleave,
 )
 
-SHARED = Path(__file__).resolve().parents[2] / "shared"
 PROMPT_SETS = {"humaneval": "humaneval.jsonl", "mt_bench": "mt_bench.jsonl"}
-
-
-def log(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
 
 
 @dataclass(frozen=True)
@@ -103,15 +98,6 @@ def _stale(manifest, precision: str) -> bool:
         return build is None
     wanted = weight_only_config(manifest, BuildOptions("ort", precision)).record()
     return any(build.quantization.get(k) != v for k, v in wanted.items())
-
-
-def load_prompts(file: str, count: int, max_tokens: int = 200) -> list[list[int]]:
-    """The first `count` prompts of an eval set, as pyref-7m's token ids."""
-    from specx.runtime.tokenizer import TextTokenizer
-
-    tokenizer = TextTokenizer(SHARED / "models" / "pyref-7m" / "tokenizer.json")
-    lines = (SHARED / "data" / "eval" / file).read_text(encoding="utf-8").splitlines()
-    return [tokenizer.encode(json.loads(line)["turns"][0])[:max_tokens] for line in lines[:count]]
 
 
 class TransformersPlain:
@@ -263,7 +249,7 @@ def checkpoint_for(name: str, work: Path) -> Path | None:
     from specx.export.random_checkpoint import write_random_checkpoint
 
     if name == "pyref-7m":
-        return SHARED / "models" / "pyref-7m"
+        return PYREF_7M
     if name == "pyref-deep":
         path = Path.home() / ".cache" / "specx" / "pyref-deep"
         return path if (path / "config.json").is_file() else None
@@ -280,7 +266,7 @@ def cases_for(names: list[str], work: Path) -> list[Case]:
     for name in names:
         checkpoint = checkpoint_for(name, work)
         if checkpoint is None:
-            log(f"{name} is missing (python benchmarks/pyref_deep.py writes it): skipped")
+            log(f"{name} is missing (python -m benchmarks.models.pyref_deep writes it): skipped")
             continue
         cases.append(prepare(name, checkpoint, work))
     return cases
@@ -314,14 +300,14 @@ def main() -> None:
     parser.add_argument("--models", default="pyref-7m,bench-27m,pyref-deep")
     parser.add_argument("--sections", default="plain,model-free,verify")
     parser.add_argument("--work", type=Path, default=Path.home() / ".cache" / "specx" / "peers")
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/peers.json"))
+    parser.add_argument("--out", type=Path, default=RESULTS / "peers.json")
     args = parser.parse_args()
     try:
         import onnxruntime_genai  # noqa: F401
     except ImportError:
         log("onnxruntime-genai is not installed: pip install onnxruntime-genai; nothing measured")
         return
-    if not (SHARED / "models" / "pyref-7m" / "config.json").is_file():
+    if not (PYREF_7M / "config.json").is_file():
         log(f"{SHARED} has no pyref-7m or prompts; nothing measured")
         return
     sections = set(args.sections.split(","))

@@ -1,6 +1,6 @@
 """Real-size model on this CPU: export and build cost, then plain decoding vs onnxruntime-genai.
 
-On the random-weight Llama-3.2-1B-shaped checkpoint (benchmarks/real_size_checkpoint.py,
+On the random-weight Llama-3.2-1B-shaped checkpoint (benchmarks/models/real_size_checkpoint.py,
 1.5B parameters, bf16), 2 threads:
 
 1. wall time and peak RSS (of the child process) of `specx export`, `specx build --precision
@@ -14,12 +14,12 @@ On the random-weight Llama-3.2-1B-shaped checkpoint (benchmarks/real_size_checkp
    configuration on both sides at blocks of 128 and of 32 (int4 lm_head, no rescoring);
    specx int8.
 
-    python benchmarks/real_size.py [--work DIR] [--prompts 4] [--new-tokens 64]
-    python benchmarks/real_size.py --costs-only      # export/build costs, no decoding
-    python benchmarks/real_size.py --default-only    # specx's default int4 and both genai
+    python -m benchmarks.real_size [--work DIR] [--prompts 4] [--new-tokens 64]
+    python -m benchmarks.real_size --costs-only      # export/build costs, no decoding
+    python -m benchmarks.real_size --default-only    # specx's default int4 and both genai
                                                      # int4s in one interleaving
-    python benchmarks/real_size.py --default-only --llama-cpp   # and llama.cpp's Q4_0
-    python benchmarks/real_size.py --export-only     # export vs genai's builder, alternated
+    python -m benchmarks.real_size --default-only --llama-cpp   # and llama.cpp's Q4_0
+    python -m benchmarks.real_size --export-only     # export vs genai's builder, alternated
 
 `--llama-cpp` adds llama.cpp's plain decoding at Q4_0 (its `llama-server` on 127.0.0.1, a process
 of its own, prompt cache off; built and the checkpoint converted by benchmarks/llama_cpp.py under
@@ -43,11 +43,10 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).parent))
-
-import llama_cpp  # noqa: E402
-from real_size_checkpoint import write as write_checkpoint  # noqa: E402
-from runners import (  # noqa: E402
+from benchmarks import llama_cpp
+from benchmarks.inputs import RESULTS
+from benchmarks.models.real_size_checkpoint import write as write_checkpoint
+from benchmarks.runners import (
     GenaiPlain,
     LlamaCompletion,
     LlamaServer,
@@ -207,7 +206,7 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/real_size.json"))
+    parser.add_argument("--out", type=Path, default=RESULTS / "real_size.json")
     parser.add_argument(
         "--costs-only", action="store_true", help="Time and measure the builds, no decoding."
     )

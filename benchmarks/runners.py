@@ -6,7 +6,8 @@ so decode ms/token means the same on both sides. `interleave` runs all runners p
 prompt, `repeats` times each, rotating their order, and keeps each prompt's fastest
 prefill and fastest decode per runner (on a shared machine interference only adds time).
 `measured_run` runs a command in a child process and returns its wall time and peak RSS
-(GNU time's, /usr/bin/time). `scratch_dir` is every benchmark's working folder.
+(GNU time's, /usr/bin/time); `build_options` names the ONNX Runtime builds the benchmarks
+make. `scratch_dir` is every benchmark's working folder.
 """
 
 from __future__ import annotations
@@ -444,6 +445,26 @@ def measured_run(command: Sequence[str]) -> Measured:
     return Measured(
         seconds, kib / 2**20, done.returncode, done.stderr.decode(errors="replace")[-2000:]
     )
+
+
+# A named ONNX Runtime build: precision and what a weight-only build quantizes ("draft": the
+# head alone, the target stays fp32).
+BUILDS = {
+    "ort-fp32": ("fp32", None),
+    "ort-int4": ("int4", "all"),
+    "ort-int8-draft": ("int8", "draft"),
+    "ort-int4-draft": ("int4", "draft"),
+}
+
+
+def build_options(name: str):
+    """`specx.build.BuildOptions` for a build in `BUILDS`."""
+    from specx.build import BuildOptions
+    from specx.graphs.weight_only import WeightOnlyConfig
+
+    precision, scope = BUILDS[name]
+    config = WeightOnlyConfig(bits=int(precision[3:]), scope=scope) if scope else None
+    return BuildOptions("ort", precision, weight_only=config)
 
 
 def directory_gb(path: Path) -> float:

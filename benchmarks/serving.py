@@ -1,4 +1,5 @@
-"""`specx serve` under load: plain vs speculative continuous batching on pyref-7m.
+"""`specx serve` under load: plain vs speculative continuous batching on pyref-7m; and
+(`--prefix-cache`) the time to first token of prompts that share a long prefix.
 
 For each concurrency C in --concurrency (default 1, 4, 16): --requests greedy streamed
 completions (half HumanEval, half mt_bench prompts, --new-tokens each, eos ignored) sent by
@@ -8,11 +9,24 @@ freshly started `specx serve` subprocess (so the suffix drafter has seen only th
 earlier requests), modes alternating, --repeats runs each, the run with the highest
 throughput kept. Reports throughput (generated tokens / wall time), request latency
 p50/p95, time to first token p50/p95, and whether both modes' tokens were identical.
-
-    python benchmarks/serving.py [--requests 24] [--new-tokens 96] [--repeats 2]
-
 The server runs the ORT-lowered fp32 build with 2 threads and 16 slots; the client runs in
 this process. Writes benchmarks/results/serving.json and serving.png; prints a table.
+
+    python -m benchmarks.serving [--requests 24] [--new-tokens 96] [--repeats 2]
+
+`--prefix-cache`: a chat product resends its system prompt and history every turn. A
+`--prefix`-token shared prefix (stdlib source, as pyref-7m's training text) followed by
+`--requests` (default 8) different `--suffix`-token suffixes, each a greedy streamed
+completion of `--new-tokens` (default 8) tokens at batch 1. Two `specx serve` subprocesses on
+the same artifact (`--artifact`; default pyref-7m's ORT fp32 build, as above), one with the
+default prefix cache and one with `--no-prefix-cache`, receive the same requests in turn
+(interleaved request by request, the order alternating); the first request warms each (and
+fills the cache). Reports each side's TTFT (first streamed token) median and fastest, their
+ratio, the cache's counters from /metrics, and whether both sides returned the same tokens.
+Writes benchmarks/results/prefix_cache.json.
+
+    python -m benchmarks.serving --prefix-cache [--artifact DIR] [--prefix 700] [--suffix 20]
+        [--requests 8] [--new-tokens 8] [--threads 2]
 """
 
 from __future__ import annotations
@@ -28,20 +42,15 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from peers import SHARED, load_prompts  # noqa: E402
-from runners import scratch_dir  # noqa: E402
-
-
-def log(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
+from benchmarks.inputs import PYREF_7M, RESULTS, SHARED, load_prompts, log, stdlib_split
+from benchmarks.runners import scratch_dir
 
 
 def artifact(work: Path) -> Path:
     from specx.build import BuildOptions, build_artifact
     from specx.export.target_export import export_target
 
-    out = export_target(SHARED / "models" / "pyref-7m", work / "pyref-7m", max_context=1024)
+    out = export_target(PYREF_7M, work / "pyref-7m", max_context=1024)
     build_artifact(out, BuildOptions("ort", "fp32"))
     return out
 
@@ -148,18 +157,34 @@ def plot(report: dict, path: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--requests", type=int, default=24)
-    parser.add_argument("--new-tokens", type=int, default=96)
+    parser.add_argument("--prefix-cache", action="store_true", help="TTFT, prefix cache on/off")
+    parser.add_argument("--requests", type=int, default=None, help="default 24; 8 for TTFT")
+    parser.add_argument("--new-tokens", type=int, default=None, help="default 96; 8 for TTFT")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--concurrency", default="1,4,16")
     parser.add_argument("--drafter", default="suffix")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--slots", type=int, default=16)
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/serving.json"))
+    parser.add_argument("--artifact", type=Path, default=None, help="--prefix-cache: served")
+    parser.add_argument("--prefix", type=int, default=700, help="--prefix-cache: shared tokens")
+    parser.add_argument("--suffix", type=int, default=20, help="--prefix-cache: tokens after")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="default results/serving.json (prefix_cache.json)")  # fmt: skip
     args = parser.parse_args()
-    if not (SHARED / "models" / "pyref-7m" / "config.json").is_file():
+    if not (PYREF_7M / "config.json").is_file():
         log(f"{SHARED} has no pyref-7m; nothing measured")
         return
+    if args.prefix_cache:
+        prefix_cache(args)
+    else:
+        under_load(args)
+
+
+def under_load(args: argparse.Namespace) -> None:
+    """Plain vs speculative at each concurrency (the module docstring's first paragraph)."""
+    args.requests = args.requests or 24
+    args.new_tokens = args.new_tokens or 96
+    args.out = args.out or RESULTS / "serving.json"
     levels = [int(c) for c in args.concurrency.split(",")]
     prompts = load_prompts("humaneval.jsonl", args.requests // 2) + load_prompts(
         "mt_bench.jsonl", args.requests - args.requests // 2
@@ -204,6 +229,73 @@ def main() -> None:
               f"{row['latency_p50_s']:.2f} / {row['latency_p95_s']:.2f} | "
               f"{row['ttft_p50_s']:.3f} / {row['ttft_p95_s']:.3f} | "
               f"{row['acceptance_length']:.2f} | {row['identical_to_plain']} |")  # fmt: skip
+
+
+def prefix_prompts(args: argparse.Namespace) -> list[list[int]]:
+    """One shared prefix, then a different suffix per request (stdlib text, tokenized)."""
+    from specx.runtime.tokenizer import TextTokenizer
+
+    tokenizer = TextTokenizer(PYREF_7M / "tokenizer.json")
+    train, _ = stdlib_split()
+    text = "".join(p.read_text(errors="replace") for p in train[:40])
+    ids = tokenizer.encode(text)
+    prefix = ids[: args.prefix]
+    suffixes = [ids[args.prefix + 997 * (i + 1) :][: args.suffix] for i in range(args.requests + 1)]
+    return [prefix + s for s in suffixes]
+
+
+def cache_metrics(url: str) -> dict[str, float]:
+    import httpx
+
+    lines = httpx.get(f"{url}/metrics").text.splitlines()
+    return {
+        line.split()[0]: float(line.split()[1])
+        for line in lines
+        if line.startswith("specx_prefix_cache")
+    }
+
+
+def prefix_cache(args: argparse.Namespace) -> None:
+    """TTFT with the prefix cache on and off (the module docstring's `--prefix-cache`)."""
+    args.requests = args.requests or 8
+    args.new_tokens = args.new_tokens or 8
+    args.out = args.out or RESULTS / "prefix_cache.json"
+    target = args.artifact or artifact(scratch_dir("specx-prefix-cache-"))
+    requests = prefix_prompts(args)
+    servers = {
+        "prefix cache": Server(target, args.threads, 1),
+        "no prefix cache": Server(target, args.threads, 1, "--no-prefix-cache"),
+    }
+    results: dict[str, list[dict]] = {name: [] for name in servers}
+    try:
+        for i, prompt in enumerate(requests):
+            order = list(servers) if i % 2 == 0 else list(servers)[::-1]
+            for name in order:
+                results[name].append(one_request(servers[name].url, prompt, None, args.new_tokens))
+            log(f"request {i + 1}/{len(requests)}")
+        counters = cache_metrics(servers["prefix cache"].url)
+    finally:
+        for server in servers.values():
+            server.close()
+    report = {
+        "benchmark": "prefix_cache",
+        "artifact": str(target) if args.artifact else "pyref-7m, ORT fp32 build",
+        "prefix_tokens": args.prefix,
+        "suffix_tokens": args.suffix,
+        "requests": args.requests,
+        "machine": {"platform": platform.platform(), "threads": args.threads},
+        "identical_tokens": [r["tokens"] for r in results["prefix cache"]]
+        == [r["tokens"] for r in results["no prefix cache"]],
+        "cache_metrics": counters,
+    }
+    for name, rows in results.items():
+        ttft = [r["ttft_s"] * 1e3 for r in rows[1:]]  # the first request warms (and fills)
+        report[name] = {"ttft_ms_median": statistics.median(ttft), "ttft_ms_fastest": min(ttft)}
+    on, off = report["prefix cache"], report["no prefix cache"]
+    report["ttft_ratio_median"] = off["ttft_ms_median"] / on["ttft_ms_median"]
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    print(json.dumps({k: v for k, v in report.items() if k != "machine"}, indent=2))
 
 
 if __name__ == "__main__":

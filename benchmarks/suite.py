@@ -1,16 +1,32 @@
 """The benchmark suite: every drafter on the reference target, against plain decoding and peers.
 
-    python benchmarks/suite.py [--prompts 12] [--new-tokens 96] [--retrain]
+    python -m benchmarks.suite [--prompts 12] [--new-tokens 96] [--retrain]
+    python -m benchmarks.suite --acceptance [--kinds eagle3,eagle,mtp,medusa,draft-model]
+        [--heads benchmarks/heads/pyref-7m] [--out FILE]
 
 Target: pyref-7m (`shared/models/pyref-7m`). Drafters: the committed ones under
-benchmarks/heads/pyref-7m (benchmarks/pyref_heads.py; `--retrain` trains and ships them
-again). Prompts: HumanEval stubs plus
-held-out stdlib files. In one run: plain decoding vs n-gram, draft model, Medusa, EAGLE-1,
-EAGLE-3 (chain / static / dynamic) and MTP, greedy and T=0.7; the dynamic-tree size sweep;
-the batch curve; transformers plain, assisted generation and prompt lookup on the same
-weights; onnxruntime-genai when it can run. specx rows keep each prompt's fastest of 3 runs
-(single runs moved by 15-20% on the shared 2-core machine). Writes `benchmarks/results/suite.json`,
-`suite.md` and PNG plots. Skips cleanly (exit 0) when shared/ is absent.
+benchmarks/heads/pyref-7m (benchmarks/models/pyref_heads.py; `--retrain` trains and ships them
+again). Prompts: HumanEval stubs plus held-out stdlib files (`inputs.prompts_for`). In one run:
+plain decoding vs n-gram, draft model, Medusa, EAGLE-1, EAGLE-3 (chain / static / dynamic) and
+MTP, greedy and T=0.7; the dynamic-tree size sweep; the batch curve; transformers plain,
+assisted generation and prompt lookup on the same weights; onnxruntime-genai when it can run.
+specx rows keep each prompt's fastest of 3 runs (single runs moved by 15-20% on the shared
+2-core machine). Writes `benchmarks/results/suite.json`, `suite.md` and PNG plots.
+
+`--acceptance`: no timing, so it may run beside other work. Every committed drafter (`--kinds`
+of `--heads`) on pyref-7m (exported with each head; the draft model as its own artifact), the
+same prompts, batch 1: the acceptance length tau (tokens a round emits, the bonus counted) and
+acceptance by depth, for a chain of 5 greedy and at T=0.7 and two EAGLE-2 dynamic trees of 16
+nodes greedy (`dynamic:17,5,4`: depth 5, top 4 per node; `dynamic:17,8,2`: depth 8, top 2, the
+best of a sweep of 16-node shapes for EAGLE-3), and tau apart for each prompt set
+(`tau_by_source`: HumanEval stubs, the edge benchmark's prompts, against stdlib files, the
+heads' training kind of text). Medusa drafts its chain from the top-1 of each of its heads (it
+has 4, so its chain stops at 4) and, drafting static trees only, its tree from the first 16
+nodes of its default tree (mc_sim_7b_63, most likely first); it has no deeper tree. Every greedy
+output is compared with plain decoding's. Writes benchmarks/results/head_acceptance.json (the
+kinds measured replace theirs; others are kept).
+
+Skips cleanly (exit 0) when shared/ is absent.
 """
 
 from __future__ import annotations
@@ -23,46 +39,19 @@ import sys
 import time
 from pathlib import Path
 
-from runners import scratch_dir
+from benchmarks.inputs import PYREF_7M, RESULTS, log, prompt_sets, prompts_for
+from benchmarks.models import pyref_heads
+from benchmarks.runners import scratch_dir
 
-SHARED = Path(__file__).resolve().parents[2] / "shared"
-RESULTS = Path(__file__).resolve().parent / "results"
 HEADS = ("eagle3", "eagle", "medusa", "mtp")
-
-
-def log(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
-
-
-def stdlib_split() -> tuple[list[Path], list[Path]]:
-    from specx.training.corpus import stdlib_files
-
-    return stdlib_files()
-
-
-def trained_drafters(retrain: bool = False) -> dict[str, Path]:
-    """kind -> the committed trained drafter (benchmarks/heads/pyref-7m; `retrain`: anew)."""
-    import pyref_heads
-
-    kinds = pyref_heads.ensure_heads(list(pyref_heads.KINDS), retrain=retrain)
-    return {kind: pyref_heads.HEADS / kind for kind in kinds}
-
-
-def prompts_for(tokenizer, count: int) -> list[list[int]]:
-    lines = (SHARED / "data" / "eval" / "humaneval.jsonl").read_text().splitlines()
-    texts = [
-        json.loads(line)["turns"][0].replace("Complete the code I provided.\n", "")
-        for line in lines[:count]
-    ]
-    _, held = stdlib_split()
-    texts += [p.read_text(errors="replace")[:1200] for p in held[: count // 2]]
-    return [tokenizer.encode(t)[-320:] for t in texts]
-
-
-def prompt_sets(count: int) -> list[str]:
-    """Which set each of `prompts_for(tokenizer, count)`'s prompts comes from, in its order."""
-    _, held = stdlib_split()
-    return ["humaneval"] * count + ["stdlib"] * len(held[: count // 2])
+# --acceptance: name -> (tree, temperature)
+CONFIGS = {
+    "chain 5 greedy": ("chain:5", 0.0),
+    "chain 5 T=0.7": ("chain:5", 0.7),
+    "tree 16 greedy": ("dynamic:17,5,4", 0.0),
+    "deep tree 16 greedy": ("dynamic:17,8,2", 0.0),
+}
+STATIC_ONLY = {"medusa"}  # a tree from its 4 heads' default: no deeper shape to try
 
 
 def run_config(target, drafter, prompts, new_tokens, sampling, repeats: int = 3) -> dict:
@@ -197,12 +186,25 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=96)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--retrain", action="store_true")
+    parser.add_argument("--acceptance", action="store_true", help="acceptance only, no timing")
+    parser.add_argument("--kinds", default=",".join(pyref_heads.KINDS), help="with --acceptance")
+    parser.add_argument("--heads", type=Path, default=pyref_heads.HEADS,
+                        help="with --acceptance: a folder of <kind>/ drafters")  # fmt: skip
+    parser.add_argument("--out", type=Path, default=RESULTS / "head_acceptance.json",
+                        help="with --acceptance")  # fmt: skip
     args = parser.parse_args()
-    model_dir = SHARED / "models" / "pyref-7m"
-    if not (model_dir / "model.safetensors").is_file():
-        log(f"skipped: {model_dir} is absent")
+    if not (PYREF_7M / "model.safetensors").is_file():
+        log(f"skipped: {PYREF_7M} is absent")
         return
+    if args.acceptance:
+        acceptance(args)
+    else:
+        timed(args)
 
+
+def timed(args: argparse.Namespace) -> None:
+    """The timed suite (the module docstring's first paragraph)."""
+    model_dir = PYREF_7M
     from specx.artifact import load_manifest
     from specx.export.target_export import export_target
     from specx.runtime.drafters import DrafterOptions, make_drafter
@@ -217,7 +219,7 @@ def main() -> None:
     from specx.runtime.tokenizer import TextTokenizer
 
     started = time.perf_counter()
-    drafters_dir = trained_drafters(args.retrain)
+    drafters_dir = pyref_heads.trained_drafters(args.retrain)
     work = scratch_dir("specx-suite-")
     log("exporting the target with each head, and the draft model")
     arts = {
@@ -343,6 +345,90 @@ def main() -> None:
     (RESULTS / "suite.md").write_text(markdown(report))
     plots(report)
     print(markdown(report))
+
+
+def acceptance_artifacts(kind: str, work: Path, heads: Path) -> tuple[Path, str]:
+    """(target artifact, drafter spec) for the drafter `heads/kind` on pyref-7m."""
+    from specx.export.target_export import export_target
+
+    source = PYREF_7M
+    if kind == "draft-model":
+        draft = export_target(heads / kind, work / "draft", max_context=1024)
+        return export_target(source, work / "plain", max_context=1024), f"{kind}:{draft}"
+    head = f"{kind}:{heads / kind}"
+    return export_target(source, work / kind, max_context=1024, drafter=head), kind
+
+
+def measure(target, spec: str, tree: str, temperature: float, prompts, sources, new_tokens) -> dict:
+    from specx.runtime.drafters import DrafterOptions, make_drafter
+    from specx.runtime.drafters.medusa import MEDUSA_DEFAULT_TREE
+    from specx.runtime.drafters.tree_search import parse_tree_spec
+    from specx.runtime.plain_decoding import generate_plain
+    from specx.runtime.sampling import SamplingParams
+    from specx.runtime.speculative_decoding import generate_speculative
+
+    shape = parse_tree_spec(tree)
+    if spec == "medusa" and tree.startswith("chain"):
+        shape = parse_tree_spec("chain:4")
+    elif spec == "medusa":  # static trees only: the 16 most likely nodes of its default tree
+        shape = parse_tree_spec(json.dumps(MEDUSA_DEFAULT_TREE[:16]))
+    drafter = make_drafter(spec, target, DrafterOptions(tree=shape))
+    rounds = emitted = 0
+    by_source: dict[str, list[float]] = {s: [0, 0] for s in sources}  # [rounds, emitted]
+    reached: list[int] = []
+    accepted: list[int] = []
+    identical = True
+    for i, prompt in enumerate(prompts):
+        sampling = SamplingParams(temperature, seed=i)
+        out = generate_speculative(target, drafter, [prompt], new_tokens, sampling)
+        assert out.stats.speculative is not None  # no max_batch_spec: it speculated
+        stats = out.stats.speculative.acceptance
+        rounds += stats.rounds
+        emitted += stats.acceptance_length * stats.rounds
+        by_source[sources[i]][0] += stats.rounds
+        by_source[sources[i]][1] += stats.acceptance_length * stats.rounds
+        for d, rate in enumerate(stats.acceptance_by_position):
+            while len(reached) <= d:
+                reached.append(0)
+                accepted.append(0)
+            reached[d] += stats.rounds
+            accepted[d] += rate * stats.rounds
+        if sampling.greedy:
+            identical &= out.tokens == generate_plain(target, [prompt], new_tokens).tokens
+    return {
+        "tree": tree if spec != "medusa" else "medusa chain:4 / mc_sim_7b_63[:16]",
+        "acceptance_length": emitted / rounds,
+        "acceptance_by_position": [a / r for a, r in zip(accepted, reached, strict=True)],
+        "tau_by_source": {s: e / r for s, (r, e) in by_source.items()},
+        "identical_to_plain": identical if temperature == 0 else None,
+    }
+
+
+def acceptance(args: argparse.Namespace) -> None:
+    """`--acceptance` (the module docstring's second paragraph)."""
+    from specx.artifact import load_manifest
+    from specx.runtime.ort_target import OrtTarget
+    from specx.runtime.tokenizer import TextTokenizer
+
+    prompts = prompts_for(TextTokenizer(PYREF_7M / "tokenizer.json"), args.prompts)
+    sources = prompt_sets(args.prompts)
+    work = scratch_dir("specx-head-acceptance-")
+    earlier = json.loads(args.out.read_text())["results"] if args.out.is_file() else {}
+    report = {"benchmark": "head_acceptance", "prompts": len(prompts),
+              "new_tokens": args.new_tokens, "results": earlier}  # fmt: skip
+    for kind in args.kinds.split(","):
+        artifact, spec = acceptance_artifacts(kind, work / kind, args.heads)
+        target = OrtTarget(load_manifest(artifact), threads=1)
+        for name, (tree, temperature) in CONFIGS.items():
+            if kind in STATIC_ONLY and name.startswith("deep"):
+                continue
+            row = measure(target, spec, tree, temperature, prompts, sources, args.new_tokens)
+            report["results"][f"{kind} {name}"] = row
+            depth = ", ".join(f"{a:.2f}" for a in row["acceptance_by_position"])
+            split = ", ".join(f"{s} {v:.2f}" for s, v in row["tau_by_source"].items())
+            log(f"{kind} {name}: tau {row['acceptance_length']:.2f} ({depth}; {split})")
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(report, indent=2) + "\n")
 
 
 def markdown(report: dict) -> str:

@@ -7,7 +7,7 @@ first token where the two differ is a *mismatch*. Tokens are counted up to and i
 mismatches per 10,000 tokens compared. A chain is the control: quantized builds keep chains
 identical by row invariance (docs/builds.md).
 
-    python benchmarks/tree_identity.py ART [--builds ort-int4,openvino-int4] [--prompts 40]
+    python -m benchmarks.tree_identity ART [--builds ort-int4,openvino-int4] [--prompts 40]
         [--new-tokens 96] [--shapes "chain:4;dynamic:16,8,2;dynamic:16,5,4;dynamic:32,6,4"]
         [--out benchmarks/results/tree_identity.json]
 
@@ -30,9 +30,8 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).parent))
-
-from suite import prompts_for  # noqa: E402
+from benchmarks.inputs import RESULTS, prompts_for
+from benchmarks.runners import SpecxPlain, SpecxSpeculative, calls_ms, interleave
 
 SHAPES = "chain:4;dynamic:16,8,2;dynamic:16,5,4;dynamic:32,6,4"
 
@@ -75,8 +74,6 @@ def measure(engine, prompts, new_tokens: int, shape: str, plain: list[list[int]]
 
 def timed(artifact: Path, build: str, prompts, new_tokens: int, shapes, repeats, threads) -> dict:
     """Each shape against plain decoding on `build`, interleaved (see the module docstring)."""
-    from runners import SpecxPlain, SpecxSpeculative, calls_ms, interleave
-
     from specx.artifact import load_manifest
     from specx.runtime.backends import open_decoder
     from specx.runtime.drafters import DrafterOptions, make_drafter
@@ -119,7 +116,7 @@ def main() -> None:
     parser.add_argument("--shapes", default=SHAPES)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--timed", type=int, default=0, help="time, fastest of N (0: count)")
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/tree_identity.json"))
+    parser.add_argument("--out", type=Path, default=RESULTS / "tree_identity.json")
     args = parser.parse_args()
 
     import specx

@@ -7,7 +7,7 @@ loss increase over fp32 and top-1 agreement with fp32. GPTQ calibrates on 32 win
 training-split files (every 50th stdlib file not held out). The lm_head is int8 in every
 build (its default) unless the row says otherwise.
 
-    python benchmarks/weight_only_accuracy.py [--target DIR]
+    python -m benchmarks.weight_only_accuracy [--target DIR]
 
 Writes benchmarks/results/weight_only_accuracy.json.
 """
@@ -20,9 +20,9 @@ import sys
 import sysconfig
 from pathlib import Path
 
-from runners import scratch_dir
+from benchmarks.inputs import PYREF_7M, RESULTS
+from benchmarks.runners import scratch_dir
 
-SHARED = Path(__file__).resolve().parents[2] / "shared"
 CONFIGS = [  # label, bits, block, method, lm_head bits, lm_head top-k rescored in 8 bits
     ("int8 rtn b128", 8, 128, "rtn", 8, 0),
     ("int4 rtn b128", 4, 128, "rtn", 8, 0),
@@ -50,10 +50,8 @@ def windows(tokenizer, files: list[Path], per_file: int, limit: int) -> list[lis
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--target", type=Path, default=SHARED / "models" / "pyref-7m")
-    parser.add_argument(
-        "--out", type=Path, default=Path("benchmarks/results/weight_only_accuracy.json")
-    )
+    parser.add_argument("--target", type=Path, default=PYREF_7M)
+    parser.add_argument("--out", type=Path, default=RESULTS / "weight_only_accuracy.json")
     parser.add_argument("--only", help="Labels to run, separated by ';' (default: all).")
     args = parser.parse_args()
     if not (args.target / "model.safetensors").is_file():

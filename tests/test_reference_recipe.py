@@ -43,7 +43,8 @@ def test_smoke_run_writes_a_loadable_checkpoint(tmp_path):
     done = subprocess.run(
         [
             sys.executable,
-            str(ROOT / "benchmarks" / "reference_target.py"),
+            "-m",
+            "benchmarks.models.reference_target",
             "--tiny",
             "--steps",
             "3",
@@ -54,6 +55,7 @@ def test_smoke_run_writes_a_loadable_checkpoint(tmp_path):
         capture_output=True,
         text=True,
         timeout=300,
+        cwd=ROOT,
     )
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout)

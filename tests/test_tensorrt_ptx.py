@@ -67,10 +67,10 @@ def test_gpu_summary_reports_a_timed_out_file(tmp_path):
     from pathlib import Path
 
     (tmp_path / "test_a.code").write_text("124\n")
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_summary.py"
+    root = Path(__file__).resolve().parents[1]
     done = subprocess.run(
-        [sys.executable, str(script), str(tmp_path), "tests/test_a.py"],
-        capture_output=True, text=True, timeout=60,
+        [sys.executable, "-m", "benchmarks.gpu_summary", str(tmp_path), "tests/test_a.py"],
+        capture_output=True, text=True, timeout=60, cwd=root,
     )  # fmt: skip
     assert done.returncode == 1 and "Traceback" not in done.stderr
     summary = json.loads(done.stdout)

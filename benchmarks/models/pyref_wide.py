@@ -21,13 +21,13 @@ the layer they leave (`hidden_layers_list` 1, 9, 19). MTP's layer is renamed
 Checks (`--check`): pyref-1b's logits within 1e-4 of pyref-7m's and greedy identical on 18
 held-out prompts (12 HumanEval stubs + 6 held-out stdlib files) x 96 tokens (transformers,
 fp32), written to OUT/checks.json. That every widened head drafts what it drafted is checked
-where it is used (`benchmarks/edge.py` compares acceptance with pyref-7m's).
+where it is used (benchmarks/edge.py compares acceptance with pyref-7m's).
 
 `--twin` writes OUT/pyref-7m-int4-twin, the pyref-7m-sized model computing what pyref-1b's
 int4 build computes (`write_int4_twin`), and how often its argmax (and pyref-7m's) is what the
 int4 build decodes, to OUT/twin_checks.json.
 
-    python benchmarks/pyref_wide.py OUT [--factor 6 --heads 24 --kv-heads 6
+    python -m benchmarks.models.pyref_wide OUT [--factor 6 --heads 24 --kv-heads 6
         --intermediate 7680 --layers 20] [--check] [--twin]
 """
 
@@ -44,12 +44,11 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).parent))
+from benchmarks.inputs import PYREF_7M as SOURCE
+from benchmarks.inputs import prompts_for
+from benchmarks.models import pyref_heads
+from benchmarks.runners import build_options
 
-import pyref_heads  # noqa: E402
-from suite import SHARED, prompts_for  # noqa: E402
-
-SOURCE = SHARED / "models" / "pyref-7m"
 # The draft model (hidden 160, 2 / 1 heads of 80, 400 units) widened by the same factor, with
 # the target's 4 queries per KV head and MLP ratio: hidden 960, 12 / 3 heads, 3840 units.
 DRAFT_HEADS, DRAFT_KV_HEADS, DRAFT_INTERMEDIATE = 12, 3, 3840
@@ -243,8 +242,6 @@ def check_target(target: Path, new_tokens: int) -> dict:
 
 def int4_build(out: Path, target: Path) -> Path:
     """OUT/specx-int4: pyref-1b exported and built at int4 as edge.py builds it."""
-    from deep_heads import build_options
-
     from specx.build import build_artifact
     from specx.export.target_export import export_target
 

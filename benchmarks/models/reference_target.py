@@ -1,7 +1,7 @@
 """Rebuild the reference target (a pyref-7m equivalent) from the Python standard library.
 
-    python benchmarks/reference_target.py [--out DIR] [--steps 3562] [--no-compile]
-    python benchmarks/reference_target.py --tiny --steps 3      # a seconds-long smoke run
+    python -m benchmarks.models.reference_target [--out DIR] [--steps 3562] [--no-compile]
+    python -m benchmarks.models.reference_target --tiny --steps 3   # a seconds-long smoke run
 
 The recipe of `shared/models/pyref-7m/README.md`, fixed and seeded: every stdlib .py file
 of the running Python (no test/, tests/, site-packages, __pycache__); files whose
@@ -187,7 +187,7 @@ def main() -> None:
             )
     log("[4/4] evaluating on the held-out files")
     report = {
-        "recipe": "benchmarks/reference_target.py",
+        "recipe": "benchmarks/models/reference_target.py",
         "steps": args.steps,
         "seed": args.seed,
         "tiny": args.tiny,

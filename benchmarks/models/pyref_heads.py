@@ -18,17 +18,17 @@ bodies of the training split's functions from the 64 tokens that end with their 
 (`functions`: `specx regenerate --prompts functions`; the edge benchmark's HumanEval prompts
 are such stubs).
 
-pyref-deep (benchmarks/pyref_deep.py) shares pyref-7m's residual stream, so the same heads
-draft for it: `for_deep` renumbers what a layout names by layer (MTP's layer index,
+pyref-deep (benchmarks/models/pyref_deep.py) shares pyref-7m's residual stream, so the same
+heads draft for it: `for_deep` renumbers what a layout names by layer (MTP's layer index,
 EAGLE-3's taps) for the 32-layer target.
 
 `--int4-twin WIDE` distils against pyref-1b's int4 build instead, through its narrow twin
-(`python benchmarks/pyref_wide.py WIDE --twin` writes it: pyref-7m's shape computing what the
-int4 build computes): its own data (`~/.cache/specx/pyref-int4-data`), runs and shipped heads
-(`benchmarks/heads/pyref-1b-int4/`, which pyref_wide.py widens for pyref-1b).
+(`python -m benchmarks.models.pyref_wide WIDE --twin` writes it: pyref-7m's shape computing
+what the int4 build computes): its own data (`~/.cache/specx/pyref-int4-data`), runs and
+shipped heads (`benchmarks/heads/pyref-1b-int4/`, which pyref_wide.py widens for pyref-1b).
 
-    python benchmarks/pyref_heads.py [--retrain eagle3,eagle,...] [--continue eagle3] [--steps N]
-        [--int4-twin WIDE]
+    python -m benchmarks.models.pyref_heads [--retrain eagle3,eagle,...] [--continue eagle3]
+        [--steps N] [--int4-twin WIDE]
 """
 
 from __future__ import annotations
@@ -42,13 +42,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
-
-from suite import SHARED, stdlib_split  # noqa: E402
+from benchmarks.inputs import PYREF_7M as PYREF_7M_DIR
+from benchmarks.inputs import ROOT, stdlib_split
 
 KINDS = ("eagle3", "eagle", "mtp", "medusa", "draft-model")
 CACHE = Path.home() / ".cache" / "specx"
-HEADS = Path(__file__).resolve().parent / "heads" / "pyref-7m"
+HEADS = ROOT / "benchmarks" / "heads" / "pyref-7m"
 TRAIN = CACHE / "pyref-heads-train"
 DATA = CACHE / "pyref-data"
 COMMON = {"batch": 8, "seq_len": 256, "lr": 2e-3, "seed": 0, "save_every": 100, "bf16": True}
@@ -114,16 +113,15 @@ class Teacher:
     heads: Path
 
 
-PYREF_7M = Teacher(
-    "pyref-7m", "`shared/models/pyref-7m`", SHARED / "models" / "pyref-7m", DATA, TRAIN, HEADS
-)
+PYREF_7M = Teacher("pyref-7m", "`shared/models/pyref-7m`", PYREF_7M_DIR, DATA, TRAIN, HEADS)
 
 
 def int4_twin(wide: Path) -> Teacher:
     """pyref-1b's int4 build, through the narrow twin pyref_wide.py writes under `wide`."""
     return Teacher(
         "pyref-1b at int4",
-        "pyref-1b's int4 build through its pyref-7m-sized twin (`benchmarks/pyref_wide.py --twin`)",
+        "pyref-1b's int4 build through its pyref-7m-sized twin "
+        "(`python -m benchmarks.models.pyref_wide WIDE --twin`)",
         wide / "pyref-7m-int4-twin",
         CACHE / "pyref-int4-data",
         CACHE / "pyref-int4-heads-train",
@@ -312,8 +310,8 @@ NOTES: dict[str, dict[str, str]] = {
 }
 README_HEAD = """# Trained drafters for {name}
 
-Written by `python benchmarks/pyref_heads.py` (see its docstring for the data and recipes):
-distilled against {source} on windows (256 tokens; the row's count) of its
+Written by `python -m benchmarks.models.pyref_heads` (see its docstring for the data and
+recipes): distilled against {source} on windows (256 tokens; the row's count) of its
 own continuations of stdlib prompts, each in the public format its loader reads (`specx
 export --drafter KIND:DIR`; the draft model is an HF Llama checkpoint), weights in fp16. Held-out
 acceptance is `sum min(p, q)` by draft depth on 64 windows (of the 256 written) of the target
@@ -371,6 +369,11 @@ def ensure_heads(kinds: list[str], heads: Path = HEADS, retrain: bool = False) -
     return kinds
 
 
+def trained_drafters(retrain: bool = False) -> dict[str, Path]:
+    """kind -> the committed trained drafter (benchmarks/heads/pyref-7m; `retrain`: anew)."""
+    return {kind: HEADS / kind for kind in ensure_heads(list(KINDS), retrain=retrain)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--retrain", default="", help="kinds to train again and ship")
@@ -385,7 +388,7 @@ def main() -> None:
         help="distil against pyref-1b's int4 build (its twin under WIDE: pyref_wide.py --twin)",
     )  # fmt: skip
     args = parser.parse_args()
-    if not (SHARED / "models" / "pyref-7m" / "model.safetensors").is_file():
+    if not (PYREF_7M_DIR / "model.safetensors").is_file():
         log("skipped: shared/models/pyref-7m is absent")
         return
     teacher = int4_twin(args.int4_twin) if args.int4_twin else PYREF_7M

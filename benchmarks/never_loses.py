@@ -1,6 +1,6 @@
 """Speculation that never loses: the per-round controller vs fixed drafts vs plain decoding.
 
-For each target (pyref-7m; pyref-deep when `benchmarks/pyref_deep.py` wrote it), drafter
+For each target (pyref-7m; pyref-deep when `benchmarks/models/pyref_deep.py` wrote it), drafter
 (ngram, suffix, and every trained drafter under --heads, the committed
 benchmarks/heads/pyref-7m: EAGLE-1/3, Medusa, MTP and the draft model, all trained against
 pyref-7m, whose residual stream and tokens pyref-deep shares; what a head's layout names by
@@ -26,10 +26,10 @@ acceptance earlier requests found are forgotten too, so each run is a fresh proc
 request (what `specx generate` always is; a server learns them across requests).
 --only DRAFTERS --merge re-measures some drafters into an existing report.
 
-    python benchmarks/controller.py [--prompts 24] [--new-tokens 64] [--repeats 2] [--calibrate]
+    python -m benchmarks.never_loses [--prompts 24] [--new-tokens 64] [--repeats 2] [--calibrate]
         [--first-request] [--batches 1,2,4,6,8] [--only ngram,suffix,eagle3,draft-model]
 
-Writes benchmarks/results/controller.json and prints a markdown table: each cell with the 95%
+Writes benchmarks/results/never_loses.json and prints a markdown table: each cell with the 95%
 bootstrap interval of its prompt groups' paired speedups (`bootstrap_interval`), then each
 drafter's pooled speedup over all its groups, with its interval (`pooled`).
 """
@@ -42,22 +42,15 @@ import math
 import platform
 import statistics
 import subprocess
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import pyref_heads  # noqa: E402
-from peers import load_prompts  # noqa: E402
-from runners import scratch_dir  # noqa: E402
+from benchmarks.inputs import PYREF_7M, RESULTS, SHARED, load_prompts, log
+from benchmarks.models import pyref_heads
+from benchmarks.runners import scratch_dir
 
-SHARED = Path(__file__).resolve().parents[2] / "shared"
 HEAD_KINDS = ("eagle", "eagle3", "medusa", "mtp")
 TEMPERATURES = (0.0, 0.7, 1.0)
 BATCHES = (1, 2, 4, 6, 8)  # 24 prompts make whole groups of each
-
-
-def log(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
 
 
 def artifacts(
@@ -65,14 +58,14 @@ def artifacts(
 ) -> dict[str, dict[str, Path]]:
     """target -> drafter kind ("none" for model-free) -> artifact with an ort-fp32 build.
 
-    Heads: EAGLE-1/3, Medusa and MTP from `heads` (benchmarks/pyref_heads.py; renumbered for
+    Heads: EAGLE-1/3, Medusa and MTP from `heads` (benchmarks/models/pyref_heads.py; renumbered for
     pyref-deep by `pyref_heads.for_deep`), each where it exists (`only`: these kinds alone;
     `targets`: these targets alone).
     """
     from specx.build import BuildOptions, build_artifact
     from specx.export.target_export import export_target
 
-    checkpoints = {"pyref-7m": SHARED / "models" / "pyref-7m"}
+    checkpoints = {"pyref-7m": PYREF_7M}
     deep = Path.home() / ".cache" / "specx" / "pyref-deep"
     if (deep / "config.json").is_file():
         checkpoints["pyref-deep"] = deep
@@ -255,9 +248,9 @@ def main() -> None:
     parser.add_argument(
         "--merge", action="store_true", help="update the cells measured in an existing --out"
     )
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/controller.json"))
+    parser.add_argument("--out", type=Path, default=RESULTS / "never_loses.json")
     args = parser.parse_args()
-    if not (SHARED / "models" / "pyref-7m" / "config.json").is_file():
+    if not (PYREF_7M / "config.json").is_file():
         log(f"{SHARED} has no pyref-7m; nothing measured")
         return
     from specx.runtime.engine import load
@@ -267,7 +260,7 @@ def main() -> None:
     mt_bench = load_prompts("mt_bench.jsonl", 2 * (args.prompts - half))
     prompts = humaneval[:half] + mt_bench[: args.prompts - half]
     held_out = humaneval[half:] + mt_bench[args.prompts - half :]  # calibration's own
-    work = scratch_dir("specx-controller-")
+    work = scratch_dir("specx-never-loses-")
     report: dict = {
         "benchmark": "controller",
         "specx_commit": subprocess.run(

@@ -8,9 +8,10 @@ output, is pyref-7m's bit for bit. EAGLE-3's default taps (layers 2, 16, 29) rea
 streams after R1, R2 and R3 (low, mid, high) and miss R4; the committed EAGLE-3 head names
 its own (2, 3, 5 on pyref-7m: after R1, R2 and R4, which are pyref-deep's 2, 16, 32;
 `pyref_heads.for_deep`). The last hidden state is pyref-7m's, so heads trained on pyref-7m
-carry over unchanged.
+carry over unchanged. (tests/test_block_expansion.py checks this placement through
+`specx.training.block_expansion`.)
 
-    python benchmarks/pyref_deep.py [--out ~/.cache/specx/pyref-deep]
+    python -m benchmarks.models.pyref_deep [--out ~/.cache/specx/pyref-deep]
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ import argparse
 import shutil
 from pathlib import Path
 
-SHARED = Path(__file__).resolve().parents[2] / "shared"
+from benchmarks.inputs import PYREF_7M
+
 LAYERS = 32
 REAL_POSITIONS = (0, 1, 15, 28, 31)
 
@@ -35,7 +37,7 @@ def write(source: Path, out: Path) -> Path:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--source", type=Path, default=SHARED / "models" / "pyref-7m")
+    parser.add_argument("--source", type=Path, default=PYREF_7M)
     parser.add_argument("--out", type=Path, default=Path.home() / ".cache/specx/pyref-deep")
     args = parser.parse_args()
     print(write(args.source, args.out))

@@ -6,7 +6,7 @@ llama3 RoPE scaling, untied lm_head: 1.50B parameters, bf16, 2.8 GB. Weights are
 the demo byte-level BPE (benchmarks feed token ids). Near-uniform logits: compare speed on
 it, not identity.
 
-    python benchmarks/real_size_checkpoint.py DIR
+    python -m benchmarks.models.real_size_checkpoint DIR
 """
 
 from __future__ import annotations

@@ -1,8 +1,10 @@
-"""Calibration on the reference target: predicted vs measured speedup, calibrated vs hand-picked.
+"""`specx calibrate` on the reference target: predicted vs measured speedup, vs hand-picked.
 
-    python benchmarks/calibration.py [--drafters eagle,eagle3,medusa,mtp,ngram,draft-model]
+    python -m benchmarks.predicted_vs_measured [--drafters eagle,eagle3,medusa,mtp,ngram,
+        draft-model]
 
-For each drafter of pyref-7m (trained heads from the suite's cache, rebuilt when missing):
+For each drafter of pyref-7m (the committed heads, benchmarks/heads/pyref-7m, trained when
+missing):
 `specx calibrate` on 16 prompts (12 HumanEval, 4 stdlib training files), then, on held-out
 prompts of the same mix (the last 16 HumanEval prompts and 8 held-out stdlib files, none
 used for calibration), greedy at batch 1: the calibrated choice and the hand-picked
@@ -14,7 +16,7 @@ the batch curve measured against the calibration's prediction. Then the INT8 tar
 (`specx quantize`, then `specx calibrate` on it): accuracy against fp32, the change in
 acceptance and speed, greedy identity of its calibrated chain, and how many prompts two
 trees decode differently from its plain decoding (INT8 keeps chains, not trees, identical).
-JSON to benchmarks/results/calibration.json.
+JSON to benchmarks/results/predicted_vs_measured.json.
 """
 
 from __future__ import annotations
@@ -27,15 +29,12 @@ import sys
 import time
 from pathlib import Path
 
-from runners import scratch_dir
-from suite import SHARED, stdlib_split, trained_drafters
+from benchmarks.inputs import PYREF_7M, RESULTS, SHARED, log, stdlib_split
+from benchmarks.models.pyref_heads import trained_drafters
+from benchmarks.runners import scratch_dir
 
 HUMANEVAL = SHARED / "data" / "eval" / "humaneval.jsonl"
 SMALL_TREE = [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 0, 0]]
-
-
-def log(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
 
 
 def split_prompts(tokenizer) -> tuple[list[list[int]], list[list[int]]]:
@@ -95,9 +94,9 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3, help="paired runs per prompt")
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/calibration.json"))
+    parser.add_argument("--out", type=Path, default=RESULTS / "predicted_vs_measured.json")
     args = parser.parse_args()
-    model_dir = SHARED / "models" / "pyref-7m"
+    model_dir = PYREF_7M
     if not (model_dir / "model.safetensors").is_file():
         print(f"skipped: {model_dir} is absent", file=sys.stderr)
         return
@@ -122,7 +121,7 @@ def main() -> None:
     report = {
         "benchmark": "calibration",
         "target": "pyref-7m",
-        "command": "python benchmarks/calibration.py",
+        "command": "python -m benchmarks.predicted_vs_measured",
         "machine": {"platform": platform.platform(), "threads": args.threads},
         "calibration_prompts": len(calibration_prompts),
         "held_out_prompts": len(held),
