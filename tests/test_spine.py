@@ -225,7 +225,7 @@ def test_deciding_off_the_spine_keeps_rows_plain_decoding_never_computed(
 ):
     """The rule's power: without it, rows accepted off the spine enter the cache with other
     bits than plain decoding's, every one of them (a token flips where such a row meets a
-    near-tie: on pyref-1b's int4 build, benchmarks/README.md tree_identity.py; these tiny
+    near-tie: on pyref-1b's int4 build, docs/decisions.md#tree-spine-rule; these tiny
     models meet none in this many tokens). The INT8 build's attention gave the tiny model's
     tree rows plain decoding's bits even so: there the rule holds, the power is elsewhere.
     """

@@ -419,7 +419,7 @@ class VerifyShape:
 
     t(n) / t(1) at batch 1, as `specx calibrate` measured it on `build`: what a controller
     prices a width it has not timed by (ONNX Runtime's int4 build grows ~17% a token on a
-    2-core CPU, OpenVINO's ~3%; benchmarks/README.md, edge.py).
+    2-core CPU, OpenVINO's ~3%; docs/decisions.md#ov-backend).
     """
 
     build: str

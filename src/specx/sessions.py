@@ -33,7 +33,7 @@ def stop_spinning() -> None:
     ONNX Runtime's pool spins on its cores for a while after each run. Beside another
     runtime's threads (an OpenVINO target verifying what ONNX Runtime's draft graphs
     proposed) that spinning takes the cores the other runtime's next call needs
-    (benchmarks/README.md, edge.py: the OpenVINO build); the global pool cannot be told not
+    (docs/decisions.md#own-pools-beside-openvino); the global pool cannot be told not
     to spin from Python, so such processes open their sessions on pools of their own
     (where no session has created the global pool yet).
     """
@@ -46,7 +46,7 @@ def configure_threads(threads: int | None = None) -> int:
 
     Every specx session shares this pool: draft and target sessions alternate every round,
     and on per-session spinning pools they were measured markedly slower per round than on
-    one shared pool (benchmarks/README.md, "Decisions in `specx/sessions.py`").
+    one shared pool (docs/decisions.md#one-global-thread-pool).
     """
     global _global_threads
     wanted = threads or os.cpu_count() or 1

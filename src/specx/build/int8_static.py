@@ -491,8 +491,8 @@ def _private_qdq_parameters(model: onnx.ModelProto) -> None:
     common-subexpression elimination then merges those pairs back into one DQ feeding
     q/k/v (or gate/up), and it fuses DQ -> MatMul into an integer MatMul only when the DQ
     has one consumer: on pyref-7m most MatMuls stayed float, dequantizing their weights on
-    every call, and a decode step ran many times slower (benchmarks/README.md, "Decisions
-    in `specx/build/int8_static.py`"). Private copies of the (scalar) parameters keep the
+    every call, and a decode step ran many times slower (docs/decisions.md#int8-private-qdq).
+    Private copies of the (scalar) parameters keep the
     pairs apart; the graph computes the same values.
     """
     import onnx

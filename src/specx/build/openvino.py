@@ -2,7 +2,7 @@
 
 Why a second CPU backend: a verify of N tokens costs more per extra token on ONNX Runtime's
 4-bit MatMul kernel than on OpenVINO's, and a verify's cost is what speculation pays
-(benchmarks/README.md, edge.py: the target per call inside each runtime's loop).
+(docs/decisions.md#ov-backend: the target per call inside each runtime's loop).
 
 The target is lowered (`specx.graphs.ov_lowering`: TreeAttention from primitives, the new
 cache rows as outputs), read by OpenVINO's ONNX frontend and saved as IR (`target.xml` +
@@ -73,7 +73,7 @@ class _Compression:
     # The group over which OpenVINO's CPU plugin quantizes a compressed MatMul's activations
     # to int8 (DYNAMIC_QUANTIZATION_GROUP_SIZE; the runtime compiles with it). The weight
     # block: with the plugin's default of 32 a verify's cost grows with its rows several
-    # times faster (benchmarks/README.md, ov_activation_group.py).
+    # times faster (docs/decisions.md#ov-activation-group).
     activation_group: int
     output_bits: int = 8  # no top-k rescoring here, so the lm_head keeps 8 bits at int4 too
 

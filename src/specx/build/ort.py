@@ -281,8 +281,7 @@ def _needs_row_invariance(name: str, quantization: Mapping[str, Any]) -> str | N
 # bits, more than most last-level caches hold): blocks of 128 there, 32 below. Against
 # onnxruntime-genai int4, blocks of 128 with their padding row made a 1.5B model faster and
 # every small target (7M to 40M) slower: the padding row doubles rows that cost compute, not
-# bytes, while their weights sit in cache (benchmarks/README.md, "Decisions in
-# `specx/build/ort.py`").
+# bytes, while their weights sit in cache (docs/decisions.md#streamed-weights-blocks-of-128).
 STREAMED_WEIGHTS = 200_000_000
 
 

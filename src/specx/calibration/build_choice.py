@@ -7,7 +7,7 @@ and then calls `choose_build` here.
 Which CPU backend wins depends on the machine, not only the model: on pyref-1b at int4 one
 2-core host ran ONNX Runtime's plain step faster and OpenVINO's verify flatter, so with an
 EAGLE-3 head the OpenVINO build decoded 1.54x faster while plain decoding favoured ONNX
-Runtime (benchmarks/README.md, edge.py). So `specx build --backend auto` builds every CPU
+Runtime (docs/decisions.md#build-choice). So `specx build --backend auto` builds every CPU
 backend installed at the precision asked, times each build here, and makes the fastest the
 default, recording the timings (`BuildChoice`) that the stats name as the reason.
 
@@ -45,7 +45,7 @@ from specx.manifest_types import BuildChoice, BuildTiming
 __all__ = ["PRIOR_REACH", "choose_build", "measure_build", "predict"]
 
 # Shares of rounds accepting at least 1, 2, 3, 4 tokens of an EAGLE-3 chain of 4 on pyref-1b
-# at int4 (benchmarks/README.md, edge.py, the OpenVINO build's run: tau 3.47).
+# at int4 (docs/decisions.md#build-choice: the OpenVINO build's run, tau 3.47).
 PRIOR_REACH = (0.80, 0.65, 0.57, 0.45)
 WIDTHS = (1, 2, 3, 4, 5)
 HEADS = ("eagle3", "eagle", "mtp")  # heads that draft step by step (Medusa drafts at once)

@@ -361,8 +361,7 @@ def _header(manifest, spec: str, prompts, options, seconds: float) -> dict[str, 
 # The least measured speedup that turns speculation on at a batch size: a gain within the
 # timing noise of 1 on the calibration prompts is a likely loss on the user's (a speculative
 # loop that drafts nothing runs plain decoding's steps, but a benchmark cell timing plain
-# decoding against itself spreads several percent either way: benchmarks/README.md,
-# controller.py).
+# decoding against itself spreads several percent either way: docs/decisions.md#pays-margin).
 PAYS = 1.05
 
 
@@ -423,7 +422,7 @@ def _run(target, drafter, prompts, options, observer=None) -> dict[str, Any]:
     Each prompt is decoded `options.repeats` times and its fastest pass kept, as the
     candidates are timed: the cost model's inputs (plain ms/token, draft and verify time per
     round) from single passes were biased up by interference and under-predicted every chain
-    (benchmarks/README.md, calibration.py). `observer` sees the first pass only.
+    (docs/decisions.md#calibration-fastest-of-repeats). `observer` sees the first pass only.
     """
     total = {"decode_s": 0.0, "tokens": 0, "draft_s": 0.0, "verify_s": 0.0, "rounds": 0}
     sampling = options.sampling()

@@ -8,8 +8,7 @@ machine only ever adds time, so the minimum is the least disturbed run, and deco
 pair back to back keeps slow drifts (thermal, background load) out of the ratio. Greedy
 decoding emits the same tokens in both modes, so the two times are per the same tokens.
 On this project's 2-core machine single runs of the same candidate moved widely; the
-fastest of three moved far less (benchmarks/README.md, "Decisions in
-`specx/calibration/timing.py`").
+fastest of three moved far less (docs/decisions.md#timing-back-to-back).
 """
 
 from __future__ import annotations

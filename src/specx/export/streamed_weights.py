@@ -40,8 +40,7 @@ class Scratch:
     """One float32 buffer reused for every block written.
 
     Fresh arrays per block cost more in page faults than the conversion itself (measured
-    widening a bf16 matrix: benchmarks/README.md, "Decisions in
-    `specx/export/streamed_weights.py`").
+    widening a bf16 matrix: docs/decisions.md#streamed-weights-copies).
     """
 
     def __init__(self) -> None:
@@ -77,7 +76,7 @@ def _widen_into(out: np.ndarray, source: np.ndarray, dtype: str) -> None:
 
     A transposed source (a view whose rows are columns in memory) is copied in 128 x 128
     tiles that fit the cache: measured faster than numpy's strided copy on a transposed bf16
-    weight (benchmarks/README.md, "Decisions in `specx/export/streamed_weights.py`").
+    weight (docs/decisions.md#streamed-weights-copies).
     """
     if source.ndim != 2 or source.strides[0] >= source.strides[1]:
         _widen(out, source, dtype)

@@ -239,8 +239,7 @@ def export_target(
     checkpoint = load_checkpoint(checkpoint_dir)
     _check_capacity(checkpoint, max_context, max_tree_tokens, beyond_trained_positions)
     # Hashed while the graph is traced (hashlib releases the GIL), off the export's path: its
-    # time on a 1.5B export in benchmarks/README.md, "Decisions in
-    # `specx/export/target_export.py`".
+    # time on a 1.5B export in docs/decisions.md#checkpoint-hashed-while-tracing.
     hashing = ThreadPoolExecutor(1)
     digests = hashing.submit(lambda: {p.name: sha256_file(p) for p in checkpoint.files})
     hashing.shutdown(wait=False)

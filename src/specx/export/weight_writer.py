@@ -4,7 +4,7 @@ Tracing is CPU-bound Python; writing the weights is CPU-bound too on a small mac
 (widening, tiled transposes, sha256 and the kernel's page-cache copies). As two threads
 they shared one GIL and each waited for the other. Measured on the 1.5B export with 2
 cores: as threads of one process the two took longer than running one after the other, and
-as two processes less (benchmarks/README.md, "Decisions in `specx/export/weight_writer.py`").
+as two processes less (docs/decisions.md#weights-written-by-second-process).
 
 `WeightWriter` is the parent's handle: a `specx.graphs.model_io.TensorSink` whose
 `DataFile` lives in the child. The child starts on the weights the graph will most likely

@@ -3,7 +3,7 @@
 A head (EAGLE-1/2, EAGLE-3, MTP) drafting a chain of K tokens per-depth costs K calls of a
 one-layer graph, each mostly per-call overhead, plus Python between them (measured on
 pyref-deep: a large share of the drafting time was spent outside the head's runs;
-benchmarks/README.md, "Decisions in `specx/graphs/draft_chain.py`"). This graph does the
+docs/decisions.md#draft-chain-one-call). This graph does the
 whole round in one call, built from the exported `draft_head` graph:
 
     logits, hidden, cache = head(input_ids, features, ...)        # the catch-up, as fed

@@ -4,7 +4,7 @@ Lazy initializers (weights streamed from a checkpoint, quantized weights) are co
 they are written, one at a time, so peak memory does not grow with the model. The data
 file's sha256 is computed on a second thread while it is written, so the manifest need not
 read it back, which was measured as a noticeable share of a 1.5B export's time
-(benchmarks/README.md, "Decisions in `specx/graphs/model_io.py`"). Hand-written rather than
+(docs/decisions.md#sha256-while-writing). Hand-written rather than
 `onnx_ir.save(external_data=...)` for that digest and so that tensors may be written before
 the graph that uses them exists (`DataFile.reuse`: the export writes weights while it
 traces); the graph itself is then saved by `onnx_ir.save`, which keeps external tensors as

@@ -4,8 +4,7 @@ The exported graph spends more on small nodes than on arithmetic on a CPU: profi
 pyref-7m's decode step, it runs many more nodes than onnxruntime-genai's builder emits for
 the same weights, and spends more node time outside MatMul than genai's graph. Two passes,
 each one concern, bring it to about genai's node count and its step to the speed of
-genai's own graph in a bare loop (benchmarks/README.md, "Decisions in
-`specx/graphs/ort_lowering.py`"):
+genai's own graph in a bare loop (docs/decisions.md#ort-lowering-passes):
 
 `GroupQueryAttentionPass`: each TreeAttention (TensorScatter x2, Slice x2, Attention, and
 the head transposes around it) becomes one com.microsoft GroupQueryAttention (GQA), which
@@ -509,8 +508,8 @@ class SkipRmsNormPass(InPlacePass):
 
     `h = a + b; y = RMSNorm(h)` becomes one node with outputs y and h (the residual stream
     the next layer adds to): on a decode step one fused kernel runs faster than the Add and
-    RMSNorm pair it replaces (benchmarks/README.md, "Decisions in
-    `specx/graphs/ort_lowering.py`"). Row by row the same math as before (no row depends on
+    RMSNorm pair it replaces (docs/decisions.md#skip-rms-norm). Row by row the same math as
+    before (no row depends on
     another), so a row-invariant build stays row-invariant.
     """
 

@@ -5,7 +5,7 @@ over the weights concatenated along the output axis, followed by a Split into th
 outputs. Each output column is the same dot product over the same inputs, so values do not
 change; ONNX Runtime runs one GEMM per group instead of two or three. Measured on pyref-7m,
 plain decoding on 2 CPU threads, fastest of 3, in either order: faster, identical tokens
-(benchmarks/README.md, "Decisions in `specx/graphs/packed_matmuls.py`"). The exported graphs
+(docs/decisions.md#packed-matmuls). The exported graphs
 carry the packed form (`specx.export.onnx_graph.export_module`).
 """
 

@@ -9,8 +9,8 @@ fused from QDQ) with one row. In a float graph such a difference moves a logit b
 1e-6. After static INT8 quantization it does not stay small: one activation that sits on
 a rounding boundary of its QuantizeLinear flips by a whole quantization step, and the
 logits move by ~1e-2, enough to swap a near-tie and make speculative output differ from
-plain decoding of the same INT8 target, as it did on pyref-7m (benchmarks/README.md,
-"Decisions in `specx/graphs/row_invariance.py`").
+plain decoding of the same INT8 target, as it did on pyref-7m
+(docs/decisions.md#row-invariant-int8).
 
 `RowInvariantPass` makes every such kernel see at least two rows: TreeAttention's
 fallback body attends with one extra query row (`tree_attention.function_proto(
@@ -33,8 +33,8 @@ real row's mask shows and the next step overwrites. Where a step streams its wei
 scale), the bytes blocks of 128 save over blocks of 32 (the blocks that are row-invariant
 alone) outweigh the pair's extra row, so pairs win there; on targets whose weights sit in
 cache the extra row is compute and bytes matter little, so they lose, and the build uses
-blocks of 32 (`specx.build.ort.STREAMED_WEIGHTS`). The costs as measured: the
-benchmarks/README.md section named above.
+blocks of 32 (`specx.build.ort.STREAMED_WEIGHTS`). The costs as measured:
+docs/decisions.md#pad-row-at-blocks-of-128.
 """
 
 from __future__ import annotations

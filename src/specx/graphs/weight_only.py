@@ -11,8 +11,8 @@ bytes equal its `quantize_matmul_4bits/8bits`). Asymmetric: scale = (max - min) 
 and a per-block zero point, so a block's 16 levels span its range rather than twice its
 largest magnitude. Asymmetric is the 4-bit default: a draft head's acceptance follows how
 closely the int4 target keeps the float target's predictions, and on a real-size target the
-asymmetric rule kept noticeably more of it at no measured cost in speed (benchmarks/README.md,
-"Decisions in `specx/graphs/weight_only.py`"); 8 bits stay symmetric, whose rounding error is
+asymmetric rule kept noticeably more of it at no measured cost in speed
+(docs/decisions.md#asymmetric-int4); 8 bits stay symmetric, whose rounding error is
 already small. The integers come
 from round-to-nearest (RTN) or, given the Hessian of a MatMul's inputs on calibration
 prompts, from GPTQ (`specx.build.gptq`), which rounds one input row at a time and
@@ -34,14 +34,14 @@ the 4-bit top k.
 Quantized weights are computed when the graph is saved, one MatMul at a time, and the source
 weight's memory map is released after it, so building a model larger than memory works.
 
-Kept rather than onnxruntime's `MatMulNBitsQuantizer` (benchmarks/weight_only_quantizers.py):
+Kept rather than onnxruntime's `MatMulNBitsQuantizer` (docs/decisions.md#own-weight-only-pass):
 its default (C++) RTN writes the same scales and the same codes but for a handful (one step
 apart, where w / scale is within 1e-6 of a half), but it loads the whole float model first
 (`onnx.load`), so its peak memory grows with the model and it takes longer, where this pass
 holds one weight at a time. Its RTN config (the Neural Compressor port) is another rule,
 with a larger weight error and more memory still. Neither has the rescored 4-bit lm_head
-above. The figures behind these choices: benchmarks/README.md, "Decisions in
-`specx/graphs/weight_only.py`".
+above. The figures behind these choices: docs/decisions.md#weights-in-4-or-8-bits,
+#rescored-4-bit-lm-head, #asymmetric-int4, #own-weight-only-pass.
 """
 
 from __future__ import annotations
@@ -71,8 +71,8 @@ __all__ = [
 
 MS_DOMAIN = "com.microsoft"
 # What a build quantizes. "draft": a head's step streams its weights (a one-layer head plus a
-# vocabulary-wide output projection, a real cost per depth on pyref-deep: benchmarks/README.md,
-# "Decisions in `specx/graphs/weight_only.py`") while the target stays float, so its verify
+# vocabulary-wide output projection, a real cost per depth on pyref-deep:
+# docs/decisions.md#draft-scope) while the target stays float, so its verify
 # cost curve stays flat and trees keep greedy identity.
 SCOPES = ("all", "draft")
 

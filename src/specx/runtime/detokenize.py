@@ -12,8 +12,8 @@ the text grows by `tokenizers.decoders.DecodeStream` chunks: whenever DecodeStre
 one, the chunks so far equal the full decode (checked at all 6.5k steps of
 tests/test_detokenize.py's random streams, split multi-byte characters, invalid bytes and
 special tokens among them, and at 160k steps once). A pushed token then costs about the
-same at any length, where decoding everything again grows with it (benchmarks/README.md,
-"Decisions in `specx/runtime/detokenize.py`"). Kept from the hand-written version:
+same at any length, where decoding everything again grows with it
+(docs/decisions.md#decode-stream). Kept from the hand-written version:
 
 - Other decoders (byte fallback: Llama 2, Mistral, Gemma) decode in full on every step.
   There, DecodeStream raised "Invalid prefix" on 677 of 1500 random-id streams (on none of

@@ -325,7 +325,7 @@ class Engine:
         next request drafts as on a fresh engine. A drafter whose proposals depend on its
         request alone (`learns_across_requests` False: heads, draft models, n-gram) stays
         pooled with its sessions open, as a server keeps it (what reopening them cost each
-        request: benchmarks/README.md, idle_cost.py).
+        request: docs/decisions.md#pooled-drafters-survive-reset).
         """
         self.plans.reset_drafters()
 

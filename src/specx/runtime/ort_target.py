@@ -130,8 +130,8 @@ class OrtTarget(DecoderBackend):
 
         Plain decoding is one small run per token, so what surrounds the run counts: through
         `forward` (fresh inputs and outputs bound, mask built, shapes checked) a pyref-7m
-        step spends markedly more time in Python than here (benchmarks/README.md,
-        "Decisions in `specx/runtime/ort_target.py`"). A step writes the tokens, positions
+        step spends markedly more time in Python than here
+        (docs/decisions.md#decode-step-bound-buffers). A step writes the tokens, positions
         and mask into bound arrays and rebinds only the mask, whose width grows; the
         returned logits (and taps) are overwritten by the next step.
         """

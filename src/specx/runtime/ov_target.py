@@ -13,8 +13,8 @@ builds do per weight block), which the build records.
 
 Row invariance: greedy speculation is lossless when a token's logits are the same alone (a
 decode step) and among a verify chunk's rows. OpenVINO's compressed-weight kernels compute a
-single row on another path than several (at int4 enough to move logits visibly: benchmarks/
-README.md, edge.py), while rows of chunks of 2 or more come out bit-identical whatever the
+single row on another path than several (at int4 enough to move logits visibly:
+docs/decisions.md#ov-pad-row), while rows of chunks of 2 or more come out bit-identical whatever the
 chunk. So a one-token forward runs as two rows (a copy of the token at the next position,
 seeing itself: `_with_pad_row`), its second row's outputs dropped and its key and value never
 written; the cache has a spare slot for it (`KVCache.spare_slots`).
@@ -147,7 +147,7 @@ class OvTarget(DecoderBackend):
         """Binds the cache's buffers as the `past_*` inputs, unless they already are.
 
         Bound once per cache rather than passed with every call, which wraps 2 x layers
-        arrays each time (what that costs: benchmarks/README.md, edge.py). The bound arrays
+        arrays each time (what that costs: docs/decisions.md#ov-bind-cache). The bound arrays
         are kept, so their memory cannot go to another array while bound.
         """
         if len(buffers) == len(self._bound) and all(

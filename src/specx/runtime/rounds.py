@@ -198,7 +198,7 @@ def verify_round(loop: LoopState, proposed: list[DraftTree], arranged: list[Arra
 
 # A probe's cost is paid at once (a wider forward, and the slower step after it) and all it
 # can buy is the rounds left: a stretch that would end with fewer tokens left than this runs
-# to the request's end instead (benchmarks/README.md, controller.py).
+# to the request's end instead (docs/decisions.md#probe-tail).
 PROBE_TAIL = 8
 
 
@@ -271,7 +271,7 @@ def plain_stretch(
 
     Plain decoding's own loop (`generate_plain`): a request or batch that does not
     speculate must not pay for the speculative round's bookkeeping (what that cost:
-    benchmarks/README.md, controller.py). The drafter hears of the stretch once, at its
+    docs/decisions.md#idle-rounds-in-plain-loop). The drafter hears of the stretch once, at its
     end: each row's taps of every step.
 
     Returns:

@@ -13,7 +13,7 @@ afresh: it still adds exactly 0.0, and no two layers share weights. Measured rea
 OpenVINO export of the zeroed-output expansion of pyref-7m (pyref-1b, 1.085B parameters)
 was a fraction of onnxruntime-genai's size at int4, because OpenVINO stores identical
 constants once, so it would read only part of a real model's weights per token
-(benchmarks/README.md, "Decisions in `specx/training/block_expansion.py`").
+(docs/decisions.md#distinct-copies).
 
 The stream entering layer i is the stream after the real layers placed before i, which
 decides what a hidden-state tap at layer i reads (EAGLE-3 reads layers 2, N//2, N-3).

@@ -39,7 +39,7 @@ draft there, judged by the tokens the steps emitted, is learnt from as a verifie
 probe without paying for one (suffix decoding's rows only where they decode alone: see
 `ConfidenceController.idled`). On pyref-7m's first requests at T = 1, batch 1, where most
 asks had found nothing or been rejected, n-gram went from 0.87x to 0.94x plain and suffix
-decoding from 0.88x to 0.94x (benchmarks/README.md, controller.py).
+decoding from 0.88x to 0.94x (docs/decisions.md#replays).
 
 Never losing without calibration is the controllers' job, from a request's first round:
 what they assume before measuring is cheap to be wrong about (plain first rounds, one-node
@@ -51,7 +51,7 @@ rules remember across an engine's requests at one setting: the sized rule the ac
 its rows start from (`AcceptanceMemory`), suffix drafting's rule when asking last paid
 (`AskingMemory`), so that a setting where drafts lose stops paying for them.
 Calibration adds the batch threshold and the tree. Starting from a calibration's recorded
-acceptance and costs instead was measured worse (benchmarks/README.md, controller.py): its
+acceptance and costs instead was measured worse (docs/decisions.md#no-start-from-calibration): its
 prompts misjudge a given request more than a measured plain round and a one-node probe.
 """
 
@@ -99,7 +99,7 @@ def controller_for(
     `costs`: round costs earlier requests timed, which `AdaptiveController` starts from and
     goes on updating (suffix drafting's rule learns its own). `memory`: when earlier
     requests' windows of asking last paid, for suffix drafting's rule only
-    (`AdaptiveController` with it lost n-gram's greedy gains: benchmarks/README.md).
+    (`AdaptiveController` with it lost n-gram's greedy gains: docs/decisions.md#asking-memory).
     `acceptance`: the p_d earlier requests found, where `AdaptiveController`'s lone rows start.
     `trial`: what the request's first draft costs it (a drafter that sizes its own drafts has
     no prefill).

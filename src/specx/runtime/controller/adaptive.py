@@ -44,7 +44,7 @@ class AdaptiveController:
     """The rule in the module docstring.
 
     Scheduling details, each for the cost of rounds that do not draft (what each was
-    measured to buy: benchmarks/README.md, controller.py):
+    measured to buy: docs/decisions.md#controller):
     - the first round of a batch is a plain step, so the cost every draft is weighed
       against is measured, not guessed; a batch then waits for its first probe until
       probes are affordable (its rows all draft in a probe round, which costs about two
@@ -102,7 +102,7 @@ class AdaptiveController:
         self.max_nodes = max_nodes
         self.candidates = sorted({0, max_nodes, *(2**i for i in range(8) if 2**i < max_nodes)})
         # A batch is paid by its least lucky row, and a mean over earlier sequences
-        # overstates it: a batch's rows start from the prior (benchmarks/README.md).
+        # overstates it: a batch's rows start from the prior (docs/decisions.md#acceptance-memory).
         start = self.acceptance.accept[: self.schedule.max_depth] if batch == 1 else []
         start += [self.prior] * (self.schedule.max_depth - len(start))
         self.accept = np.tile(start, (batch, 1))  # p_d per row

@@ -209,7 +209,7 @@ FIRST_PLAIN_ROUNDS = 4
 
 # A batch's probe round over a plain step, assumed before any was timed: every row of the
 # batch drafts and the verify forward doubles its width (about 2x at batch 4 on pyref-7m,
-# benchmarks/README.md#controllerpy), so the first probe of a batch waits until it is
+# docs/decisions.md#probe-round-costs), so the first probe of a batch waits until it is
 # affordable rather than landing on round `probe_every`.
 UNTIMED_BATCH_PROBE = 2.0
 

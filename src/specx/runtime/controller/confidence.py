@@ -50,8 +50,8 @@ class ConfidenceController:
     The first round is a plain step, so T(0) is measured.
 
     Trimming after drafting rather than sizing before it keeps matches that
-    `AdaptiveController`, idle between matches, misses (benchmarks/README.md,
-    controller.py).
+    `AdaptiveController`, idle between matches, misses
+    (docs/decisions.md#confidence-trimming).
 
     Each round's k is at most twice the widest forward timed so far: T(k) for a width
     never seen is a one-row guess, far too cheap for a forward of many rows.

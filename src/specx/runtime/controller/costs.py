@@ -20,7 +20,7 @@ class RoundCosts:
     An engine's requests share one (costs are the machine's), so an estimate may live far
     longer than a request, and the rule only re-times a width it picks: a width priced too
     high is never picked again (shared without guards, one stall kept a benchmark cell on
-    1-node drafts throughout: benchmarks/README.md, controller.py). Two guards, both erring
+    1-node drafts throughout: docs/decisions.md#shared-round-costs). Two guards, both erring
     cheap (a width priced too low is picked, so re-timed at once):
     - a timing counts at most `rise` x the width's estimate (for a width not yet timed, what
       the other widths predict): one slow outlier moves an estimate a little, never out of
@@ -88,7 +88,7 @@ class RoundCosts:
         The latest stretch replaces the price rather than moving an average: a request's
         steps grow faster over its first few dozen, so an earlier stretch overprices a step,
         and rounds that ask a drafter for nothing would look free against it
-        (benchmarks/README.md, controller.py).
+        (docs/decisions.md#latest-stretch-prices-step).
         """
         self._stretched = False
         if 1 in self._timed:  # timed before: this timing replaces it, as a first one would

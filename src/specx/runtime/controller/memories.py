@@ -20,7 +20,7 @@ class AcceptanceMemory:
     it rather than from the flat prior: where drafts mostly miss (n-gram at T = 1) a
     request that started at the prior spent its first round on a draft and its next on
     the slower step after it; where they mostly hold it drafts at once, as deep as they
-    held. The rows of a batch start from the prior (benchmarks/README.md, controller.py).
+    held. The rows of a batch start from the prior (docs/decisions.md#acceptance-memory).
     """
 
     prior: float = 0.5
@@ -48,7 +48,7 @@ class AskingMemory:
     An engine keeps one per drafting plan, batch size and sampling setting
     (`plans.PlanState`). Where drafts do not pay (suffix drafting at T > 0 on a small
     target), each window of asking costs a few plain steps: the probe round, wider than a
-    plain step, and the slower first step after it (benchmarks/README.md, controller.py).
+    plain step, and the slower first step after it (docs/decisions.md#asking-memory).
     So the wait between windows is one countdown that goes on from request to request:
     a window that ended in a request without a round that paid doubles `interval` (up to
     `max_interval`, past one request's `max_probe_every`) and sets the next probe that many

@@ -102,8 +102,8 @@ class FeatureHeadDrafter:
 
         Lazily, when the head next reads features: a request the controller keeps plain
         would otherwise pay EAGLE-3's projection at the end of every stretch, one call per
-        row, for positions no draft may ever read (what that cost: benchmarks/README.md,
-        idle_cost.py).
+        row, for positions no draft may ever read (what that cost:
+        docs/decisions.md#taps-projected-when-read).
         """
         rows = [b for b, taps in enumerate(self.unprojected) if taps]
         if not rows:

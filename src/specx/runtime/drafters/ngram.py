@@ -73,8 +73,8 @@ class NGramIndex:
     Every n-gram (min_n <= n <= max_n) not ending at the last token maps to its start
     positions, ascending; each call first indexes what the history gained since the last one.
     The rescan it replaces (three sliding-window compares over the whole history) grew with
-    the history until it was a sizeable share of a pyref-7m verify round (benchmarks/README.md,
-    "Decisions in `specx/runtime/drafters/ngram.py`"); a lookup is a dict access. A history
+    the history until it was a sizeable share of a pyref-7m verify round
+    (docs/decisions.md#ngram-index); a lookup is a dict access. A history
     that is not an extension of the indexed one is indexed afresh.
     """
 

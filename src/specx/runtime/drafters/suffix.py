@@ -48,7 +48,7 @@ class SuffixOptions:
     alpha: float = 4.0  # best of 1, 2, 4 on pyref-7m's HumanEval and mt_bench prompts
     # best of 0.1, 0.2, 0.3, 0.4, 0.5 (0.3-0.5 within noise, all ahead of 0.1) on the same
     # prompts, pyref-7m's lowered build: a node below 0.3 adds less than its verify cost
-    # (benchmarks/README.md, "Decisions in `specx/runtime/drafters/suffix.py`").
+    # (docs/decisions.md#suffix-min-prob).
     min_prob: float = 0.3
     max_match: int = 12
     depth: int = 32  # longest substring kept; a match of m leaves depth - m to continue
@@ -184,7 +184,7 @@ class SuffixDrafter:
         Indexing a prompt is prompt work: it is done with the prefill, not in a round.
         Deferred to the first draft (as heads defer their prefill), it cost the decode of
         every request that asked at all more than it saved those that never did
-        (benchmarks/README.md, controller.py).
+        (docs/decisions.md#suffix-indexes-prompts-with-prefill).
         """
         self.remember(row.history for row in self._rows)
         self._rows = [_Row(self.options.depth) for _ in prompts]
