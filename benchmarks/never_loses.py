@@ -262,7 +262,7 @@ def main() -> None:
     held_out = humaneval[half:] + mt_bench[args.prompts - half :]  # calibration's own
     work = scratch_dir("specx-never-loses-")
     report: dict = {
-        "benchmark": "controller",
+        "benchmark": "never_loses",
         "specx_commit": subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
         ).stdout.strip(),

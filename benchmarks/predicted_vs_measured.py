@@ -119,7 +119,7 @@ def main() -> None:
     tokenizer = TextTokenizer(model_dir / "tokenizer.json")
     calibration_prompts, held = split_prompts(tokenizer)
     report = {
-        "benchmark": "calibration",
+        "benchmark": "predicted_vs_measured",
         "target": "pyref-7m",
         "command": "python -m benchmarks.predicted_vs_measured",
         "machine": {"platform": platform.platform(), "threads": args.threads},
