@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import specx
@@ -90,3 +91,26 @@ def test_the_scan_sees_lazy_imports(tmp_path):
     module = tmp_path / "m.py"
     module.write_text("def f():\n    from specx.training.corpus import x\n    import specx.cli\n")
     assert _imported_packages(module) == {"training", "cli"}
+
+
+def test_the_backend_map_names_every_backend_and_only_modules_that_exist():
+    """`specx/build/__init__.py` maps each backend's lowering, build and runtime target: the
+    one place a newcomer finds a backend's files, kept true here."""
+    import specx.build
+    from specx.build.registry import BACKENDS
+
+    doc = specx.build.__doc__ or ""
+    table = doc[doc.index("    backend ") : doc.index("\n\n", doc.index("    backend "))]
+    rows = table.splitlines()[1:]
+    named = {line.split()[0] for line in rows if not line.startswith("     ")}
+    assert named == set(BACKENDS)
+    lowering, build = slice(17, 47), slice(47, 69)
+    modules = set()
+    for line in rows:
+        modules |= {f"graphs/{m}" for m in re.findall(r"\w+", line[lowering])}
+        modules |= {
+            f"build/{m}" for m in re.findall(r"\w+", re.sub(r"tensorrt\.\w+", "", line[build]))
+        }
+        modules |= {m.replace(".", "/") for m in re.findall(r"(?:runtime|tensorrt)\.\w+", line)}
+    missing = sorted(m for m in modules if not (ROOT / f"{m}.py").is_file())
+    assert not missing, missing

@@ -6,15 +6,26 @@ files of every graph and what the backend records besides (for TensorRT the vers
 compute capability, optimization profiles and engine sha256). The newest build becomes
 `default_build`, which the runtime opens.
 
-Backends (`specx.build.registry`), one module each:
-- `ort` (`specx.build.ort`, the CPU default, and what `specx export` builds): fp32 with
-  TreeAttention lowered to ONNX Runtime's GroupQueryAttention, fp16, and weight-only int4 /
-  int8 (MatMulNBits; round-to-nearest or GPTQ, `specx.build.gptq`);
-- `int8-static` (`specx.build.int8_static`, `specx quantize`): INT8 QDQ with activation
-  ranges calibrated on prompts;
-- `trt` (`specx.build.trt`): lowered, linted TensorRT engines (TensorRT imported only there);
-- `openvino` (`specx.build.openvino`): OpenVINO IR for its CPU plugin, fp32 or weight-only
-  int4 / int8 (OpenVINO imported only there and in its runtime opener).
+Backends (`specx.build.registry`), one build module each; what else each one is made of
+lives by layer (graphs may not import builds, the runtime may not import either):
+
+    backend      lowering (graphs.)            build (build.)        runtime target
+    ort          ort_lowering, weight_only,    ort, gptq             runtime.ort_target
+                 row_invariance, precision
+    int8-static  row_invariance                int8_static           runtime.ort_target
+    openvino     ov_lowering                   openvino              runtime.ov_target
+    trt          trt_lowering, trt_lint        trt (tensorrt.engine, runtime.trt_target
+                                               tensorrt.profiles)
+
+- `ort`: fp32 with TreeAttention lowered to ONNX Runtime's GroupQueryAttention, fp16, and
+  weight-only int4 / int8 (MatMulNBits; round-to-nearest or GPTQ);
+- `int8-static`: INT8 QDQ with activation ranges calibrated on prompts;
+- `openvino`: OpenVINO IR for its CPU plugin, fp32 or weight-only int4 / int8 (OpenVINO
+  imported only there and in its runtime target);
+- `trt`: lowered, linted TensorRT engines; TreeAttention runs as the `specx::TreeAttention`
+  plugin (`tensorrt.plugin`, its kernel `tensorrt.triton_tree_attention`); TensorRT is
+  imported only there. `specx.runtime.backends.OPENERS` maps each build's recorded backend
+  to its runtime target.
 
 Atomic for every backend (`specx.build.staging`). `build_each` (`--backend auto`) builds
 every CPU backend installed; `specx.calibration.build_choice` then times each build on this
