@@ -1,7 +1,8 @@
 """`specx serve`: an OpenAI-compatible HTTP server over one engine (FastAPI + uvicorn).
 
-Endpoints: POST /v1/completions and /v1/chat/completions (SSE streaming and not), GET
-/v1/models, /health and /metrics (Prometheus text). Request handling is the `Service`'s
+Endpoints (the route table, `specx.server.routes`, which the Ray gateway serves too): POST
+/v1/completions and /v1/chat/completions (SSE streaming and not), GET /v1/models, /health
+and /metrics (Prometheus text). Request handling is the `Service`'s
 (`specx.server.service`); decoding runs on its scheduler's thread (continuous batching).
 With API keys set (`ServeOptions.access`, `specx.server.auth`) every path but /health (and
 /metrics if opened) needs one: 401 otherwise. Bodies over `max_body_bytes` get 413 (before
@@ -19,29 +20,20 @@ import threading
 from contextlib import asynccontextmanager
 
 import uvicorn
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi import FastAPI, Request, Response
+from fastapi.responses import StreamingResponse
 
 from specx.runtime.engine import Engine
-from specx.server.auth import Access
 from specx.server.protocol import ApiError
+from specx.server.routes import build_app, to_response
 from specx.server.service import Reply, ServeOptions, Service
 
-__all__ = [
-    "DrainingServer",
-    "ServeOptions",
-    "create_app",
-    "read_body",
-    "require_keys",
-    "serve",
-    "to_response",
-]
+__all__ = ["DrainingServer", "ServeOptions", "create_app", "serve"]
 
 
 def create_app(engine: Engine, options: ServeOptions | None = None) -> FastAPI:
-    """The FastAPI app; its lifespan starts and stops the scheduler thread."""
-    options = options or ServeOptions()
-    service = Service(engine, options, count_requests=False)  # counted at the edge, below
+    """The route table's app over `engine`; its lifespan starts and stops the scheduler thread."""
+    service = Service(engine, options or ServeOptions())
 
     @asynccontextmanager
     async def lifespan(app):
@@ -49,117 +41,35 @@ def create_app(engine: Engine, options: ServeOptions | None = None) -> FastAPI:
         yield
         service.close()
 
-    app = FastAPI(title="specx", lifespan=lifespan)
+    app = build_app(_Local(service), "specx", lifespan)
     app.state.service = service
-    require_keys(app, options.access)
-    # Added last, so outermost: it sees the key check's 401s too.
-    app.add_middleware(_CountResponses, metrics=service.metrics)
-
-    @app.get("/health")
-    async def health():
-        return to_response(service.health())
-
-    @app.get("/v1/models")
-    async def models():
-        return service.models()
-
-    @app.get("/metrics")
-    async def prometheus():
-        return PlainTextResponse(service.metrics.render(), media_type="text/plain; version=0.0.4")
-
-    async def generate(http: Request, chat: bool):
-        try:
-            opened = service.open(await read_body(http, options.max_body_bytes), chat)
-        except ApiError as e:
-            return to_response(service.error(e, chat))
-        if opened.request.stream:
-            return StreamingResponse(service.sse(opened), media_type="text/event-stream")
-        return to_response(await service.reply(opened, http.is_disconnected))
-
-    @app.post("/v1/completions")
-    async def completions(http: Request):
-        return await generate(http, chat=False)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(http: Request):
-        return await generate(http, chat=True)
-
     return app
 
 
-def require_keys(app: FastAPI, access: Access) -> None:
-    """Every request to `app` passes `access.check` first (401 otherwise); no-op without keys.
+class _Local:
+    """The routes' backend in this process: the service itself (its metrics count the edge)."""
 
-    A plain ASGI middleware: Starlette's BaseHTTPMiddleware (`@app.middleware`) wraps the
-    request's receive channel so that `Request.is_disconnected` no longer sees a client
-    leave, and a non-streamed request whose client left would run to its end.
-    """
-    if access.required:
-        app.add_middleware(_RequireKeys, access=access)
+    def __init__(self, service: Service):
+        self.service, self.options, self.counts = service, service.options, service.metrics
 
+    async def health(self) -> Reply:  # noqa: D102
+        return self.service.health()
 
-class _RequireKeys:
-    def __init__(self, app, access: Access):
-        self.app, self.access = app, access
+    async def models(self) -> dict:  # noqa: D102
+        return self.service.models()
 
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http":
-            header = dict(scope["headers"]).get(b"authorization")
-            try:
-                self.access.check(scope["path"], header.decode("latin-1") if header else None)
-            except ApiError as e:
-                refusal = JSONResponse(
-                    e.body(), status_code=e.status, headers={"WWW-Authenticate": "Bearer"}
-                )
-                await refusal(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
+    async def metrics(self) -> str:  # noqa: D102
+        return self.counts.render()
 
-
-ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
-
-
-class _CountResponses:
-    """Counts every response the app sends by route and status, 401s to 503s and GETs too.
-
-    (An unhandled exception's 500 comes from Starlette's own outermost layer, past this one.)
-
-    A path that is no route counts as "other": a scan of made-up paths cannot grow the
-    label set.
-    """
-
-    def __init__(self, app, metrics):
-        self.app, self.metrics = app, metrics
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        route = scope["path"] if scope["path"] in ROUTES else "other"
-
-        async def counted(message) -> None:
-            if message["type"] == "http.response.start":
-                self.metrics.request(route, message["status"])
-            await send(message)
-
-        await self.app(scope, receive, counted)
-
-
-async def read_body(http: Request, limit: int) -> bytes:
-    """The request body, refused (413) as soon as it is over `limit` bytes."""
-    declared = http.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise ApiError(413, f"the request body is over {limit} bytes")
-    body = b""
-    async for part in http.stream():
-        body += part
-        if len(body) > limit:
-            raise ApiError(413, f"the request body is over {limit} bytes")
-    return body
-
-
-def to_response(reply: Reply) -> JSONResponse:  # noqa: D103
-    return JSONResponse(reply.body, status_code=reply.status, headers=reply.headers or None)
+    async def generate(self, raw: bytes, chat: bool, http: Request) -> Response:
+        """Queues the request; streams it, or answers when done (ended if the client leaves)."""
+        try:
+            opened = self.service.open(raw, chat)
+        except ApiError as e:
+            return to_response(self.service.error(e))
+        if opened.request.stream:
+            return StreamingResponse(self.service.sse(opened), media_type="text/event-stream")
+        return to_response(await self.service.reply(opened, http.is_disconnected))
 
 
 def serve(engine: Engine, options: ServeOptions, listening: socket.socket, drain_s: float) -> None:

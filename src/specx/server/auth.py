@@ -1,7 +1,8 @@
 """Who may call the server: API keys, sent as OpenAI's `Authorization: Bearer KEY`.
 
-With keys configured every path but /health (and /metrics when the operator opens it)
-answers 401 with OpenAI's error object unless the request carries one of them. Keys are
+With keys configured every route answers 401 with OpenAI's error object unless the request
+carries one of them or the route's `Guard` (in the route table, `specx.server.routes`) lets
+it in without: /health always, /metrics when the operator opens it. Keys are
 compared in constant time over their SHA-256 digests (neither the key's length nor how
 much of it matched shows in the timing) and never appear in a message or a log line.
 Without keys the server is open, which `check_bind` allows on loopback addresses only
@@ -19,15 +20,23 @@ import hmac
 import ipaddress
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from enum import Enum
 from pathlib import Path
 
 from specx.errors import SpecxError
 from specx.server.protocol import ApiError
 
-__all__ = ["ENV_VAR", "Access", "check_bind", "collect_keys"]
+__all__ = ["ENV_VAR", "Access", "Guard", "check_bind", "collect_keys"]
 
 ENV_VAR = "SPECX_API_KEY"
-OPEN_PATHS = ("/health",)
+
+
+class Guard(Enum):
+    """Which requests a route lets in when the server has keys (without keys: all)."""
+
+    KEY = "key"  # those that carry a key
+    OPEN = "open"  # all: load balancers' health probes carry no key
+    METRICS = "metrics"  # those with a key, or all if the operator opened /metrics
 
 
 def _digest(key: str) -> bytes:
@@ -53,9 +62,9 @@ class Access:
         """True when requests must present a key."""
         return bool(self.keys)
 
-    def check(self, path: str, authorization: str | None) -> None:
-        """Raises ApiError 401 unless `path` is open or `authorization` carries a key."""
-        if not self.keys or path in OPEN_PATHS or (self.open_metrics and path == "/metrics"):
+    def check(self, guard: Guard, authorization: str | None) -> None:
+        """Raises ApiError 401 unless `guard` lets anyone in or `authorization` carries a key."""
+        if not self.keys or guard is Guard.OPEN or (self.open_metrics and guard is Guard.METRICS):
             return
         scheme, _, given = (authorization or "").partition(" ")
         if scheme.lower() != "bearer" or not given.strip():

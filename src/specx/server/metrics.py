@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import threading
 from collections import Counter, defaultdict
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, generate_latest
@@ -54,6 +54,11 @@ class Metrics(Collector):
         with self._lock:
             self.requests[endpoint, status] += 1
 
+    def request_counts(self) -> dict[tuple[str, int], int]:
+        """A copy of the (endpoint, status) counts: what a Ray gateway hands a replica to show."""
+        with self._lock:
+            return dict(self.requests)
+
     def admitted(self, waited_s: float) -> None:  # noqa: D102
         with self._lock:
             self.queue_wait_s += waited_s
@@ -82,19 +87,29 @@ class Metrics(Collector):
                 self.position_hits[d] += rate
                 self.position_seen[d] += 1
 
-    def render(self) -> str:
-        """The exposition text."""
-        return generate_latest(self.registry).decode()
+    def render(self, requests: Mapping[tuple[str, int], int] | None = None) -> str:
+        """The exposition text.
+
+        `requests`: (endpoint, status) counts kept elsewhere, shown instead of this one's: a
+        Ray replica shows its gateway's, which sees every response (`specx.server.ray_serve`).
+        """
+        if requests is None:
+            return generate_latest(self.registry).decode()
+        return generate_latest(_Collected(self._families(requests))).decode()
 
     def collect(self) -> Iterator[Metric]:
         """Every family, read in one hold of the lock."""
+        return iter(self._families(None))
+
+    def _families(self, shown: Mapping[tuple[str, int], int] | None) -> list[Metric]:
         with self._lock:
             requests = CounterMetricFamily(
                 "specx_requests_total",
                 "HTTP requests by endpoint and status",
                 labels=("endpoint", "status"),
             )
-            for (endpoint, status), n in sorted(self.requests.items()):
+            counts = self.requests if shown is None else shown
+            for (endpoint, status), n in sorted(counts.items()):
                 requests.add_metric((endpoint, str(status)), n)
             finish = CounterMetricFamily(
                 "specx_finished_total", "Requests ended, by reason", labels=("reason",)
@@ -112,7 +127,7 @@ class Metrics(Collector):
                 _FAMILIES[kind](f"specx_{name}", help_, value=value)
                 for name, kind, help_, value in self._scalar_rows()
             ]
-        return iter([requests, finish, *scalars, by_position])
+        return [requests, finish, *scalars, by_position]
 
     def _scalar_rows(self) -> list[tuple[str, str, str, float]]:
         return [
@@ -150,3 +165,13 @@ class Metrics(Collector):
             ("prefix_cache_bytes", "gauge", "Bytes of cached blocks", cache.bytes),
             ("prefix_cache_max_bytes", "gauge", "The bound", cache.max_bytes),
         ]  # fmt: skip
+
+
+class _Collected(Collector):
+    """Families already collected, in the shape `generate_latest` reads."""
+
+    def __init__(self, families: list[Metric]):
+        self.families = families
+
+    def collect(self) -> Iterator[Metric]:  # noqa: D102
+        return iter(self.families)

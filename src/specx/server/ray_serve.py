@@ -4,8 +4,9 @@ Two deployments, composed the way Ray Serve composes models:
 - `SpecxModel`, N replicas (Ray actors): each loads and verifies the artifact
   (`specx.load`) and runs a `Service` (its own scheduler, continuous batching). Ray's
   router spreads requests over the replicas and restarts one that dies.
-- `SpecxGateway`, the HTTP ingress: the same endpoints as the local server, forwarding
-  each request to a replica through a deployment handle. When a replica dies mid-request,
+- `SpecxGateway`, the HTTP ingress: the local server's route table
+  (`specx.server.routes`: the same endpoints, bodies, key check and response counts),
+  forwarding each request to a replica through a deployment handle. When a replica dies mid-request,
   Ray raises `RayActorError` in the gateway, which answers 503 with Retry-After and an
   OpenAI error of type "replica_unavailable" (streams that already started get that error
   as their last event): only the dead replica's in-flight requests fail, and a retry
@@ -16,8 +17,9 @@ On a multi-node Ray cluster the same code runs unchanged: `--address` names the 
 (`ray start --head` on one node, `ray start --address HEAD:6379` on the others), replicas
 are placed on any node with a free CPU, and the artifact must be readable at the same
 path on every node (a shared filesystem, or the same directory copied to each).
-/metrics on the gateway is one replica's (Ray routes it like any request); Ray's own
-metrics cover the deployment as a whole.
+/metrics on the gateway counts its every response by route and status (all replicas'
+requests, as they pass through it), with one replica's other families (Ray routes the
+scrape like any request); Ray's own metrics cover the deployment as a whole.
 """
 
 from __future__ import annotations
@@ -27,13 +29,14 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from fastapi import FastAPI, Request
-from fastapi.responses import PlainTextResponse, StreamingResponse
+from fastapi import FastAPI, Request, Response
+from fastapi.responses import StreamingResponse
 from ray import serve
 from ray.exceptions import RayActorError
 
-from specx.server.app import read_body, require_keys, to_response
+from specx.server.metrics import Metrics
 from specx.server.protocol import ApiError
+from specx.server.routes import build_app, to_response
 from specx.server.service import Reply, ServeOptions
 
 __all__ = ["RayOptions", "SpecxGateway", "SpecxModel", "deploy"]
@@ -64,18 +67,22 @@ class SpecxModel:
         # Every reply names its replica (the Ray actor), for operators and for tests.
         self.header = {"x-specx-replica": ray.get_runtime_context().get_actor_name() or ""}
 
+    def health(self) -> Reply:  # noqa: D102
+        return self.service.health()
+
     def models(self) -> dict:  # noqa: D102
         return self.service.models()
 
-    def metrics(self) -> str:  # noqa: D102
-        return self.service.metrics.render()
+    def metrics(self, requests: dict[tuple[str, int], int]) -> str:
+        """This replica's families, with the gateway's request counts (`requests`)."""
+        return self.service.metrics.render(requests)
 
     async def complete(self, raw: bytes, chat: bool) -> Reply:
         """A non-streamed reply; a cancelled call (the client left) ends the job."""
         try:
             opened = self.service.open(raw, chat)
         except ApiError as e:
-            return self.service.error(e, chat)
+            return self.service.error(e)
         reply = await self.service.reply(opened, _connected)
         return Reply(reply.status, reply.body, reply.headers | self.header)
 
@@ -84,7 +91,7 @@ class SpecxModel:
         try:
             opened = self.service.open(raw, chat)
         except ApiError as e:
-            yield self.service.error(e, chat)
+            yield self.service.error(e)
             return
         yield Reply(200, {}, self.header)
         async for line in self.service.sse(opened):
@@ -108,52 +115,42 @@ class SpecxGateway:
 
 
 def gateway_app(model, options: ServeOptions) -> FastAPI:
-    """The gateway's routes; `model` is a deployment handle to the replicas."""
-    app = FastAPI(title="specx (Ray Serve)")
-    require_keys(app, options.access)
+    """The route table's app over the replicas; `model` is a deployment handle to them."""
+    return build_app(_Replicas(model, options), "specx (Ray Serve)")
 
-    @app.get("/health")
-    async def health():
-        return {"status": "ok", "model": (await model.models.remote())["data"][0]["id"]}
 
-    @app.get("/v1/models")
-    async def models():
-        return await model.models.remote()
+class _Replicas:
+    """The routes' backend in the gateway: calls to replicas; the gateway counts responses."""
 
-    @app.get("/metrics")
-    async def metrics():
-        return PlainTextResponse(await model.metrics.remote(), media_type="text/plain")
+    def __init__(self, model, options: ServeOptions):
+        self.model, self.options, self.counts = model, options, Metrics()
 
-    async def generate(http: Request, chat: bool):
-        try:
-            raw = await read_body(http, options.max_body_bytes)
-        except ApiError as e:
-            return to_response(Reply(e.status, e.body()))
+    async def health(self) -> Reply:  # noqa: D102
+        return await self.model.health.remote()
+
+    async def models(self) -> dict:  # noqa: D102
+        return await self.model.models.remote()
+
+    async def metrics(self) -> str:  # noqa: D102
+        return await self.model.metrics.remote(self.counts.request_counts())
+
+    async def generate(self, raw: bytes, chat: bool, http: Request) -> Response:
+        """A replica's reply; 503 "replica_unavailable" if it dies before the reply starts."""
         if not _streaming(raw):
             try:
-                return to_response(await model.complete.remote(raw, chat))
+                return to_response(await self.model.complete.remote(raw, chat))
             except RayActorError as e:
-                return to_response(_replica_died(e, options))
-        stream = model.options(stream=True).stream.remote(raw, chat)
+                return to_response(_replica_died(e, self.options))
+        stream = self.model.options(stream=True).stream.remote(raw, chat)
         try:
             head = await stream.__anext__()
         except RayActorError as e:
-            return to_response(_replica_died(e, options))
+            return to_response(_replica_died(e, self.options))
         if head.status != 200:
             return to_response(head)
         return StreamingResponse(
-            _relay(stream, options), media_type="text/event-stream", headers=head.headers
+            _relay(stream, self.options), media_type="text/event-stream", headers=head.headers
         )
-
-    @app.post("/v1/completions")
-    async def completions(http: Request):
-        return await generate(http, chat=False)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(http: Request):
-        return await generate(http, chat=True)
-
-    return app
 
 
 async def _relay(stream, options: ServeOptions) -> AsyncIterator[str]:

@@ -1,11 +1,11 @@
 """Request handling shared by the local server and Ray replicas: bytes in, replies out.
 
 A `Service` owns an engine's scheduler and metrics. `open` checks a raw request body and
-queues its job (or raises `ApiError`, counted); `reply` waits for a non-streamed result;
-`sse` yields a streamed one as server-sent events. Both end the job if their caller goes
-away (`disconnected`, or the coroutine/generator being cancelled or closed), which frees
-its slot at the next round. The HTTP layers (`specx.server.app`, `specx.server.ray_serve`)
-only move bytes and status codes.
+queues its job (or raises `ApiError`); `reply` waits for a non-streamed result; `sse`
+yields a streamed one as server-sent events. Both end the job if their caller goes away
+(`disconnected`, or the coroutine/generator being cancelled or closed), which frees its
+slot at the next round. The HTTP layers (the route table, `specx.server.routes`, served
+by `specx.server.app` and `specx.server.ray_serve`) only move bytes and status codes.
 """
 
 from __future__ import annotations
@@ -72,14 +72,9 @@ class Opened:
 class Service:
     """One engine behind the OpenAI API (see the module docstring)."""
 
-    def __init__(self, engine: Engine, options: ServeOptions, count_requests: bool = True):
-        """A service over `engine`.
-
-        `count_requests` False: the HTTP layer counts every response itself (the local app,
-        whose edge also sees 401s, 404s and the GET routes).
-        """
+    def __init__(self, engine: Engine, options: ServeOptions):
+        """A service over `engine`; the HTTP edge counts its responses (`specx.server.routes`)."""
         self.engine, self.options = engine, options
-        self.count_requests = count_requests
         if options.chat_template is not None:
             engine.use_chat_template(options.chat_template)
         self.metrics = Metrics()
@@ -111,10 +106,8 @@ class Service:
                  "max_model_len": self.engine.capacity}  # fmt: skip
         return {"object": "list", "data": [model]}
 
-    def error(self, e: ApiError, chat: bool) -> Reply:
-        """`e` as a reply, counted (503s carry Retry-After)."""
-        if self.count_requests:
-            self.metrics.request(_endpoint(chat), e.status)
+    def error(self, e: ApiError) -> Reply:
+        """`e` as a reply (503s carry Retry-After)."""
         retry = {"Retry-After": str(self.options.retry_after_s)} if e.status == 503 else {}
         return Reply(e.status, e.body(), retry)
 
@@ -139,8 +132,6 @@ class Service:
             raise ApiError(400, _too_long(e), "max_tokens") from e
         except SpecxError as e:
             raise ApiError(400, str(e)) from e
-        if self.count_requests:
-            self.metrics.request(_endpoint(chat), 200)
         return Opened(request, job, events, new_id(chat))
 
     async def reply(self, opened: Opened, disconnected: Callable[[], Awaitable[bool]]) -> Reply:
@@ -163,7 +154,7 @@ class Service:
         finally:
             opened.job.cancelled.set()  # a no-op once it finished
         if event.finish_reason in ("error", "timeout"):
-            return self.error(self._failure(event), opened.request.chat)
+            return self.error(self._failure(event))
         return Reply(200, response_body(opened.request, event, self.engine.name, opened.rid))
 
     async def sse(self, opened: Opened) -> AsyncIterator[str]:
@@ -252,7 +243,3 @@ def _too_long(e: CapacityError) -> str:
         f"{e.needed} positions but this model serves {e.capacity}: shorten the prompt or "
         "lower max_tokens"
     )
-
-
-def _endpoint(chat: bool) -> str:
-    return "/v1/chat/completions" if chat else "/v1/completions"
