@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import socket
@@ -9,6 +10,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -352,6 +354,92 @@ def _ray_load_with_a_kill(ray, url):
         assert time.monotonic() < deadline, again.text
         time.sleep(0.5)
     assert again.json()["usage"]["completion_tokens"] == 3
+
+
+class _Handle:
+    """A Ray deployment handle's calls answered in this process: `h.f.remote(*a)` runs f."""
+
+    def __init__(self, target):
+        self.target = target
+
+    def options(self, stream: bool = False) -> _Handle:
+        return self
+
+    def __getattr__(self, name: str):
+        method = getattr(self.target, name)
+
+        async def ready(value):
+            return value
+
+        def remote(*args):
+            out = method(*args)
+            return out if inspect.isasyncgen(out) or inspect.isawaitable(out) else ready(out)
+
+        return SimpleNamespace(remote=remote)
+
+
+def _shape(body):
+    """A JSON body's keys and types, recursively: what must match between the servers."""
+    if isinstance(body, dict):
+        return {k: _shape(v) for k, v in body.items()}
+    if isinstance(body, list):
+        return [_shape(v) for v in body]
+    return type(body).__name__
+
+
+def _request_counts(metrics: str) -> list[str]:
+    return sorted(line for line in metrics.splitlines() if line.startswith("specx_requests_total"))
+
+
+def test_the_local_server_and_the_ray_gateway_serve_one_route_table(artifacts, monkeypatch):
+    """Both apps have the table's routes, and answer every call alike: status, body, count."""
+    ray = pytest.importorskip("ray")
+    pytest.importorskip("ray.serve")
+    from fastapi.routing import APIRoute
+    from fastapi.testclient import TestClient
+
+    from specx.server.auth import Access
+    from specx.server.ray_serve import SpecxModel, gateway_app
+    from specx.server.routes import ROUTES
+
+    # A replica in this process rather than a Ray actor: it asks Ray only its actor's name.
+    actor = SimpleNamespace(get_actor_name=lambda: "replica-0")
+    monkeypatch.setattr(ray, "get_runtime_context", lambda: actor)
+    options = ServeOptions(slots=1, access=Access(("key",)))
+    replica = SpecxModel(str(artifacts["llama"]), 1, options)
+    local = create_app(specx.load(artifacts["llama"], threads=1), options)
+    gateway = gateway_app(_Handle(replica), options)
+    apps = [
+        {(m, r.path) for r in app.routes if isinstance(r, APIRoute) for m in r.methods}
+        for app in (local, gateway)
+    ]
+    assert apps[0] == apps[1] == {(r.method, r.path) for r in ROUTES}
+    body = {"prompt": [5, 9], "max_tokens": 3, "temperature": 0, "ignore_eos": True,
+            "messages": [{"role": "user", "content": "hi"}]}  # fmt: skip
+    calls = [(r.method, r.path, h) for r in ROUTES for h in ({}, {"Authorization": "Bearer key"})]
+    calls += [("GET", "/no-such-path", {}), ("POST", "/health", {})]
+    try:
+        with TestClient(local) as a, TestClient(gateway) as b:
+            for method, path, headers in calls:
+                sent = {"json": body} if method == "POST" else {}
+                one, other = (c.request(method, path, headers=headers, **sent) for c in (a, b))
+                assert one.status_code == other.status_code, (method, path, headers)
+                if path in ("/health", "/v1/models") or one.status_code >= 400:
+                    assert one.json() == other.json(), (method, path, headers)
+                elif path != "/metrics":
+                    choices = [r.json()["choices"][0] for r in (one, other)]
+                    assert _shape(one.json()) == _shape(other.json()), (method, path)
+                    assert choices[0]["token_ids"] == choices[1]["token_ids"]
+            health = [c.get("/health").json() for c in (a, b)]
+            key = {"Authorization": "Bearer key"}
+            counts = [_request_counts(c.get("/metrics", headers=key).text) for c in (a, b)]
+    finally:
+        replica.service.close()
+    assert health[0] == health[1] == {"status": "ok", "model": replica.models()["data"][0]["id"]}
+    assert counts[0] == counts[1]
+    for row in ('endpoint="/health",status="200"} 3.0', 'endpoint="/v1/models",status="401"} 1.0',
+                'endpoint="other",status="401"} 1.0'):  # fmt: skip
+        assert f"specx_requests_total{{{row}" in counts[0], counts[0]
 
 
 def test_the_serve_command_serves_and_refuses_bad_options(artifacts, tmp_path):
