@@ -21,24 +21,15 @@ import torch
 
 from specx.artifact import atomic_write_text, check_parents
 from specx.errors import SpecxError
-from specx.export.checkpoint import load_checkpoint
+from specx.export.checkpoint import Checkpoint, load_checkpoint
 from specx.export.config import load_target_config
-from specx.export.heads.eagle3 import Eagle3Head
 from specx.training.corpus import read_texts, token_windows
-from specx.training.heads import HEAD_KINDS, new_head, save_head, trainable_head
-from specx.training.objectives import (
-    draft_model_loss,
-    eagle_loss,
-    medusa_loss,
-    unrolled,
-    unrolled_loss,
-)
+from specx.training.kinds import DrafterKind, drafter_kind
 from specx.training.regenerate import continue_windows, is_regenerated, read_windows
-from specx.training.teacher import Teacher, TeacherOutput
+from specx.training.teacher import Teacher
 
-__all__ = ["DRAFTER_KINDS", "TrainConfig", "TrainResult", "check_output", "train_drafter"]
+__all__ = ["TrainConfig", "TrainResult", "check_output", "train_drafter"]
 
-DRAFTER_KINDS = (*HEAD_KINDS, "draft-model")
 STATE_FILE = "train_state.pt"
 REPORT_FILE = "train_report.json"
 
@@ -78,12 +69,6 @@ class TrainResult:
     report: dict[str, Any]
 
 
-def _draft_vocab(windows: np.ndarray, size: int, vocab: int) -> np.ndarray:
-    """The `size` most frequent target tokens of the training windows (ties: lower id)."""
-    counts = np.bincount(windows.reshape(-1), minlength=vocab)
-    return np.sort(np.argsort(-counts, kind="stable")[:size])
-
-
 def _on_policy(target_dir: Path, windows: np.ndarray, cfg: TrainConfig) -> np.ndarray:
     """Windows started from corpus tokens and continued by the target itself.
 
@@ -114,100 +99,23 @@ def _on_policy(target_dir: Path, windows: np.ndarray, cfg: TrainConfig) -> np.nd
 _GENERATE_BATCH = 32
 
 
-def _new_draft_model(config, seed: int, layers: int):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    d = max(32, config.hidden_size // 2)
-    return LlamaForCausalLM(
-        LlamaConfig(
-            vocab_size=config.vocab_size,
-            hidden_size=d,
-            intermediate_size=2 * d + d // 2,
-            num_hidden_layers=layers,
-            num_attention_heads=max(1, config.num_heads // 2),
-            num_key_value_heads=max(1, config.num_kv_heads // 2),
-            tie_word_embeddings=True,
-            max_position_embeddings=config.max_position_embeddings,
-            bos_token_id=config.bos_token_id,
-            eos_token_id=list(config.eos_token_ids) or None,
-        )
-    )
-
-
-def _loss(kind: str, model, windows: torch.Tensor, teacher: TeacherOutput, cfg: TrainConfig):
-    if kind == "eagle3":
-        keep = torch.arange(len(model.d2t)) + model.d2t
-        reachable = torch.zeros(teacher.probs.shape[-1], dtype=torch.bool)
-        reachable[keep] = True
-
-        def on_draft_vocab(probs):
-            # The target's distribution renormalised over the draft vocabulary; with
-            # `mask_unreachable`, positions whose target argmax the head cannot propose
-            # weigh nothing (EAGLE-3's `position_mask`).
-            restricted = probs[..., keep]
-            labels = restricted / restricted.sum(-1, keepdim=True).clamp_min(1e-12)
-            if cfg.mask_unreachable:
-                labels = labels * reachable[probs.argmax(-1)][..., None]
-            return labels
-
-        return unrolled_loss(
-            model, windows, teacher, model.project(teacher.eagle3), cfg.ttt_steps, on_draft_vocab
-        )
-    if kind == "mtp":
-        return unrolled_loss(model, windows, teacher, teacher.last, cfg.ttt_steps)
-    if kind == "eagle":
-        return eagle_loss(model, windows, teacher)
-    if kind == "medusa":
-        return medusa_loss(model, teacher)
-    return draft_model_loss(model, windows, teacher)
-
-
 EVAL_DEPTH = 5  # held-out acceptance is measured for chains this deep
 
 
-def _full_vocab(model, q: torch.Tensor, vocab: int) -> torch.Tensor:
-    """EAGLE-3's draft-vocabulary distribution placed on the target's vocabulary."""
-    if not isinstance(model, Eagle3Head):
-        return q
-    full = q.new_zeros(*q.shape[:-1], vocab)
-    full[..., torch.arange(len(model.d2t)) + model.d2t] = q
-    return full
-
-
 @torch.no_grad()
-def _depth_q(kind: str, model, windows: torch.Tensor, teacher: TeacherOutput):
-    """Yields (q, p) per draft depth: the drafter's and the target's distributions.
+def _acceptance(
+    kind: DrafterKind, model, windows: np.ndarray, teacher: Teacher, batch: int
+) -> list[float]:
+    """Held-out acceptance estimate `sum min(p, q)` by draft depth (first = depth 1).
 
-    Depth d's q is the drafter's distribution of x_{t+d+1} for a chain rooted after x_t
-    whose first d - 1 tokens were accepted (they are the window's own tokens), built from
-    its own earlier outputs as at inference; p is the target's. A draft model reads real
-    tokens at every depth, so its one distribution stands for all depths.
+    A draft model reads real tokens at every depth, so its one estimate stands for all.
     """
-    vocab = teacher.probs.shape[-1]
-    if kind == "draft-model":
-        yield torch.softmax(model(windows).logits[:, 1:-1], -1), teacher.probs[:, 1:-1]
-        return
-    if kind == "medusa":
-        logits = model(teacher.last)  # [B, T, K, V]
-        for k in range(min(EVAL_DEPTH, logits.shape[2])):
-            valid = windows.shape[1] - k - 2
-            yield torch.softmax(logits[:, :valid, k], -1), teacher.probs[:, k + 1 : k + 1 + valid]
-        return
-    features = model.project(teacher.eagle3) if kind == "eagle3" else teacher.last
-    for step, logits in unrolled(model, windows, features, EVAL_DEPTH):
-        q = _full_vocab(model, torch.softmax(logits, -1), vocab)
-        yield q, teacher.probs[:, step + 1 : step + 1 + logits.shape[1]]
-
-
-def _acceptance(kind, model, windows: np.ndarray, teacher: Teacher, batch: int) -> list[float]:
-    """Held-out acceptance estimate `sum min(p, q)` by draft depth (first = depth 1)."""
     was_training = model.training
     model.eval()
     sums: dict[int, list[float]] = {}
     for start in range(0, len(windows), batch):
         chunk = torch.from_numpy(windows[start : start + batch])
-        for depth, (q, p) in enumerate(_depth_q(kind, model, chunk, teacher(chunk))):
+        for depth, (q, p) in enumerate(kind.depths(model, chunk, teacher(chunk), EVAL_DEPTH)):
             sums.setdefault(depth, []).append(torch.minimum(p, q).sum(-1).mean().item())
     model.train(was_training)
     return [float(np.mean(sums[d])) for d in sorted(sums)]
@@ -252,18 +160,14 @@ def check_output(output_dir: Path, sources: Sequence[Path]) -> None:
 
 def _check_request(
     target_dir: Path, corpus: Sequence[str | Path], output_dir: Path, cfg: TrainConfig
-) -> Path:
-    """The checks that need no weights; returns the target's tokenizer.json."""
-    if cfg.kind not in DRAFTER_KINDS:
-        raise SpecxError(f"unknown drafter {cfg.kind!r}; choose one of {', '.join(DRAFTER_KINDS)}")
+) -> tuple[DrafterKind, Path]:
+    """The checks that need no weights; returns the kind and the target's tokenizer.json."""
+    kind = drafter_kind(cfg.kind)
     tokenizer_path = target_dir / "tokenizer.json"
     if not tokenizer_path.is_file():
         raise SpecxError(f"{target_dir} has no tokenizer.json to tokenize the corpus with")
     config, _ = load_target_config(target_dir)
-    if cfg.kind == "eagle3" and config.num_layers < 3:
-        raise SpecxError(
-            f"EAGLE-3 needs a target with at least 3 layers; it has {config.num_layers}"
-        )
+    kind.check(config)
     if cfg.tap_layers is not None and not all(1 <= t <= config.num_layers for t in cfg.tap_layers):
         raise SpecxError(
             f"--tap-layers {list(cfg.tap_layers)} must be in [1, {config.num_layers}] (the states "
@@ -286,7 +190,7 @@ def _check_request(
     check_output(
         output_dir, [target_dir, *map(Path, corpus), *([Path(cfg.init)] if cfg.init else [])]
     )
-    return tokenizer_path
+    return kind, tokenizer_path
 
 
 @dataclass(frozen=True)
@@ -296,6 +200,16 @@ class Windows:
     train: np.ndarray
     held_out: np.ndarray
     regenerated: int  # how many of `train` the target itself continued
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """What a kind builds its drafter from (`DrafterKind.build`)."""
+
+    cfg: TrainConfig
+    checkpoint: Checkpoint
+    windows: Windows
+    teacher: Teacher
 
 
 def _windows(
@@ -334,82 +248,6 @@ def _windows(
     return Windows(train, held[: cfg.max_held_out_windows], count)
 
 
-def _coverage(windows: np.ndarray, ids: np.ndarray, vocab: int) -> float:
-    """The share of `windows`' tokens whose id is in `ids` (a draft vocabulary)."""
-    inside = np.zeros(vocab, dtype=bool)
-    inside[ids] = True
-    return float(inside[windows].mean())
-
-
-def _tap_scale(teacher: Teacher, windows: np.ndarray, count: int = 16) -> torch.Tensor:
-    """1 / the RMS of each tap channel over the first `count` training windows.
-
-    The raw residual streams EAGLE-3 reads are large (pyref-7m: RMS 6-11 a channel, up to
-    34) and uneven, so `fc`'s output swamps the draft layer's own updates at first and Adam
-    moves the weights of loud channels as far as quiet ones. Training on unit-RMS taps is
-    a preconditioner only: the scale is folded into `fc` when the head is saved.
-    """
-    taps = teacher(torch.from_numpy(windows[:count].astype(np.int64))).eagle3
-    assert taps is not None
-    return 1.0 / taps.pow(2).mean((0, 1)).sqrt().clamp_min(1e-6)
-
-
-def _vocab_report(draft_ids: np.ndarray, windows: Windows, vocab: int) -> dict[str, Any]:
-    return {
-        "draft_vocab": len(draft_ids),
-        "coverage_train": _coverage(windows.train, draft_ids, vocab),
-        "coverage_held_out": _coverage(windows.held_out, draft_ids, vocab),
-    }
-
-
-def _initial(cfg: TrainConfig, checkpoint) -> torch.nn.Module | None:
-    """The --init drafter, loaded and checked against the target (None: train a new one)."""
-    if cfg.init is None:
-        return None
-    if cfg.kind != "draft-model":
-        return trainable_head(cfg.kind, Path(cfg.init), checkpoint)
-    from transformers import AutoModelForCausalLM
-
-    try:
-        model = AutoModelForCausalLM.from_pretrained(cfg.init, torch_dtype=torch.float32)
-    except (OSError, ValueError) as e:
-        raise SpecxError(f"--init {cfg.init}: not a draft model transformers can load ({e})") from e
-    if model.config.vocab_size != checkpoint.config.vocab_size:
-        raise SpecxError(
-            f"--init {cfg.init}: vocabulary {model.config.vocab_size} differs from the "
-            f"target's {checkpoint.config.vocab_size}"
-        )
-    return model
-
-
-def _new_model(cfg: TrainConfig, checkpoint, windows: Windows, teacher: Teacher, init=None):
-    """The drafter to train (`init`, or a new one); EAGLE-3's draft vocabulary's coverage."""
-    config = checkpoint.config
-    if cfg.kind == "draft-model":
-        if init is None:
-            init = _new_draft_model(config, cfg.seed, cfg.draft_model_layers)
-        return init, {}
-    model, vocab = init, {}
-    if cfg.kind == "eagle3":
-        if model is None:
-            draft_ids = _draft_vocab(
-                windows.train, cfg.draft_vocab or config.vocab_size, config.vocab_size
-            )
-            model = new_head(
-                cfg.kind, config, checkpoint.state_dict, draft_ids, tap_layers=cfg.tap_layers
-            )
-        else:
-            draft_ids = (torch.arange(len(model.d2t)) + model.d2t).numpy()
-        vocab = _vocab_report(draft_ids, windows, config.vocab_size)
-        if cfg.normalise_taps:  # an --init head's fc reads raw taps: unfold the scale
-            model.tap_scale = _tap_scale(teacher, windows.train)
-            if init is not None:
-                model.fc.weight.data.div_(model.tap_scale)
-    elif model is None:
-        model = new_head(cfg.kind, config, checkpoint.state_dict, medusa_heads=cfg.medusa_heads)
-    return model, vocab
-
-
 def train_drafter(
     target_dir: str | Path,
     corpus: Sequence[str | Path],
@@ -434,7 +272,7 @@ def train_drafter(
     data_dirs = [Path(d) for d in data]
     held_dir = None if held_out is None else Path(held_out)
     inputs = [*map(Path, corpus), *data_dirs, *([held_dir] if held_dir else [])]
-    tokenizer_path = _check_request(target_dir, inputs, output_dir, cfg)
+    kind, tokenizer_path = _check_request(target_dir, inputs, output_dir, cfg)
     for directory in inputs[len(corpus) :]:
         if not is_regenerated(directory):
             raise SpecxError(f"{directory} is not a directory written by `specx regenerate`")
@@ -448,24 +286,20 @@ def train_drafter(
             windows.held_out,
             windows.regenerated + len(extra),
         )
-    init = _initial(cfg, checkpoint)
+    init = None if cfg.init is None else kind.load(Path(cfg.init), checkpoint)
     taps = cfg.tap_layers if init is None else getattr(init, "tap_layers", None)
     teacher = Teacher(checkpoint.config, checkpoint.state_dict, taps)
     torch.manual_seed(cfg.seed)
-    model, vocab = _new_model(cfg, checkpoint, windows, teacher, init)
+    model, vocab = kind.build(Inputs(cfg, checkpoint, windows, teacher), init)
     if vocab:
         progress(
             f"draft vocabulary {vocab['draft_vocab']}: covers {vocab['coverage_train']:.4f} of "
             f"the training tokens, {vocab['coverage_held_out']:.4f} of the held-out ones"
         )
-    run = _Run(cfg, model, windows, teacher, output_dir, progress)
+    run = _Run(kind, cfg, model, windows, teacher, output_dir, progress)
     run.train()
     model.eval()
-    if cfg.kind == "draft-model":
-        model.save_pretrained(output_dir)
-        (output_dir / "tokenizer.json").write_bytes(tokenizer_path.read_bytes())
-    else:
-        save_head(model, output_dir, checkpoint.raw_config)
+    kind.save(model, output_dir, checkpoint, tokenizer_path)
     report = {
         "kind": cfg.kind,
         "config": {**cfg.__dict__, "tap_layers": cfg.tap_layers and list(cfg.tap_layers)},
@@ -495,8 +329,11 @@ class _Run:
     a resumed run continues the same curve and reaches the same weights.
     """
 
-    def __init__(self, cfg, model, windows: Windows, teacher, output_dir: Path, progress):
-        self.cfg, self.model, self.windows, self.teacher = cfg, model, windows, teacher
+    def __init__(
+        self, kind: DrafterKind, cfg, model, windows: Windows, teacher, output_dir: Path, progress
+    ):
+        self.kind, self.cfg, self.model, self.windows = kind, cfg, model, windows
+        self.teacher = teacher
         self.progress = progress
         model.train()
         self.optimizer = torch.optim.AdamW(
@@ -541,7 +378,7 @@ class _Run:
 
     def _measure(self, step: int) -> float:
         by_depth = _acceptance(
-            self.cfg.kind, self.model, self.windows.held_out, self.teacher, self.cfg.batch
+            self.kind, self.model, self.windows.held_out, self.teacher, self.cfg.batch
         )
         self.curve.append(
             {
@@ -562,7 +399,7 @@ class _Run:
         with torch.autocast("cpu", torch.bfloat16, enabled=cfg.bf16), warnings.catch_warnings():
             # RMSNorm's fp32 scale on bf16 input takes torch's unfused path, and says so.
             warnings.filterwarnings("ignore", "Mismatch dtype between input and weight")
-            loss = _loss(cfg.kind, self.model, batch, labels, cfg)
+            loss = self.kind.loss(self.model, batch, labels, cfg)
         self.optimizer.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
