@@ -248,3 +248,54 @@ def test_init_refuses_what_would_change_its_shape(teacher_dir, tmp_path):
             teacher_dir, CORPUS, tmp_path / "x", config("draft-model", init=str(tmp_path / "a"))
         )
     assert not (tmp_path / "m").exists()
+
+
+def test_the_cli_takes_kinds_from_the_registry(teacher_dir, tmp_path, monkeypatch):
+    """`specx train` lists, refuses and checks options of kinds by the registry alone, and
+    refuses an unknown kind before the library is called or anything is written."""
+    from specx.training import loop
+    from specx.training.kinds import KINDS
+
+    def never(*args, **kwargs):
+        raise AssertionError("the CLI called the library")
+
+    monkeypatch.setattr(loop, "train_drafter", never)
+    args = [str(teacher_dir), "--corpus", CORPUS[0], "-o", str(tmp_path / "x")]
+    unknown = CliRunner().invoke(main, ["train", "hydra", *args])
+    assert unknown.exit_code == 2, unknown.output
+    assert f"unknown drafter 'hydra'; choose one of {', '.join(KINDS)}" in unknown.output
+    refused = CliRunner().invoke(main, ["train", "medusa", *args, "--ttt-steps", "2"])
+    assert refused.exit_code == 2
+    assert "--ttt-steps applies only to eagle3 and mtp training, not medusa" in refused.output
+    assert not (tmp_path / "x").exists()
+    described = CliRunner().invoke(main, ["train", "--help"]).output
+    line = " ".join(described.split()).partition("KIND: ")[2].partition(".")[0]
+    assert set(line.replace(",", " ").split()) - {"or"} == set(KINDS)
+
+
+def test_training_compares_no_kind_with_a_kind_name():
+    """What differs by kind is its object in the registry (`specx.training.kinds`): no
+    `kind == "eagle3"` (or `!=`, `in`) is left in training or its command."""
+    import ast
+
+    import specx
+    from specx.training.kinds import KINDS
+
+    def names_a_kind(node) -> bool:
+        constants = node.elts if isinstance(node, ast.Tuple | ast.List | ast.Set) else [node]
+        return any(isinstance(c, ast.Constant) and c.value in KINDS for c in constants)
+
+    def is_kind(node) -> bool:
+        return (isinstance(node, ast.Name) and node.id == "kind") or (
+            isinstance(node, ast.Attribute) and node.attr == "kind"
+        )
+
+    root = Path(specx.__file__).parent
+    found = []
+    for path in [*sorted((root / "training").rglob("*.py")), root / "cli" / "train.py"]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Compare):
+                sides = [node.left, *node.comparators]
+                if any(map(is_kind, sides)) and any(map(names_a_kind, sides)):
+                    found.append(f"{path.relative_to(root)}:{node.lineno}")
+    assert not found, found

@@ -104,15 +104,6 @@ def regenerate(
     click.echo(run(target_dir, corpus, output_dir, config, progress=progress))
 
 
-_TRAIN_ONLY = {
-    "draft_vocab": ("eagle3",),
-    "tap_layers": ("eagle3",),
-    "normalise_taps": ("eagle3",),
-    "ttt_steps": ("eagle3", "mtp"),
-    "medusa_heads": ("medusa",),
-}
-
-
 def _tap_layers(text: str | None) -> tuple[int, ...] | None:
     if text is None:
         return None
@@ -123,7 +114,7 @@ def _tap_layers(text: str | None) -> tuple[int, ...] | None:
 
 
 @click.command()
-@click.argument("kind", type=click.Choice(["eagle3", "eagle", "medusa", "mtp", "draft-model"]))
+@click.argument("kind")
 @click.argument("target_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.option("--corpus", multiple=True, help=_CORPUS_HELP)
 @click.option(
@@ -228,10 +219,19 @@ def train(
     save_every: int,
     bf16: bool,
 ) -> None:
-    """Distil a KIND drafter against the target in TARGET_DIR (soft labels from the target)."""
-    for name, kinds in _TRAIN_ONLY.items():
+    """Distil a KIND drafter against the target in TARGET_DIR (soft labels from the target).
+
+    KIND: eagle3, eagle, medusa, mtp or draft-model.
+    """
+    require_extra("train")
+    from specx.training.kinds import KIND_OPTIONS, KINDS, drafter_kind
+    from specx.training.loop import TrainConfig, train_drafter
+
+    drafter = drafter_kind(kind)
+    for name in sorted(KIND_OPTIONS - drafter.options):
         flags = passed(ctx, name)
-        if flags and kind not in kinds:
+        if flags:
+            kinds = [k.name for k in KINDS.values() if name in k.options]
             raise SpecxError(only_applies(flags, f"{' and '.join(kinds)} training, not {kind}"))
     shaped = passed(ctx, "tap_layers", "draft_vocab", "medusa_heads")
     if init is not None and shaped:
@@ -240,9 +240,6 @@ def train(
         )
     if not corpus and not data:
         raise SpecxError("give --corpus text or --data windows (or both) to train on")
-    require_extra("train")
-    from specx.training.loop import TrainConfig, train_drafter
-
     config = TrainConfig(
         kind,
         steps=steps,
