@@ -97,7 +97,7 @@ def _stale(manifest, precision: str) -> bool:
     if build is None or precision != "int4":
         return build is None
     wanted = weight_only_config(manifest, BuildOptions("ort", precision)).record()
-    return any(build.quantization.get(k) != v for k, v in wanted.items())
+    return any(build.quantization.details.get(k) != v for k, v in wanted.items())
 
 
 class TransformersPlain:

@@ -21,6 +21,7 @@ from specx.manifest_types import (
     DynamicChoice,
     GraphEntry,
     ModelSpec,
+    Quantization,
     TapSpec,
     TensorSpec,
     TreeChoice,
@@ -62,7 +63,7 @@ def test_a_build_is_typed_and_selected(artifact):
     manifest = load_manifest(artifact)
     build = manifest.build
     assert isinstance(build, BuildEntry) and build.backend == "ort"
-    assert build.greedy_identity == "chains" and build.quantization["mode"] == "int8"
+    assert build.quantization == Quantization("chains", details={"mode": "int8"})
     assert manifest.runtime_graph("target").kv_spare_slots == 1
     assert manifest.with_build(None).build is None
     assert manifest.with_build(None).data["default_build"] is None  # what a writer writes back
@@ -77,6 +78,14 @@ FLOAT_BUILD = {"backend": "ort", "precision": "fp32", "graphs": {}}
         (
             {"builds": {"q": {**FLOAT_BUILD, "quantization": {"greedy_identity": "most"}}}},
             "builds.q.quantization: greedy_identity must be one of all, chains, none",
+        ),
+        (
+            {"builds": {"q": {**FLOAT_BUILD, "quantization": {"padding_row": "yes"}}}},
+            "builds.q.quantization: padding_row must be true or false",
+        ),
+        (
+            {"builds": {"q": {**FLOAT_BUILD, "quantization": {"activation_group": 0}}}},
+            "builds.q.quantization: activation_group must be a positive integer",
         ),
         ({"builds": {"q": {**FLOAT_BUILD, "gpu": 3}}}, "builds.q: gpu must be a string"),
         ({"drafter": {"kind": "eagle3", "graph": "draft_head"}}, "drafter: taps is missing"),
@@ -167,7 +176,9 @@ SECTIONS = [
         "int4",
         "builds/ort-int4.1",
         {"target": HEAD},
-        quantization={"bits": 4, "greedy_identity": "chains", "quantized_matmuls": {"t": 3}},
+        quantization=Quantization(
+            "chains", padding_row=False, details={"bits": 4, "quantized_matmuls": {"t": 3}}
+        ),
         onnxruntime_version="1.22.0",
         lowering={"target": "gqa"},
     ),
@@ -181,6 +192,9 @@ SECTIONS = [
         gpu="H200",
     ),
     BuildEntry("ort", "fp32"),
+    Quantization(),
+    Quantization("none", padding_row=True),
+    Quantization("chains", activation_group=64, details={"bits": 4, "drafts": {"bits": 4}}),
     DrafterSpec(
         "eagle3",
         "draft_head",
@@ -253,11 +267,64 @@ def test_optional_fields_at_their_defaults_are_left_out():
     assert TreeChoice("chain 3", "chain", chain_length=3).to_json() == CHAIN_3
 
 
-def test_greedy_identity_is_read_from_the_quantization_record():
-    assert BuildEntry("ort", "fp32").greedy_identity == "all"
-    assert BuildEntry("ort", "int8", quantization={"greedy_identity": "none"}).greedy_identity == (
-        "none"
-    )
+# Quantization records as the builds wrote them before the record was typed.
+WEIGHT_ONLY_RECORD = {
+    "method": "rtn",
+    "bits": 4,
+    "block_size": 32,
+    "symmetric": False,
+    "accuracy_level": 4,
+    "output_projection_bits": 4,
+    "output_projection_rescored_top_k": 16,
+    "scope": "all",
+    "quantized_matmuls": {"target": {"4": 17}, "draft_head": {"4": 6}},
+    "padding_row": False,
+    "greedy_identity": "chains",
+}
+OPENVINO_RECORD = {
+    "bits": 4,
+    "block": 64,
+    "symmetric": False,
+    "activation_group": 64,
+    "output_bits": 8,
+    "greedy_identity": "chains",
+    "drafts": {**WEIGHT_ONLY_RECORD, "quantized_matmuls": {"draft_head": {"4": 6}}},
+}
+INT8_RECORD = {
+    "mode": "int8",
+    "method": "QDQ",
+    "source": "target.onnx",
+    "quantized_matmuls": {"quantized": 17, "total": 17},
+    "calibration_prompts": 3,
+    "calibration_tokens": 24,
+    "accuracy": {"top1_agreement": 0.98},
+    "greedy_identity": "chains",
+}
+
+
+def test_quantization_records_written_before_the_type_load_and_write_back(artifact):
+    exported = load_manifest(artifact).data["graphs"]
+    records = {"ort-int4": WEIGHT_ONLY_RECORD, "openvino-int4": OPENVINO_RECORD}
+    records |= {"ort-int8": INT8_RECORD, "ort-int8-draft": {"scope": "draft", "bits": 8}}
+    build = {"backend": "ort", "precision": "int8", "directory": None, "graphs": exported}
+    builds = {name: {**build, "quantization": q} for name, q in records.items()}
+    _rewrite(artifact, builds=builds, default_build="ort-int4")
+    on_disk = (artifact / "manifest.json").read_bytes()
+    manifest = load_manifest(artifact)
+    weight_only = manifest.builds["ort-int4"].quantization
+    assert (weight_only.greedy_identity, weight_only.padding_row) == ("chains", False)
+    assert weight_only.activation_group is None and weight_only.details["block_size"] == 32
+    openvino = manifest.builds["openvino-int4"].quantization
+    assert (openvino.activation_group, openvino.padding_row) == (64, None)
+    assert openvino.details["drafts"] == OPENVINO_RECORD["drafts"]
+    assert manifest.builds["ort-int8"].quantization.greedy_identity == "chains"
+    assert manifest.builds["ort-int8-draft"].quantization.greedy_identity == "all"
+    for name, record in records.items():
+        assert manifest.builds[name].quantization.to_json() == record
+    # Written through the typed values, the manifest is the same bytes.
+    typed = {name: entry.to_json() for name, entry in manifest.builds.items()}
+    write_manifest(artifact, {**manifest_body(manifest), "builds": typed})
+    assert (artifact / "manifest.json").read_bytes() == on_disk
 
 
 def _assert_sections_write_what_is_on_disk(root) -> None:

@@ -301,7 +301,7 @@ def test_activations_are_quantized_per_weight_block(artifacts, tmp_path):
     config = WeightOnlyConfig(4, block_size=64)
     build_artifact(artifact, BuildOptions("openvino", "int4", weight_only=config))
     manifest = load_manifest(artifact)
-    assert manifest.build.quantization["activation_group"] == 64
+    assert manifest.build.quantization.activation_group == 64
     compiled = compile_graph(manifest, "target", threads=1)
     assert compiled.get_property("DYNAMIC_QUANTIZATION_GROUP_SIZE") == 64
     target = open_decoder(manifest, threads=1)

@@ -163,8 +163,8 @@ def test_row_invariant_targets_pad_lone_query_rows(block_size, lowering, artifac
     build_artifact(artifact, BuildOptions("ort", "int4", weight_only=config, lowering=lowering))
     manifest = load_manifest(artifact)
     build = manifest.build
-    assert build.greedy_identity == "chains"
-    assert build.quantization["padding_row"] == (block_size == 128)
+    assert build.quantization.greedy_identity == "chains"
+    assert build.quantization.padding_row == (block_size == 128)
     lowered = manifest.data["builds"]["ort-int4"].get("lowering")
     assert lowered == ({"target": "gqa"} if lowering == "gqa" else None)
     assert build.graphs["target"].kv_spare_slots == int(lowering == "gqa" or block_size == 128)
@@ -179,7 +179,7 @@ def test_pairing_kernels_break_row_invariance_without_the_padding_row(
     artifact = shutil.copytree(artifacts["llama"], tmp_path / "artifact")
     config = WeightOnlyConfig(block_size=128)
     build_artifact(artifact, BuildOptions("ort", "int4", weight_only=config))
-    assert not load_manifest(artifact).build.quantization["padding_row"]
+    assert load_manifest(artifact).build.quantization.padding_row is False
     with pytest.raises(AssertionError):
         _assert_rows_chunk_invariant(OrtTarget(load_manifest(artifact), threads=2))
 
@@ -191,8 +191,8 @@ def test_an_fp32_builds_lone_row_agrees_with_a_chunk_up_to_the_last_bits(artifac
     artifact = shutil.copytree(artifacts["llama"], tmp_path / "artifact")
     build_artifact(artifact, BuildOptions("ort", "fp32"))
     manifest = load_manifest(artifact)
-    assert manifest.build.greedy_identity == "all"
-    assert not manifest.build.quantization.get("padding_row")
+    assert manifest.build.quantization.greedy_identity == "all"
+    assert not manifest.build.quantization.padding_row
     target = OrtTarget(manifest, threads=2)
     rng = np.random.default_rng(0)
     prompt, tokens = rng.integers(1, 500, 17).tolist(), rng.integers(1, 500, 6).tolist()

@@ -71,13 +71,13 @@ def test_the_int8_build_is_recorded_and_becomes_the_default(quantized):
     assert all(f in manifest.files for f in [target.file, *target.data_files])
     exported = manifest.graph("target")
     assert (target.inputs, target.outputs) == (exported.inputs, exported.outputs)
-    record = build.quantization
+    record = build.quantization.details
     assert record["mode"] == "int8" and "QDQ" in record["method"]
     assert record["calibration_prompts"] == len(prompts)
     assert record["calibration_tokens"] == sum(len(p) for p in prompts)
     assert record["quantized_matmuls"]["quantized"] == record["quantized_matmuls"]["total"] > 0
     assert record["accuracy"] == report["accuracy"]
-    assert record["greedy_identity"] == "chains"
+    assert build.quantization.greedy_identity == "chains"
     assert not [p.name for p in artifact.iterdir() if p.name.startswith(".")]  # no staging left
 
 
@@ -190,7 +190,7 @@ def test_the_cli_reads_jsonl_prompts_and_prints_the_report(artifact, tmp_path):
     assert done.exit_code == 0, done.output
     record = load_manifest(artifact).build
     assert record is not None and record.backend == "ort"
-    assert record.quantization["calibration_prompts"] == 3
+    assert record.quantization.details["calibration_prompts"] == 3
 
 
 @pytest.mark.parametrize(

@@ -141,19 +141,20 @@ def int4_b128(artifacts, tmp_path_factory):
     artifact = shutil.copytree(artifacts["llama"], tmp_path_factory.mktemp("b128") / "artifact")
     config = WeightOnlyConfig(block_size=128)
     build_artifact(artifact, BuildOptions("ort", "int4", weight_only=config))
-    assert load_manifest(artifact).build.quantization["padding_row"]
+    assert load_manifest(artifact).build.quantization.padding_row
     return artifact
 
 
 def test_the_int4_build_is_recorded_with_its_method(int4, artifacts):
     manifest = load_manifest(int4)
     assert manifest.default_build == "ort-int4"
-    record = manifest.build.quantization
+    quantization = manifest.build.quantization
+    record = quantization.details
     # A tiny target's weights sit in cache: blocks of 32, no padding row (build.py).
     assert record["bits"] == 4 and record["block_size"] == 32 and record["method"] == "rtn"
-    assert record["padding_row"] is False
+    assert quantization.padding_row is False and quantization.greedy_identity == "chains"
     assert record["symmetric"] is False and record["accuracy_level"] == 4  # int4: zero points
-    assert record["output_projection_bits"] == 4 and record["greedy_identity"] == "chains"
+    assert record["output_projection_bits"] == 4
     assert record["output_projection_rescored_top_k"] == 16
     assert row_exact(manifest)
     graph = onnx.load(
@@ -188,7 +189,7 @@ def test_a_capped_lm_head_is_found_as_the_output_projection(artifacts, tmp_path,
     (rescore,) = [n for n in graph.node if n.op_type == "ScatterElements"]
     consumers = [n.op_type for n in graph.node if rescore.output[0] in n.input]
     assert consumers in (["Div"], ["Tanh"])  # the cap applies to the rescored logits (/ 1 folds)
-    assert manifest.build.quantization["quantized_matmuls"]["target"] == {"4": 4 * 4 + 1}
+    assert manifest.build.quantization.details["quantized_matmuls"]["target"] == {"4": 4 * 4 + 1}
     prompts = [rng.integers(1, 500, 24).tolist() for _ in range(2)]
     plain = generate_plain(OrtTarget(manifest, threads=2), prompts, 8)
     assert all(len(tokens) == 8 for tokens in plain.tokens)
@@ -232,7 +233,7 @@ def test_head_chains_equal_plain_on_int4_builds(name, head_artifacts, tmp_path, 
     artifact = shutil.copytree(head_artifacts[name], tmp_path / "artifact")
     build_artifact(artifact, BuildOptions("ort", "int4"))
     manifest = load_manifest(artifact)
-    converted = set(manifest.build.quantization["quantized_matmuls"])
+    converted = set(manifest.build.quantization.details["quantized_matmuls"])
     assert converted == set(manifest.graphs) - {"draft_chain"}
     # The one-call chain of an autoregressive head is derived from the quantized head.
     assert ("draft_chain" in manifest.build.graphs) == (name != "medusa")
@@ -281,7 +282,7 @@ def test_cli_builds_gptq_and_refuses_misuse(artifacts, tmp_path):
     ]
     done = runner.invoke(main, args)
     assert done.exit_code == 0, done.output
-    record = load_manifest(artifact).build.quantization
+    record = load_manifest(artifact).build.quantization.details
     assert (record["bits"], record["method"], record["block_size"]) == (8, "gptq", 32)
     assert record["symmetric"] is True  # int8's default
     assert record["output_projection_bits"] == 8
@@ -352,8 +353,8 @@ def test_row_invariance_is_measured_and_recorded(artifacts, tmp_path):
     artifact = shutil.copytree(artifacts["llama"], tmp_path / "artifact")
     build_artifact(artifact, BuildOptions("ort", "int4", weight_only=config))
     quantization = load_manifest(artifact).build.quantization
-    assert quantization["greedy_identity"] == ("chains" if invariance else "none")
-    assert quantization["padding_row"] == (invariance == "padded")
+    assert quantization.greedy_identity == ("chains" if invariance else "none")
+    assert quantization.padding_row == (invariance == "padded")
     if not invariance:
         args = ["generate", str(artifact), "--prompt-ids", "1,2", "--drafter", "ngram"]
         result = CliRunner().invoke(main, args)
@@ -367,8 +368,8 @@ def test_the_block_size_follows_the_targets_size(artifacts, tmp_path, monkeypatc
     artifact = shutil.copytree(artifacts["llama"], tmp_path / "artifact")
     build_artifact(artifact, BuildOptions("ort", "int4"))
     quantization = load_manifest(artifact).build.quantization
-    assert quantization["block_size"] == 128
-    assert quantization["padding_row"] == (
+    assert quantization.details["block_size"] == 128
+    assert quantization.padding_row == (
         matmulnbits_row_invariance(WeightOnlyConfig(block_size=128)) == "padded"
     )
 
@@ -384,9 +385,10 @@ def test_a_draft_only_build_quantizes_the_head_and_keeps_the_float_target(
     assert done.exit_code == 0, done.output
     manifest = load_manifest(artifact)
     assert manifest.default_build == "ort-int8-draft"
-    record = manifest.build.quantization
-    assert record["scope"] == "draft" and "greedy_identity" not in record
-    assert set(record["quantized_matmuls"]) == {"draft_head"}
+    quantization = manifest.build.quantization
+    assert quantization.details["scope"] == "draft" and quantization.greedy_identity == "all"
+    assert "greedy_identity" not in quantization.to_json()
+    assert set(quantization.details["quantized_matmuls"]) == {"draft_head"}
     assert not row_exact(manifest)  # the target is float: every logit is exact
 
     def ops(name: str) -> list[str]:

@@ -15,9 +15,10 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Mapping
 from pathlib import PurePosixPath
-from typing import Any
+from typing import Any, get_args
 
 from specx.errors import ArtifactError
+from specx.manifest_types import GreedyIdentity
 
 __all__ = ["check_manifest_types"]
 
@@ -82,9 +83,11 @@ _BUILD_OPTIONAL = {
     "quantization": (lambda v: isinstance(v, dict), "an object"),
     **{name: (_is(str), "a string") for name in ("tensorrt_version", "compute_capability", "gpu")},
 }
-_GREEDY_IDENTITY = ("all", "chains", "none")
+_GREEDY_IDENTITY = get_args(GreedyIdentity)
 _QUANTIZATION_OPTIONAL = {
-    "greedy_identity": (lambda v: v in _GREEDY_IDENTITY, f"one of {', '.join(_GREEDY_IDENTITY)}")
+    "greedy_identity": (lambda v: v in _GREEDY_IDENTITY, f"one of {', '.join(_GREEDY_IDENTITY)}"),
+    "padding_row": (lambda v: isinstance(v, bool), "true or false"),
+    "activation_group": (_positive_int, "a positive integer"),
 }
 _IO = {
     "name": (_is(str), "a string"),

@@ -14,8 +14,8 @@ inverse of `from_json`: `X.from_json(x.to_json()) == x`, and a section as a writ
 reads back and writes out unchanged (older forms, e.g. an entry without its sampling
 setting, are written in the current one). Optional fields at their defaults are left out,
 as the writers always left them. What only people and reports read stays a JSON mapping in
-the value that records it: a build's `quantization` (its keys differ by backend), the
-drafter's `source`, a calibration's `report` and its choice's `measured` numbers.
+the value that records it: a build's quantization `details` (their keys differ by backend),
+the drafter's `source`, a calibration's `report` and its choice's `measured` numbers.
 
 Standard library only: the runtime imports this module.
 """
@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 from specx.errors import ArtifactError
 
@@ -39,7 +39,9 @@ __all__ = [
     "DrafterSpec",
     "DynamicChoice",
     "GraphEntry",
+    "GreedyIdentity",
     "ModelSpec",
+    "Quantization",
     "TapSpec",
     "TensorSpec",
     "TreeChoice",
@@ -204,33 +206,71 @@ class GraphEntry:
         )
 
 
+# What of greedy speculation a build keeps identical to its own plain decoding: "all" (a
+# float build), "chains" (rows invariant: chains as they are, trees through their spine,
+# `specx.runtime.spine`) or "none" (`specx generate` warns for any drafter).
+GreedyIdentity = Literal["all", "chains", "none"]
+_QUANTIZATION_FIELDS = ("greedy_identity", "padding_row", "activation_group")
+
+
+@dataclass(frozen=True)
+class Quantization:
+    """A build's quantization: the fields the runtime and the builds decide by, typed.
+
+    `details` is the rest of the backend's record, which only people and reports read: a
+    weight-only configuration and its MatMul counts per graph, a static INT8 accuracy
+    report, an OpenVINO build's weight form and its draft graphs' record (`drafts`). The
+    JSON is one object, the typed fields beside the details, as the builds always wrote it.
+    A float build's is empty.
+    """
+
+    greedy_identity: GreedyIdentity = "all"  # left out of the JSON at "all", as builds leave it
+    # An ONNX Runtime target with int8-compute MatMulNBits (accuracy level 4): True where its
+    # whole graph runs a padding row (`PadRowPass`), False where its attention alone pads.
+    # None: no such target.
+    padding_row: bool | None = None
+    # OpenVINO: the group a compressed MatMul's activations are quantized over to int8
+    # (`specx.runtime.ov_target` compiles with it). None: uncompressed, the plugin's default.
+    activation_group: int | None = None
+    details: Json = field(default_factory=dict)
+
+    @classmethod
+    def from_json(cls, data: Json) -> Quantization:  # noqa: D102
+        return cls(
+            greedy_identity=data.get("greedy_identity", "all"),
+            padding_row=data.get("padding_row"),
+            activation_group=data.get("activation_group"),
+            details=_rest(data, _QUANTIZATION_FIELDS),
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        """The record as the builds write it ({} for a float build)."""
+        identity = None if self.greedy_identity == "all" else self.greedy_identity
+        return {**self.details} | _present(
+            greedy_identity=identity,
+            padding_row=self.padding_row,
+            activation_group=self.activation_group,
+        )
+
+    def with_details(self, **details: Any) -> Quantization:
+        """This record with `details` added (replacing any of the same name)."""
+        return dataclasses.replace(self, details={**self.details, **details})
+
+
 @dataclass(frozen=True)
 class BuildEntry:
-    """One `specx build` result: the runtime that opens it and its graphs.
-
-    `quantization` stays the backend's JSON record (a weight-only configuration, a static
-    INT8 accuracy report: its keys differ by backend and only reports read them), except
-    `greedy_identity`, which the runtime reads (the property of that name).
-    """
+    """One `specx build` result: the runtime that opens it and its graphs."""
 
     backend: str  # the opener in `specx.runtime.backends.OPENERS`
     precision: str
     directory: str | None = None  # builds/<name>.<id>; None: it reuses the exported files
     graphs: Mapping[str, GraphEntry] = field(default_factory=dict)
-    quantization: Json = field(default_factory=dict)  # {} for a float build
+    quantization: Quantization = field(default_factory=Quantization)  # empty: a float build
     onnxruntime_version: str | None = None  # an ONNX Runtime build's, for reports
     lowering: Mapping[str, str] = field(default_factory=dict)  # graph -> "gqa" where lowered
     tensorrt_version: str | None = None  # a TensorRT build's: what its engines need here
     compute_capability: str | None = None
     gpu: str | None = None
-
-    @property
-    def greedy_identity(self) -> str:
-        """What of greedy speculation the build keeps identical to its plain decoding.
-
-        "all", "chains" or "none", as `quantization` records it (a float build: "all").
-        """
-        return str(self.quantization.get("greedy_identity", "all"))
 
     def engine_mismatches(
         self, tensorrt_version: str | None, compute_capability: str | None
@@ -266,7 +306,7 @@ class BuildEntry:
             precision=data["precision"],
             directory=data.get("directory"),
             graphs={name: GraphEntry.from_json(g) for name, g in data["graphs"].items()},
-            quantization=data.get("quantization") or {},
+            quantization=Quantization.from_json(data.get("quantization") or {}),
             onnxruntime_version=data.get("onnxruntime_version"),
             lowering=data.get("lowering") or {},
             tensorrt_version=data.get("tensorrt_version"),
@@ -281,7 +321,7 @@ class BuildEntry:
             "directory": self.directory,  # null, not absent: the build has no files of its own
             "graphs": {name: g.to_json() for name, g in self.graphs.items()},
         } | _present(
-            quantization=dict(self.quantization) or None,
+            quantization=self.quantization.to_json() or None,
             onnxruntime_version=self.onnxruntime_version,
             lowering=dict(self.lowering) or None,
             tensorrt_version=self.tensorrt_version,

@@ -39,7 +39,7 @@ from specx.artifact import Manifest, load_manifest
 from specx.build.registry import BuildJob, BuildOptions, BuildOutput, Progress
 from specx.build.staging import exported_entries, graph_entry
 from specx.errors import BuildError
-from specx.manifest_types import BuildEntry, TensorSpec
+from specx.manifest_types import BuildEntry, Quantization, TensorSpec
 from specx.masks import causal_mask
 
 if TYPE_CHECKING:
@@ -132,7 +132,7 @@ class Int8Static:
             else ""
         )
         job.progress(f"[int8] {loss}top-1 agreement {accuracy['top1_agreement']:.3f}")
-        quantization = {
+        details = {
             "mode": self.mode,
             "method": METHOD,
             "source": manifest.graph("target").file,
@@ -140,11 +140,10 @@ class Int8Static:
             "calibration_prompts": len(prompts),
             "calibration_tokens": tokens,
             "accuracy": accuracy,
-            # Greedy speculation is bit-identical to plain decoding of this build for chain
-            # drafts (specx.graphs.row_invariance); trees are not covered.
-            "greedy_identity": "chains",
         }
-        return _entry(manifest, job.output, quantization)
+        # Greedy speculation is bit-identical to plain decoding of this build for chain
+        # drafts (specx.graphs.row_invariance); trees are not covered.
+        return _entry(manifest, job.output, Quantization("chains", details=details))
 
 
 BACKEND = Int8Static()
@@ -190,7 +189,7 @@ def quantize_artifact(
     return {
         "build": name,
         "directory": build.directory,
-        **build.quantization,
+        **build.quantization.to_json(),
         "seconds": seconds,
     }
 
@@ -535,7 +534,7 @@ def _count_quantized_matmuls(path: Path) -> dict[str, int]:
     return {"quantized": len(quantized), "total": len(matmuls)}
 
 
-def _entry(manifest: Manifest, output: BuildOutput, quantization: dict[str, Any]) -> BuildEntry:
+def _entry(manifest: Manifest, output: BuildOutput, quantization: Quantization) -> BuildEntry:
     """The build's manifest entry: the quantized target, every other graph as exported."""
     import onnxruntime as ort
 

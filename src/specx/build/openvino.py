@@ -41,7 +41,7 @@ from specx.errors import BuildError
 from specx.graphs.ov_lowering import lower_for_openvino
 from specx.graphs.signature import graph_signature
 from specx.graphs.weight_only import BlockQuantized, WeightOnlyConfig, quantize_rtn
-from specx.manifest_types import BuildEntry, GraphEntry
+from specx.manifest_types import BuildEntry, GraphEntry, Quantization
 
 if TYPE_CHECKING:
     import openvino as ov
@@ -82,6 +82,16 @@ class _Compression:
         if config is None:
             return None
         return cls(config.bits, config.block, config.is_symmetric, activation_group=config.block)
+
+    def record(self) -> Quantization:
+        """The build's quantization: its weights' form, the activation group to compile with.
+
+        Chains only, as ONNX Runtime's int8-compute builds: a tree's accepted path sits at
+        other cache slots than plain decoding's, and int8 activations can flip on a last bit.
+        """
+        weights = dataclasses.asdict(self)
+        del weights["activation_group"]
+        return Quantization("chains", activation_group=self.activation_group, details=weights)
 
 
 def _onnx_runtime_only(config: WeightOnlyConfig | None) -> list[str]:
@@ -143,13 +153,10 @@ class OpenVino:
             }
         job.progress("[openvino] lowering the target and reading it")
         graphs["target"] = self._graph(ov, job, "target", compression)
-        quantization: dict = {}
-        if compression is not None:
-            # Chains only, as ONNX Runtime's int8-compute builds: a tree's accepted path sits at
-            # other cache slots than plain decoding's, and int8 activations can flip on a last bit.
-            quantization = dataclasses.asdict(compression) | {"greedy_identity": "chains"}
-        if drafts is not None and drafts.quantization:
-            quantization["drafts"] = drafts.quantization
+        quantization = Quantization() if compression is None else compression.record()
+        drafts_record = {} if drafts is None else drafts.quantization.to_json()
+        if drafts_record:
+            quantization = quantization.with_details(drafts=drafts_record)
         return BuildEntry(
             self.runtime,
             job.options.precision,

@@ -17,8 +17,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-from collections.abc import Collection, Mapping, Sequence
-from typing import Any
+from collections.abc import Collection, Sequence
 
 import numpy as np
 import onnx
@@ -39,7 +38,7 @@ from specx.graphs.weight_only import (
     quantized_matmuls,
     rtn,
 )
-from specx.manifest_types import BuildEntry, GraphEntry
+from specx.manifest_types import BuildEntry, GraphEntry, Quantization
 
 __all__ = [
     "BACKEND",
@@ -118,12 +117,12 @@ def _build_ort(
 
     from specx.sessions import load_session
 
-    quantization: dict[str, Any] = {}  # a weight-only build's record, completed per graph
+    quantization = Quantization()  # a weight-only build's record, completed per graph
     lowering: dict[str, str] = {}
     if options.precision in WEIGHT_ONLY:
         config = weight_only_config(manifest, options)
         options = dataclasses.replace(options, weight_only=config)
-        quantization = config.record()
+        quantization = Quantization(details=config.record())
     lower = options.lowering == "gqa" and options.precision != "fp16" and gqa_available()
     if options.lowering == "gqa" and not lower:
         progress("[ort] no GroupQueryAttention lowering (fp16, or this ONNX Runtime lacks it)")
@@ -137,7 +136,9 @@ def _build_ort(
                 continue  # the chain: derived from the built head below
             progress(f"[ort] converting {name} to {options.precision}")
             quantizer = _quantizer(manifest, name, options, prompts, progress)
-            model = _convert(load_graph(manifest, name), name, options, quantization, quantizer)
+            model, quantization = _convert(
+                load_graph(manifest, name), name, options, quantization, quantizer
+            )
             padded = _needs_row_invariance(name, quantization)
             if lower and _lower(manifest, model, padded == "attention"):
                 lowering[name] = "gqa"
@@ -266,15 +267,15 @@ def _lower(manifest: Manifest, model: ir.Model, pad_single_rows: bool) -> bool:
     return norms or attention
 
 
-def _needs_row_invariance(name: str, quantization: Mapping[str, Any]) -> str | None:
+def _needs_row_invariance(name: str, quantization: Quantization) -> str | None:
     """Where a graph that keeps greedy identity by row invariance (int8 activations) pads.
 
     "graph": the whole graph already runs a padding row (`PadRowPass`); "attention": its
     GroupQueryAttention must get one, never to see a lone query row; None: no need.
     """
-    if name != "target" or quantization.get("greedy_identity") != "chains":
+    if name != "target" or quantization.greedy_identity != "chains":
         return None
-    return "graph" if quantization.get("padding_row") else "attention"
+    return "graph" if quantization.padding_row else "attention"
 
 
 # Targets with at least this many MatMul weights stream them from memory on any CPU (at 4
@@ -299,27 +300,35 @@ def _convert(
     model: ir.Model,
     name: str,
     options: BuildOptions,
-    quantization: dict[str, Any],
+    quantization: Quantization,
     quantizer: Quantizer,
-) -> ir.Model:
-    """The graph at the build's precision; weight-only builds add to their `quantization`."""
+) -> tuple[ir.Model, Quantization]:
+    """The graph at the build's precision, and the build's `quantization` with its part.
+
+    A weight-only graph adds its count of quantized MatMuls; an int8-compute target, the
+    row invariance its greedy identity rests on.
+    """
     if options.precision == "fp32":
-        return model
+        return model, quantization
     if options.precision in PRECISIONS:
-        return ConvertPrecisionPass(PRECISIONS[options.precision])(model).model
+        return ConvertPrecisionPass(PRECISIONS[options.precision])(model).model, quantization
     config = options.weight_only
     assert config is not None, "a weight-only precision has its config (weight_only_config)"
     if not config.quantizes(name):
-        return model
+        return model, quantization
     WeightOnlyQuantizePass(config, quantizer)(model)
-    quantization.setdefault("quantized_matmuls", {})[name] = quantized_matmuls(model)
+    counts = {**quantization.details.get("quantized_matmuls", {}), name: quantized_matmuls(model)}
+    quantization = quantization.with_details(quantized_matmuls=counts)
     if name == "target" and config.accuracy_level == 4:
         # int8 activations amplify last-bit differences, as static INT8 does: the same remedy
         # for attention, and MatMulNBits must itself treat a row alone as among others.
         RowInvariantPass()(model)
         invariance = matmulnbits_row_invariance(config)
-        quantization["padding_row"] = invariance == "padded"
-        quantization["greedy_identity"] = "chains" if invariance else "none"
+        quantization = dataclasses.replace(
+            quantization,
+            greedy_identity="chains" if invariance else "none",
+            padding_row=invariance == "padded",
+        )
         if invariance is None:
             log.warning(
                 "MatMulNBits at block size %d does not compute a row alone as among others "
@@ -327,7 +336,7 @@ def _convert(
                 "differ from its plain decoding (blocks of 32 do not)",
                 config.block_size,
             )
-    return model
+    return model, quantization
 
 
 BACKEND = OnnxRuntime()

@@ -15,7 +15,7 @@ from typing import Any
 from specx.artifact import MANIFEST_NAME, Manifest
 from specx.drafter_name import DrafterName
 from specx.errors import ArtifactError
-from specx.manifest_types import CalibratedSampling, TreeChoice, VerifyShape
+from specx.manifest_types import CalibratedSampling, GreedyIdentity, TreeChoice, VerifyShape
 from specx.runtime.backends import build_name
 from specx.runtime.drafters.tree_search import DynamicTree, StaticTree, TreeShape
 from specx.runtime.sampling import SamplingParams
@@ -130,7 +130,7 @@ def _distance(setting: CalibratedSampling, wanted: SamplingParams) -> tuple[floa
     return abs(setting.temperature - wanted.temperature), abs(setting.top_p - top_p_wanted)
 
 
-def greedy_identity(manifest: Manifest) -> str:
+def greedy_identity(manifest: Manifest) -> GreedyIdentity:
     """What of greedy speculation the default build keeps identical to its plain decoding.
 
     "all" (float builds: up to last-bit near-ties, see docs/speculative.md), "chains" (INT8 and
@@ -138,7 +138,7 @@ def greedy_identity(manifest: Manifest) -> str:
     kernels treat a row alone differently from rows together on the build machine).
     """
     build = manifest.build
-    return "all" if build is None else build.greedy_identity
+    return "all" if build is None else build.quantization.greedy_identity
 
 
 def row_exact(manifest: Manifest) -> bool:

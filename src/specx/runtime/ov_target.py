@@ -58,7 +58,7 @@ def compile_graph(manifest: Manifest, graph: str, threads: int | None) -> Any:
     stop_spinning()  # the drafts' ONNX Runtime sessions must leave the cores to OpenVINO
     path = manifest.path(manifest.runtime_graph(graph).file)
     config: dict[str, Any] = {"INFERENCE_PRECISION_HINT": "f32", "PERFORMANCE_HINT": "LATENCY"}
-    group = manifest.build.quantization.get("activation_group") if manifest.build else None
+    group = manifest.build.quantization.activation_group if manifest.build else None
     if group is not None:  # the build's rule for compressed MatMuls' activations
         config["DYNAMIC_QUANTIZATION_GROUP_SIZE"] = group
     if threads:
