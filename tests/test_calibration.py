@@ -178,16 +178,15 @@ def test_calibrate_a_draft_model_then_generate_uses_the_choice(artifact, draft_a
     assert acceptance.shape == (3, 3) and 0 < acceptance[0].sum() <= 1  # drafts were accepted
     assert len(report["trees_by_budget"]) > 1 and report["costs"]["verify_curve"]["ms"][0] > 0
     assert set(report["costs"]["chain_draft_ms"]) == {"per_round", "per_depth", "per_node"}
-    assert measured["measured_speedup"] > 0 and len(measured["candidates"]) >= 3
-    labels = [c["label"] for c in measured["candidates"]]
+    assert measured.measured_speedup > 0 and len(measured.candidates) >= 3
+    labels = [c.label for c in measured.candidates]
     assert any(x.startswith("chain") for x in labels)
     # A dynamic candidate is grown from the best-predicted tree when it branches: which tree
     # that is rests on timings, so the rule is checked against the recorded prediction.
     best_tree = max(report["trees_by_budget"], key=lambda t: t["predicted_speedup"])
     branches = best_tree["nodes"] > best_tree["depth"]
     assert any(x.startswith("dynamic") for x in labels) == branches
-    best = max(c["measured_speedup"] for c in measured["candidates"])
-    assert measured["measured_speedup"] == best
+    assert measured.measured_speedup == max(c.measured_speedup for c in measured.candidates)
     assert [b["batch"] for b in report["batch_curve"]] == [1, 2]
     assert entry.max_batch_spec in (0, 1, 2)
 
@@ -248,7 +247,7 @@ def test_calibrate_ngram_picks_a_chain_length(artifact):
     )
     assert entry.choice.tree == "chain"
     assert 1 <= entry.choice.chain_length <= 3
-    assert len(entry.choice.measured["candidates"]) == 3  # every chain length is measured
+    assert len(entry.choice.measured.candidates) == 3  # every chain length is measured
     # The longest step says which candidate it measures, and then which batch size.
     assert [line.split(":")[0] for line in said if line.startswith("  candidate")] == [
         f"  candidate {i}/3" for i in (1, 2, 3)
@@ -318,7 +317,7 @@ def test_on_an_int8_build_trees_are_candidates_and_verified_through_their_spine(
     # the build's verify curve, for the controller's prices (`RoundCosts`)
     assert entry.verify_shape is not None and entry.verify_shape.build == "ort-int8"
     assert entry.verify_shape.tokens[0] == 1 and entry.verify_shape.relative[0] == 1.0
-    labels = [c["label"] for c in entry.choice.measured["candidates"]]
+    labels = [c.label for c in entry.choice.measured.candidates]
     assert any(not label.startswith("chain") for label in labels), labels
 
     def generate(*extra: str):
@@ -456,7 +455,7 @@ def test_suffix_calibration_records_its_batch_threshold_and_generate_uses_it(art
     assert entry.choice.tree == "budget" and entry.choice.nodes == 16
     curve = entry.report["batch_curve"]
     assert [p["batch"] for p in curve] == [1, 2]
-    assert curve[0]["measured_speedup"] == entry.choice.measured["measured_speedup"]
+    assert curve[0]["measured_speedup"] == entry.choice.measured.measured_speedup
     recorded = load_manifest(artifact).data["calibration"]["suffix"]
     assert load_manifest(artifact).calibration("suffix").to_json() == recorded
     choice = calibrated_choice(load_manifest(artifact), "suffix")

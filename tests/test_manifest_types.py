@@ -16,12 +16,14 @@ from specx.manifest_types import (
     BuildEntry,
     CalibratedSampling,
     CalibrationEntry,
+    CandidateTiming,
     DecoderSpec,
     DrafterSpec,
     DynamicChoice,
     GraphEntry,
     ModelSpec,
     Quantization,
+    ShapeMeasures,
     TapSpec,
     TensorSpec,
     TreeChoice,
@@ -158,7 +160,7 @@ STATIC = TreeChoice(
     "static",
     choices=((0,), (1,), (0, 0)),
     nodes=3,
-    measured={"depth": 2, "measured_speedup": 1.4, "candidates": [{"label": "chain 1"}]},
+    measured=ShapeMeasures(2, 1.6, 1.3, 1.4, (CandidateTiming("chain 1", 1.2, 1.1),)),
 )
 
 # Every section with each of its optional fields set, and at its defaults.
@@ -208,7 +210,12 @@ SECTIONS = [
     STATIC,
     TreeChoice("dynamic 13,4,3", "dynamic", dynamic=DynamicChoice(13, 4, 3), nodes=9),
     TreeChoice("chain 3", "chain", chain_length=3),
-    TreeChoice("suffix, 16-node budget", "budget", nodes=16, measured={"measured_speedup": 2.0}),
+    TreeChoice(
+        "suffix, 16-node budget", "budget", nodes=16, measured=ShapeMeasures(measured_speedup=2.0)
+    ),
+    ShapeMeasures(),
+    ShapeMeasures(model_speedup=1.2, other={"predicted_speedup": 1.3}),
+    CandidateTiming("chain 1", 1.2, 1.1),
     CalibratedSampling(0.7, 0.9),
 ]
 
@@ -232,6 +239,66 @@ def test_a_calibration_entry_reads_back_what_it_writes():
 
 
 CURVE = VerifyShape("ort-int4", (1, 2, 4, 8), (1.0, 1.2, 1.5, 2.3))
+
+# A choice as `specx calibrate` wrote it before its measures were typed, and one of a
+# calibration older still (a prediction under another name, no measured speedup).
+RECORDED_CHOICE = {
+    "label": "static 3 nodes, depth 2",
+    "tree": "static",
+    "choices": [[0], [1], [0, 0]],
+    "nodes": 3,
+    "depth": 2,
+    "expected_accepted": 1.6,
+    "model_speedup": 1.3,
+    "measured_speedup": 1.4,
+    "candidates": [
+        {"label": "chain 2", "model_speedup": 1.2, "measured_speedup": 1.1},
+        {"label": "static 3 nodes, depth 2", "model_speedup": 1.3, "measured_speedup": 1.4},
+    ],
+}
+OLDER_CHOICE = {"label": "chain 3", "tree": "chain", "chain_length": 3, "predicted_speedup": 1.5}
+
+
+def test_recorded_choices_load_typed_and_write_back_unchanged(artifact):
+    entries = {
+        key: {"choice": choice, "max_batch_spec": 1, "expected_speedup": 1.4}
+        for key, choice in (("eagle3", RECORDED_CHOICE), ("ngram", OLDER_CHOICE))
+    }
+    _rewrite(artifact, calibration=entries)
+    manifest = load_manifest(artifact)
+    measured = manifest.calibration("eagle3").choice.measured
+    assert measured == ShapeMeasures(
+        2,
+        1.6,
+        1.3,
+        1.4,
+        (
+            CandidateTiming("chain 2", 1.2, 1.1),
+            CandidateTiming("static 3 nodes, depth 2", 1.3, 1.4),
+        ),
+    )
+    older = manifest.calibration("ngram").choice.measured
+    assert older == ShapeMeasures(other={"predicted_speedup": 1.5})
+    for key, entry in entries.items():
+        # written back in the current form: the greedy setting made explicit
+        assert manifest.calibration(key).to_json() == {**entry, "sampling": SAMPLING_GREEDY}
+
+
+SAMPLING_GREEDY = {"temperature": 0.0, "top_p": 1.0}
+
+
+@pytest.mark.parametrize(
+    ("measures", "message"),
+    [
+        ({"measured_speedup": "fast"}, "measured_speedup must be a number, got 'fast'"),
+        ({"depth": 2.5}, "depth must be an integer, got 2.5"),
+        ({"candidates": [{"label": "chain 2", "measured_speedup": 1.1}]}, "'model_speedup'"),
+    ],
+)
+def test_a_malformed_measure_of_a_choice_is_named(measures, message):
+    entry = {"choice": {**CHAIN_3, **measures}, "max_batch_spec": 1, "expected_speedup": 1.4}
+    with pytest.raises(ArtifactError, match=rf"calibration\.ngram is malformed .*{message}"):
+        CalibrationEntry.from_json("calibration.ngram", entry)
 
 
 def test_a_verify_shape_interpolates_and_extends_its_last_slope():

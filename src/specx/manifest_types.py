@@ -15,7 +15,7 @@ reads back and writes out unchanged (older forms, e.g. an entry without its samp
 setting, are written in the current one). Optional fields at their defaults are left out,
 as the writers always left them. What only people and reports read stays a JSON mapping in
 the value that records it: a build's quantization `details` (their keys differ by backend),
-the drafter's `source`, a calibration's `report` and its choice's `measured` numbers.
+the drafter's `source`, a calibration's `report`.
 
 Standard library only: the runtime imports this module.
 """
@@ -35,6 +35,7 @@ __all__ = [
     "BuildTiming",
     "CalibratedSampling",
     "CalibrationEntry",
+    "CandidateTiming",
     "DecoderSpec",
     "DrafterSpec",
     "DynamicChoice",
@@ -42,6 +43,7 @@ __all__ = [
     "GreedyIdentity",
     "ModelSpec",
     "Quantization",
+    "ShapeMeasures",
     "TapSpec",
     "TensorSpec",
     "TreeChoice",
@@ -383,6 +385,64 @@ class DynamicChoice:
         return dataclasses.asdict(self)
 
 
+@dataclass(frozen=True)
+class CandidateTiming:
+    """One shape calibration timed: what the cost model predicted of it, what it measured."""
+
+    label: str
+    model_speedup: float
+    measured_speedup: float
+
+    @classmethod
+    def from_json(cls, data: Json) -> CandidateTiming:  # noqa: D102
+        speedups = (_number(data, "model_speedup"), _number(data, "measured_speedup"))
+        return cls(str(data["label"]), *speedups)
+
+    def to_json(self) -> dict[str, Any]:  # noqa: D102
+        return dataclasses.asdict(self)
+
+
+_MEASURES = ("depth", "expected_accepted", "model_speedup", "measured_speedup", "candidates")
+
+
+@dataclass(frozen=True)
+class ShapeMeasures:
+    """What calibration recorded of a shape besides the shape, for people and reports.
+
+    None where not recorded: a budget records its measured speedup alone, a candidate has
+    none until it is timed, and entries of older calibrations lack some. The chosen shape
+    lists every candidate timed.
+    """
+
+    depth: int | None = None  # the tree's depth, a chain's length
+    expected_accepted: float | None = None  # draft tokens a round accepts, by the cost model
+    model_speedup: float | None = None  # the cost model's prediction
+    measured_speedup: float | None = None  # over plain decoding, on the calibration prompts
+    candidates: tuple[CandidateTiming, ...] = ()
+    other: Json = field(default_factory=dict)  # what other versions recorded besides: kept
+
+    @classmethod
+    def from_json(cls, data: Json) -> ShapeMeasures:
+        """Raises ValueError naming a measure that is no number; KeyError, a candidate's gap."""
+        return cls(
+            depth=_optional_number(data, "depth", integer=True),
+            expected_accepted=_optional_number(data, "expected_accepted"),
+            model_speedup=_optional_number(data, "model_speedup"),
+            measured_speedup=_optional_number(data, "measured_speedup"),
+            candidates=tuple(map(CandidateTiming.from_json, data.get("candidates", ()))),
+            other=_rest(data, _MEASURES),
+        )
+
+    def to_json(self) -> dict[str, Any]:  # noqa: D102
+        return {**self.other} | _present(
+            depth=self.depth,
+            expected_accepted=self.expected_accepted,
+            model_speedup=self.model_speedup,
+            measured_speedup=self.measured_speedup,
+            candidates=[c.to_json() for c in self.candidates] or None,
+        )
+
+
 _NOT_CHAINS = ("static", "dynamic", "budget")
 
 
@@ -400,15 +460,14 @@ class TreeChoice:
     dynamic: DynamicChoice | None = None
     nodes: int = 0  # its draft nodes; all a budget records (0: not recorded)
     chain_length: int = 0
-    # What calibrate recorded besides, for people and reports: its depth, the predicted
-    # and measured speedups, and the chosen shape's list of candidates.
-    measured: Json = field(default_factory=dict)
+    measured: ShapeMeasures = field(default_factory=ShapeMeasures)
 
     @classmethod
     def from_json(cls, data: Json) -> TreeChoice:
         """The shape's own fields; the rest of `data` becomes `measured`.
 
-        Raises KeyError, TypeError or ValueError if a field of the shape is absent or malformed.
+        Raises KeyError, TypeError or ValueError if a field of the shape or a measured
+        number is absent or malformed.
         """
         tree = str(data["tree"])
         choice = cls(
@@ -419,10 +478,11 @@ class TreeChoice:
             nodes=int(data["nodes"] if tree == "budget" else data.get("nodes", 0)),
             chain_length=0 if tree in _NOT_CHAINS else int(data["chain_length"]),
         )
-        return dataclasses.replace(choice, measured=_rest(data, choice._shape_json()))
+        measured = ShapeMeasures.from_json(_rest(data, choice._shape_json()))
+        return dataclasses.replace(choice, measured=measured)
 
     def to_json(self) -> dict[str, Any]:  # noqa: D102
-        return {**self.measured, **self._shape_json()}
+        return {**self.measured.to_json(), **self._shape_json()}
 
     def _shape_json(self) -> dict[str, Any]:
         """The label and the fields `tree` says describe the shape."""
@@ -638,6 +698,20 @@ def _rest(data: Json, typed: Iterable[str]) -> dict[str, Any]:
     """The fields of `data` besides `typed`: kept, so that a value writes back what it read."""
     typed = set(typed)
     return {name: value for name, value in data.items() if name not in typed}
+
+
+def _number(data: Json, key: str, integer: bool = False) -> Any:
+    """`data[key]` as recorded: a JSON number (an integer where `integer`), else ValueError."""
+    value = data[key]
+    if isinstance(value, bool) or not isinstance(value, int if integer else int | float):
+        expected = "an integer" if integer else "a number"
+        raise ValueError(f"{key} must be {expected}, got {value!r:.60}")
+    return value
+
+
+def _optional_number(data: Json, key: str, integer: bool = False) -> Any:
+    """`_number`, None where `data` has no `key`."""
+    return _number(data, key, integer) if key in data else None
 
 
 def _sampling(entry: Any) -> Any:

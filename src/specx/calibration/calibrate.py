@@ -61,7 +61,9 @@ from specx.errors import CalibrationError, SpecxError
 from specx.manifest_types import (
     CalibratedSampling,
     CalibrationEntry,
+    CandidateTiming,
     DynamicChoice,
+    ShapeMeasures,
     TreeChoice,
     VerifyShape,
 )
@@ -220,14 +222,9 @@ def calibrate_artifact(
         measured.append(_with(candidate, measured_speedup=timing.speedup))
     choice = _with(
         max(measured, key=_speedup),
-        candidates=[
-            {
-                "label": c.label,
-                "model_speedup": c.measured["model_speedup"],
-                "measured_speedup": _speedup(c),
-            }
-            for c in measured
-        ],
+        candidates=tuple(
+            CandidateTiming(c.label, _predicted_speedup(c), _speedup(c)) for c in measured
+        ),
     )
     batch_curve = _batch_curve(target, spec, choice, prompts, options, progress)
     seconds = time.perf_counter() - started
@@ -299,7 +296,7 @@ def _calibrate_budget(manifest, target, spec, prompts, options, sampling, progre
                       "acceptance_length": timing.acceptance_length})  # fmt: skip
     first = curve[0]["measured_speedup"]
     choice = TreeChoice(f"{spec}, {nodes}-node budget", "budget", nodes=nodes,
-                        measured={"measured_speedup": first})  # fmt: skip
+                        measured=ShapeMeasures(measured_speedup=first))  # fmt: skip
     header = _header(manifest, spec, prompts, options, time.perf_counter() - started)
     entry = _entry(choice, curve, sampling, header)
     key = calibration_key(spec, sampling)
@@ -331,14 +328,23 @@ def _entry(
     )
 
 
-def _with(choice: TreeChoice, **numbers: Any) -> TreeChoice:
-    """`choice` with `numbers` added to what calibration recorded of it."""
-    return replace(choice, measured={**choice.measured, **numbers})
+def _with(choice: TreeChoice, **measures: Any) -> TreeChoice:
+    """`choice` with `measures` added to what calibration recorded of it."""
+    return replace(choice, measured=replace(choice.measured, **measures))
 
 
 def _speedup(choice: TreeChoice) -> float:
     """A measured shape's speedup over plain decoding on the calibration prompts."""
-    return float(choice.measured["measured_speedup"])
+    speedup = choice.measured.measured_speedup
+    assert speedup is not None, f"{choice.label}: a candidate is timed before it is chosen"
+    return speedup
+
+
+def _predicted_speedup(candidate: TreeChoice) -> float:
+    """The cost model's speedup for a candidate (`_candidates` records it)."""
+    speedup = candidate.measured.model_speedup
+    assert speedup is not None, f"{candidate.label} is a candidate: it has its prediction"
+    return speedup
 
 
 def _header(manifest, spec: str, prompts, options, seconds: float) -> dict[str, Any]:
@@ -516,9 +522,9 @@ def _candidates(
     return candidates
 
 
-def _predicted(depth: int, expected_accepted: float, speedup: float) -> dict[str, Any]:
+def _predicted(depth: int, expected_accepted: float, speedup: float) -> ShapeMeasures:
     """What the cost model predicts of a candidate, recorded with it."""
-    return {"depth": depth, "expected_accepted": expected_accepted, "model_speedup": speedup}
+    return ShapeMeasures(depth=depth, expected_accepted=expected_accepted, model_speedup=speedup)
 
 
 def _batch_curve(target, spec, choice, prompts, options, progress) -> list[dict[str, Any]]:
@@ -565,4 +571,6 @@ def _milliseconds(cost: DraftCost) -> dict[str, float]:
 
 def _draft_cost_c(cost: DraftCost, choice: TreeChoice, curve) -> float:
     """Draft time of the chosen tree in units of one target step (the seed's c)."""
-    return cost(choice.measured["depth"], choice.nodes) / curve(1)
+    depth = choice.measured.depth
+    assert depth is not None, "a chosen tree or chain has its depth (`_predicted`)"
+    return cost(depth, choice.nodes) / curve(1)
