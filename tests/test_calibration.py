@@ -21,7 +21,9 @@ from specx.build.int8_static import quantize_artifact
 from specx.calibration.acceptance import AcceptanceCounts, probe_choices
 from specx.calibration.calibrate import (
     PAYS,
+    BatchPoint,
     CalibrationOptions,
+    CalibrationRun,
     _candidates,
     _max_batch_spec,
     calibrate_artifact,
@@ -187,12 +189,17 @@ def test_calibrate_a_draft_model_then_generate_uses_the_choice(artifact, draft_a
     branches = best_tree["nodes"] > best_tree["depth"]
     assert any(x.startswith("dynamic") for x in labels) == branches
     assert measured.measured_speedup == max(c.measured_speedup for c in measured.candidates)
-    assert [b["batch"] for b in report["batch_curve"]] == [1, 2]
+    first, second = report["batch_curve"]  # the batch curve's JSON, as always written
+    assert first == {"batch": 1, "measured_speedup": measured.measured_speedup}
+    assert second["batch"] == 2 and set(second) == TIMED_POINT
     assert entry.max_batch_spec in (0, 1, 2)
 
     drafter = f"draft-model:{draft_artifacts['llama']}"
     args = ["generate", str(artifact), "--drafter", drafter, "--max-batch-spec", "1"]
     _assert_generate_follows(entry, args)
+
+
+TIMED_POINT = {"batch", "plain_ms_per_token", "speculative_ms_per_token", "measured_speedup"}
 
 
 def test_candidates_grow_a_dynamic_tree_only_from_a_branching_best_tree():
@@ -360,17 +367,17 @@ def test_the_cost_runs_keep_each_prompts_fastest_pass(artifact, monkeypatch):
     drafter = make_drafter("ngram", target, DrafterOptions(num_draft_tokens=3))
     options = CalibrationOptions(**{**FAST.__dict__, "drafter": "ngram", "repeats": 3})
     monkeypatch.setattr(calibrate_module, "generate_plain", _timed(generate_plain, [5, 2, 9]))
-    assert calibrate_module._run(target, None, PROMPTS[:1], options)["decode_s"] == 2.0
+    assert calibrate_module._run(target, None, PROMPTS[:1], options).decode_s == 2.0
     speculative = _timed(generate_speculative, [4, 1, 3])
     monkeypatch.setattr(calibrate_module, "generate_speculative", speculative)
     observed = []
     run = calibrate_module._run(
         target, drafter, PROMPTS[:1], options, lambda *args: observed.append(args)
     )
-    assert run["decode_s"] == 1.0 and run["rounds"] >= 1
+    assert run.decode_s == 1.0 and run.rounds >= 1
     # Rounds of one pass only (all passes alike); a round where the n-gram drafter found no
     # match is a plain step and verifies no draft.
-    assert 0 < len(observed) <= run["rounds"]
+    assert 0 < len(observed) <= run.rounds
     assert all(len(draft) for _, draft, _ in observed)
 
 
@@ -456,6 +463,7 @@ def test_suffix_calibration_records_its_batch_threshold_and_generate_uses_it(art
     curve = entry.report["batch_curve"]
     assert [p["batch"] for p in curve] == [1, 2]
     assert curve[0]["measured_speedup"] == entry.choice.measured.measured_speedup
+    assert set(curve[1]) == {*TIMED_POINT, "acceptance_length"}  # the batch curve's JSON
     recorded = load_manifest(artifact).data["calibration"]["suffix"]
     assert load_manifest(artifact).calibration("suffix").to_json() == recorded
     choice = calibrated_choice(load_manifest(artifact), "suffix")
@@ -483,11 +491,34 @@ def test_a_batch_size_speculates_only_where_it_measured_a_clear_gain():
     """Idling still costs the loop's bookkeeping: a tie on other prompts is a likely loss."""
 
     def curve(*speedups):
-        return [{"batch": 2**i, "measured_speedup": s} for i, s in enumerate(speedups)]
+        return [BatchPoint(2**i, s) for i, s in enumerate(speedups)]
 
     assert _max_batch_spec(curve(1.4, 1.1, 1.03, 1.2)) == 2  # stops at the first short one
     assert _max_batch_spec(curve(PAYS, PAYS - 0.01)) == 1
     assert _max_batch_spec(curve(1.02, 1.3)) == 0  # a 2% gain at batch 1 stays plain
+
+
+def test_a_calibration_run_sums_its_prompts_and_prices_a_round():
+    plain = sum([CalibrationRun(2.0, 10), CalibrationRun(1.0, 5)], CalibrationRun(0.0, 0))
+    assert plain == CalibrationRun(3.0, 15) and plain.seconds_per_token == pytest.approx(0.2)
+    assert plain.draft_s_per_round == plain.verify_s_per_round == 0.0  # no rounds: 0, no error
+    speculative = CalibrationRun(1.0, 10, 0.3, 0.6, 2) + CalibrationRun(1.0, 8, 0.1, 0.2, 2)
+    assert speculative == CalibrationRun(2.0, 18, 0.4, 0.8, 4)
+    assert speculative.draft_s_per_round == pytest.approx(0.1)
+    assert speculative.verify_s_per_round == pytest.approx(0.2)
+
+
+def test_a_batch_point_is_written_as_calibrate_always_wrote_it():
+    assert BatchPoint(1, 1.4).to_json() == {"batch": 1, "measured_speedup": 1.4}
+    timed = BatchPoint(2, 1.2, 5.0, 4.0).to_json()  # `specx calibrate --json` prints it in order
+    assert list(timed) == [
+        "batch",
+        "plain_ms_per_token",
+        "speculative_ms_per_token",
+        "measured_speedup",
+    ]
+    budget = BatchPoint(1, 1.3, 5.0, 3.8, 2.5).to_json()
+    assert list(budget) == [*timed, "acceptance_length"] and budget["acceptance_length"] == 2.5
 
 
 class _ReshapingTarget:

@@ -54,7 +54,7 @@ import numpy as np
 from specx.artifact import load_manifest, manifest_body, write_manifest
 from specx.calibration.acceptance import AcceptanceCounts, probe_choices
 from specx.calibration.costs import DraftCost, fit_draft_cost, measure_verify_curve
-from specx.calibration.timing import measure_speedup
+from specx.calibration.timing import PairedTiming, measure_speedup
 from specx.calibration.tree_selection import RankedTree, best_trees, chain_expected
 from specx.drafter_name import DrafterName
 from specx.errors import CalibrationError, SpecxError
@@ -78,7 +78,9 @@ from specx.runtime.sampling import SamplingParams
 from specx.runtime.speculative_decoding import generate_speculative
 
 __all__ = [
+    "BatchPoint",
     "CalibrationOptions",
+    "CalibrationRun",
     "batch_summary",
     "calibrate_artifact",
     "predicted_speedup",
@@ -109,6 +111,76 @@ class CalibrationOptions:
             return SamplingParams(self.temperature, top_p=self.top_p, seed=self.seed)
         except ValueError as e:
             raise CalibrationError(f"calibration sampling: {e}") from e
+
+
+@dataclass(frozen=True)
+class CalibrationRun:
+    """Prompts decoded one at a time, each its fastest pass: times summed, prefill excluded.
+
+    Plain decoding has no draft, verify or rounds: they count 0.
+    """
+
+    decode_s: float
+    tokens: int  # new tokens after each prompt's first (at least 1 a prompt)
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    rounds: int = 0
+
+    def __add__(self, other: CalibrationRun) -> CalibrationRun:
+        return CalibrationRun(
+            self.decode_s + other.decode_s,
+            self.tokens + other.tokens,
+            self.draft_s + other.draft_s,
+            self.verify_s + other.verify_s,
+            self.rounds + other.rounds,
+        )
+
+    @property
+    def seconds_per_token(self) -> float:
+        """Decode time per token: plain decoding's is what every speedup is relative to."""
+        return self.decode_s / self.tokens
+
+    @property
+    def draft_s_per_round(self) -> float:
+        """Drafting time per round, a sample of the draft-cost fit (0 for plain decoding)."""
+        return self.draft_s / max(self.rounds, 1)
+
+    @property
+    def verify_s_per_round(self) -> float:
+        """Verify time per round: beside the verify curve, the loop's overhead per round."""
+        return self.verify_s / max(self.rounds, 1)
+
+
+@dataclass(frozen=True)
+class BatchPoint:
+    """Speculation's measured speedup at one batch size: a point of the batch curve.
+
+    The per-token times are None at batch 1 of a tree, which is the choice's own timing.
+    """
+
+    batch: int
+    measured_speedup: float
+    plain_ms_per_token: float | None = None
+    speculative_ms_per_token: float | None = None
+    acceptance_length: float | None = None  # recorded by a drafter that sizes its own trees
+
+    @classmethod
+    def timed(cls, batch: int, timing: PairedTiming) -> BatchPoint:
+        """The point of a paired timing at `batch`."""
+        return cls(
+            batch, timing.speedup, timing.plain_ms_per_token, timing.speculative_ms_per_token
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        """The report's form (`batch_curve`), as calibrate always wrote it: None left out."""
+        recorded = {
+            "batch": self.batch,
+            "plain_ms_per_token": self.plain_ms_per_token,
+            "speculative_ms_per_token": self.speculative_ms_per_token,
+            "measured_speedup": self.measured_speedup,
+            "acceptance_length": self.acceptance_length,
+        }
+        return {name: value for name, value in recorded.items() if value is not None}
 
 
 def predicted_speedup(expected_accepted: float, round_seconds: float, plain_seconds: float):
@@ -161,8 +233,7 @@ def calibrate_artifact(
     started = time.perf_counter()
     setting = "greedy" if sampling.greedy else calibration_key("", sampling)[1:]
     progress(f"[1/5] plain decoding of {len(prompts)} prompts ({setting})")
-    plain = _run(target, None, prompts, options)
-    plain_s = plain["decode_s"] / plain["tokens"]
+    plain_s = _run(target, None, prompts, options).seconds_per_token
 
     progress(f"[2/5] {spec} on a probe tree: top-{top_k} x depth {depth}")
     probe = (
@@ -187,12 +258,12 @@ def calibrate_artifact(
     for length in sorted({1, depth}):
         drafter = _drafter(spec, target, StaticTree.chain(length), options)
         runs.append((length, length, _run(target, drafter, prompts, options)))
-    samples = [(d, n, r["draft_s"] / r["rounds"]) for d, n, r in runs]
+    samples = [(d, n, r.draft_s_per_round) for d, n, r in runs]
     cost, chain_cost = fit_draft_cost(samples), fit_draft_cost(samples[1:])
     context = int(np.mean([len(p) for p in prompts])) + options.max_new_tokens // 2
     sizes = tuple(n for n in VERIFY_SIZES if n <= target.max_tree_tokens)
     curve = measure_verify_curve(target, sizes, context)
-    overhead = float(np.mean([r["verify_s"] / r["rounds"] - curve(n + 1) for _, n, r in runs]))
+    overhead = float(np.mean([r.verify_s_per_round - curve(n + 1) for _, n, r in runs]))
 
     progress("[4/5] choosing trees by predicted speedup")
     p = counts.probabilities()
@@ -290,11 +361,9 @@ def _calibrate_budget(manifest, target, spec, prompts, options, sampling, progre
             target, None, group, options.max_new_tokens, options.repeats, batch, sampling,
             new_drafter=lambda: make_drafter(spec, target, DrafterOptions(threads=options.threads)),
         )  # fmt: skip
-        curve.append({"batch": batch, "plain_ms_per_token": timing.plain_ms_per_token,
-                      "speculative_ms_per_token": timing.speculative_ms_per_token,
-                      "measured_speedup": timing.speedup,
-                      "acceptance_length": timing.acceptance_length})  # fmt: skip
-    first = curve[0]["measured_speedup"]
+        point = BatchPoint.timed(batch, timing)
+        curve.append(replace(point, acceptance_length=timing.acceptance_length))
+    first = curve[0].measured_speedup
     choice = TreeChoice(f"{spec}, {nodes}-node budget", "budget", nodes=nodes,
                         measured=ShapeMeasures(measured_speedup=first))  # fmt: skip
     header = _header(manifest, spec, prompts, options, time.perf_counter() - started)
@@ -308,7 +377,7 @@ def _calibrate_budget(manifest, target, spec, prompts, options, sampling, progre
 
 def _entry(
     choice: TreeChoice,
-    batch_curve: list[dict[str, Any]],
+    batch_curve: list[BatchPoint],
     sampling: SamplingParams,
     report: dict,
     verify: VerifyShape | None = None,
@@ -323,7 +392,7 @@ def _entry(
         max_batch_spec,
         _speedup(choice) if max_batch_spec else 1.0,  # speculation off: plain decoding's speed
         CalibratedSampling(sampling.temperature, sampling.top_p),
-        {**report, "batch_curve": batch_curve},
+        {**report, "batch_curve": [point.to_json() for point in batch_curve]},
         verify,
     )
 
@@ -371,13 +440,13 @@ def _header(manifest, spec: str, prompts, options, seconds: float) -> dict[str, 
 PAYS = 1.05
 
 
-def _max_batch_spec(curve: list[dict[str, Any]]) -> int:
+def _max_batch_spec(curve: list[BatchPoint]) -> int:
     """The largest batch of the curve up to which speculation still paid `PAYS` (0: never)."""
     largest = 0
     for point in curve:
-        if point["measured_speedup"] < PAYS:
+        if point.measured_speedup < PAYS:
             break
-        largest = point["batch"]
+        largest = point.batch
     return largest
 
 
@@ -422,47 +491,40 @@ def _drafter(
     return make_drafter(spec, target, DrafterOptions(tree=shape, threads=options.threads))
 
 
-def _run(target, drafter, prompts, options, observer=None) -> dict[str, Any]:
-    """Decodes the prompts one at a time; returns summed times, tokens and rounds.
+def _run(target, drafter, prompts, options, observer=None) -> CalibrationRun:
+    """Decodes the prompts one at a time; returns their times, tokens and rounds summed.
 
     Each prompt is decoded `options.repeats` times and its fastest pass kept, as the
     candidates are timed: the cost model's inputs (plain ms/token, draft and verify time per
     round) from single passes were biased up by interference and under-predicted every chain
     (docs/decisions.md#calibration-fastest-of-repeats). `observer` sees the first pass only.
     """
-    total = {"decode_s": 0.0, "tokens": 0, "draft_s": 0.0, "verify_s": 0.0, "rounds": 0}
     sampling = options.sampling()
+    fastest = []
     for prompt in prompts:
         passes = [
             _decode(target, drafter, prompt, options, sampling, observer if i == 0 else None)
             for i in range(options.repeats)
         ]
-        fastest = min(passes, key=lambda row: row["decode_s"])
-        for key in total:
-            total[key] += fastest[key]
-    total["rounds"] = max(total["rounds"], 1)
-    return total
+        fastest.append(min(passes, key=lambda run: run.decode_s))
+    return sum(fastest, CalibrationRun(0.0, 0))
 
 
-def _decode(target, drafter, prompt, options, sampling, observer) -> dict[str, Any]:
-    """One prompt's decode: its times (prefill excluded), new tokens after the first, rounds.
-
-    Plain decoding has no draft, verify or rounds: they count 0.
-    """
+def _decode(target, drafter, prompt, options, sampling, observer) -> CalibrationRun:
+    """One prompt's decode: its times (prefill excluded), new tokens after the first, rounds."""
     if drafter is None:
         stats = generate_plain(target, [prompt], options.max_new_tokens, sampling).stats
     else:
         stats = generate_speculative(
             target, drafter, [prompt], options.max_new_tokens, sampling, observer=observer
         ).stats
+    tokens = max(stats.new_tokens - 1, 1)
     spec = stats.speculative
-    return {
-        "decode_s": stats.decode_s,
-        "draft_s": 0 if spec is None else spec.draft_s,
-        "verify_s": 0 if spec is None else spec.verify_s,
-        "rounds": 0 if spec is None else spec.acceptance.rounds,
-        "tokens": max(stats.new_tokens - 1, 1),
-    }
+    if spec is None:
+        return CalibrationRun(stats.decode_s, tokens)
+    return CalibrationRun(
+        stats.decode_s, tokens, spec.draft_s, spec.verify_s, spec.acceptance.rounds
+    )
 
 
 def _candidates(
@@ -527,7 +589,7 @@ def _predicted(depth: int, expected_accepted: float, speedup: float) -> ShapeMea
     return ShapeMeasures(depth=depth, expected_accepted=expected_accepted, model_speedup=speedup)
 
 
-def _batch_curve(target, spec, choice, prompts, options, progress) -> list[dict[str, Any]]:
+def _batch_curve(target, spec, choice, prompts, options, progress) -> list[BatchPoint]:
     """Measured speedup of the chosen tree per batch size (prompts cycled to fill batches).
 
     Batch 1 is the choice's own measurement on the prompts; larger batches are decoded
@@ -536,7 +598,7 @@ def _batch_curve(target, spec, choice, prompts, options, progress) -> list[dict[
     curve = []
     for batch in options.batches:
         if batch == 1:
-            curve.append({"batch": 1, "measured_speedup": _speedup(choice)})
+            curve.append(BatchPoint(1, _speedup(choice)))
             continue
         progress(f"  batch curve: {choice.label} at batch {batch}")
         group = [prompts[i % len(prompts)] for i in range(max(batch, len(prompts)))]
@@ -550,14 +612,7 @@ def _batch_curve(target, spec, choice, prompts, options, progress) -> list[dict[
             batch,
             options.sampling(),
         )
-        curve.append(
-            {
-                "batch": batch,
-                "plain_ms_per_token": timing.plain_ms_per_token,
-                "speculative_ms_per_token": timing.speculative_ms_per_token,
-                "measured_speedup": timing.speedup,
-            }
-        )
+        curve.append(BatchPoint.timed(batch, timing))
     return curve
 
 
