@@ -147,8 +147,8 @@ def main() -> None:
         calibration = CalibrationOptions(
             drafter=spec, threads=args.threads, max_new_tokens=args.new_tokens
         )
-        # as the manifest records it: the report reads its measurements
-        entry = calibrate_artifact(artifact, calibration_prompts, calibration).to_json()
+        # the entry recorded in the manifest: the report reads its measurements
+        entry = calibrate_artifact(artifact, calibration_prompts, calibration)
         manifest = load_manifest(artifact)
         target = OrtTarget(manifest, args.threads)
         choice = calibrated_choice(manifest, spec)
@@ -176,16 +176,18 @@ def main() -> None:
         }
         # What `specx generate` does with the calibration: the chosen tree, or plain decoding
         # when calibration found that speculation does not pay (max_batch_spec 0).
-        speculating = entry["max_batch_spec"] >= 1
-        tree_predicted = entry["choice"]["measured_speedup"]
+        speculating = entry.max_batch_spec >= 1
+        tree_predicted = entry.choice.measured.measured_speedup
         tree_measured = results["calibrated"]["speedup"]
-        predicted = entry["expected_speedup"]
+        predicted = entry.expected_speedup
         measured = tree_measured if speculating else 1.0
         defaults = {k: v["speedup"] for k, v in results.items() if k != "calibrated"}
         report["drafters"][name] = {
-            "choice": {k: v for k, v in entry["choice"].items() if k != "choices"},
-            "acceptance_by_depth_and_rank": entry["acceptance"]["acceptance_by_depth_and_rank"],
-            "draft_cost_c": entry["costs"]["draft_cost_c"],
+            "choice": {k: v for k, v in entry.choice.to_json().items() if k != "choices"},
+            "acceptance_by_depth_and_rank": entry.report["acceptance"][
+                "acceptance_by_depth_and_rank"
+            ],
+            "draft_cost_c": entry.report["costs"]["draft_cost_c"],
             "plain_ms_per_token": results["calibrated"]["plain_ms_per_token"],
             "results": results,
             "speculation_on": speculating,
@@ -201,11 +203,11 @@ def main() -> None:
             "calibrated_tree_at_least_as_fast_as_defaults": all(
                 tree_measured >= s for s in defaults.values()
             ),
-            "max_batch_spec": entry["max_batch_spec"],
-            "batch_curve_calibration": entry["batch_curve"],
+            "max_batch_spec": entry.max_batch_spec,
+            "batch_curve_calibration": entry.report["batch_curve"],
         }
         log(
-            f"[{name}] {entry['choice']['label']}: tree predicted {tree_predicted:.2f}x, "
+            f"[{name}] {entry.choice.label}: tree predicted {tree_predicted:.2f}x, "
             f"measured {tree_measured:.2f}x; speculation {'on' if speculating else 'off'}; "
             f"defaults {defaults}"
         )
@@ -219,7 +221,7 @@ def main() -> None:
             log("[int8] quantizing the eagle artifact on the calibration prompts")
             int8_dir = shutil.copytree(artifact, work / "eagle-int8")
             quantized = quantize_artifact(int8_dir, calibration_prompts, eval_prompts=held)
-            int8_entry = calibrate_artifact(int8_dir, calibration_prompts, calibration).to_json()
+            int8_entry = calibrate_artifact(int8_dir, calibration_prompts, calibration)
             int8_manifest = load_manifest(int8_dir)
             int8_target = OrtTarget(int8_manifest, args.threads)
             int8_choice = calibrated_choice(int8_manifest, spec).shape
@@ -238,8 +240,8 @@ def main() -> None:
                     "fp32": results["calibrated"]["plain_ms_per_token"],
                     "int8": int8["plain_ms_per_token"],
                 },
-                "calibrated_choice": int8_entry["choice"]["label"],
-                "calibrated_speedup": {"predicted": int8_entry["choice"]["measured_speedup"]}
+                "calibrated_choice": int8_entry.choice.label,
+                "calibrated_speedup": {"predicted": int8_entry.choice.measured.measured_speedup}
                 | {"measured": int8["speedup"]},
                 "acceptance_length": {
                     "fp32": results["calibrated"]["acceptance_length"],
