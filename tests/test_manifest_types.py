@@ -369,6 +369,12 @@ INT8_RECORD = {
 }
 
 
+def test_a_null_quantization_field_reads_as_absent():
+    """As the schema checks it (null counts as absent), a float build's identity: all."""
+    record = {"greedy_identity": None, "padding_row": None, "bits": 8}
+    assert Quantization.from_json(record) == Quantization(details={"bits": 8})
+
+
 def test_quantization_records_written_before_the_type_load_and_write_back(artifact):
     exported = load_manifest(artifact).data["graphs"]
     records = {"ort-int4": WEIGHT_ONLY_RECORD, "openvino-int4": OPENVINO_RECORD}

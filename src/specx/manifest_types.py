@@ -239,7 +239,7 @@ class Quantization:
     @classmethod
     def from_json(cls, data: Json) -> Quantization:  # noqa: D102
         return cls(
-            greedy_identity=data.get("greedy_identity", "all"),
+            greedy_identity=data.get("greedy_identity") or "all",  # null: absent, as checked
             padding_row=data.get("padding_row"),
             activation_group=data.get("activation_group"),
             details=_rest(data, _QUANTIZATION_FIELDS),
