@@ -51,7 +51,17 @@ class Schedule:
 
 
 class Controller(Protocol):
-    """Chooses each round's draft size per sequence and learns from what was verified."""
+    """Chooses each round's draft size per sequence and learns from what was verified.
+
+    The loop (`specx.runtime.speculative_decoding`) calls it in this order: `start` once
+    per request; then each round `idle_rounds` first: N > 0 plays N plain steps and reports
+    them to `idled` (no other call that round). Else `sizes` gives each row's budget (all 0
+    and `idle_rounds` > 0: the round opens a stretch, as above); the drafter proposes for
+    the budget; `keep` cuts each proposal to what is verified; after the verify forward
+    (or a plain step where nothing was kept) `observe` hears each row's verdict (after a
+    plain step, only the rows whose ask found nothing), and `timed` the round's costs.
+    `summary` at the end, for the run's stats.
+    """
 
     def start(self, batch: int, max_nodes: int) -> None:
         """Resets per-sequence state for a new batch."""
