@@ -7,7 +7,6 @@ import shutil
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import astuple
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +21,6 @@ from specx.artifact import (
     write_manifest,
 )
 from specx.chat import CHAT_TEMPLATE_FILE, ChatTemplate, read_checkpoint_template
-from specx.drafter_name import DrafterName
 from specx.errors import ExportError
 from specx.export.checkpoint import Checkpoint, load_checkpoint
 from specx.export.config import TargetConfig, load_target_config
@@ -129,7 +127,7 @@ def _check_request(
     Returns:
         The source directories (checkpoint, head), which the export may never replace.
     """
-    from specx.export.heads import HEAD_TAPS
+    from specx.export.heads import HEAD_TAPS, head_source
 
     if max_context < 2:
         raise ExportError(f"--max-context must be at least 2, got {max_context}")
@@ -139,15 +137,11 @@ def _check_request(
         )
     sources = [checkpoint_dir]
     if drafter is not None:
-        kind, directory = astuple(DrafterName.parse(drafter))
-        if kind not in HEAD_TAPS:
-            raise ExportError(f"unknown drafter {kind!r}; export supports {', '.join(HEAD_TAPS)}")
+        kind, directory = head_source(drafter)
         if taps not in (None, HEAD_TAPS[kind]):
             raise ExportError(f"the {kind} head reads --taps {HEAD_TAPS[kind]}, not {taps}")
-        if not directory and kind != "mtp":
-            raise ExportError(f"--drafter {kind} needs a checkpoint directory: {kind}:DIR")
         if directory:
-            sources.append(Path(directory))
+            sources.append(directory)
     check_output_dir(output_dir, overwrite, tuple(sources))
     return tuple(sources)
 

@@ -20,7 +20,7 @@ from specx.export.heads.eagle3 import load_eagle3
 from specx.export.heads.medusa import load_medusa
 from specx.export.heads.mtp import load_mtp
 
-__all__ = ["HEAD_TAPS", "load_head"]
+__all__ = ["HEAD_TAPS", "head_source", "load_head"]
 
 # Which target taps each head reads.
 HEAD_TAPS = {"eagle3": "eagle3", "eagle": "last", "medusa": "last", "mtp": "last"}
@@ -33,6 +33,24 @@ _LOADERS: dict[str, Callable] = {
 }
 
 
+# Heads whose weights live in the target checkpoint itself (no KIND:DIR needed).
+_IN_TARGET = {"mtp"}
+
+
+def head_source(spec: str) -> tuple[str, Path | None]:
+    """The kind of the head `KIND[:DIR]` names and its checkpoint directory, checked.
+
+    Raises:
+        ExportError: a kind export does not support, or a missing directory.
+    """
+    kind, directory = astuple(DrafterName.parse(spec))
+    if kind not in _LOADERS:
+        raise ExportError(f"unknown drafter {kind!r}; export supports {', '.join(_LOADERS)}")
+    if not directory and kind not in _IN_TARGET:
+        raise ExportError(f"--drafter {kind} needs a checkpoint directory: {kind}:DIR")
+    return kind, Path(directory) if directory else None
+
+
 def load_head(spec: str, target: Checkpoint):
     """Loads the head named by `KIND:DIR` (`mtp` alone reads the target checkpoint).
 
@@ -40,9 +58,5 @@ def load_head(spec: str, target: Checkpoint):
         ExportError: unknown kind or a missing directory.
         CheckpointError: the head checkpoint is malformed or does not fit the target.
     """
-    kind, directory = astuple(DrafterName.parse(spec))
-    if kind not in _LOADERS:
-        raise ExportError(f"unknown drafter {kind!r}; export supports {', '.join(_LOADERS)}")
-    if not directory and kind != "mtp":
-        raise ExportError(f"--drafter {kind} needs a checkpoint directory: {kind}:DIR")
-    return _LOADERS[kind](Path(directory) if directory else None, target)
+    kind, directory = head_source(spec)
+    return _LOADERS[kind](directory, target)
