@@ -235,7 +235,7 @@ def main() -> None:
             )
             trees = {"static 7": configs["static 7"], "dynamic 12,5,3": configs["dynamic 12,5,3"]}
             report["int8"] = {
-                "accuracy": quantized["accuracy"],
+                "accuracy": quantized.accuracy.to_json(),
                 "plain_ms_per_token": {
                     "fp32": results["calibrated"]["plain_ms_per_token"],
                     "int8": int8["plain_ms_per_token"],

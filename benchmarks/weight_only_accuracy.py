@@ -88,14 +88,14 @@ def main() -> None:
         graph = built.path(built.runtime_graph("target").file)
         accuracy = teacher_forced_accuracy(fp32, graph, inputs, held_out, threads=2)
         rows[label] = {
-            "top1_agreement": accuracy["top1_agreement"],
-            "loss_increase_nats": accuracy["loss_increase"],
-            "loss_fp32": accuracy["loss_fp32"],
-            "positions": accuracy["positions"],
+            "top1_agreement": accuracy.top1_agreement,
+            "loss_increase_nats": accuracy.loss_increase,
+            "loss_fp32": accuracy.loss_fp32,
+            "positions": accuracy.positions,
         }
         print(
-            f"{label}: top-1 {accuracy['top1_agreement']:.4f}, "
-            f"+{accuracy['loss_increase']:.4f} nats/token",
+            f"{label}: top-1 {accuracy.top1_agreement:.4f}, "
+            f"+{accuracy.loss_increase:.4f} nats/token",
             file=sys.stderr,
             flush=True,
         )

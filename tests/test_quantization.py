@@ -59,11 +59,11 @@ def _graph(path: Path) -> onnx.GraphProto:
 def test_the_int8_build_is_recorded_and_becomes_the_default(quantized):
     artifact, prompts, report = quantized
     manifest = load_manifest(artifact)  # verifies every pinned file's sha256
-    assert manifest.default_build == BUILD_NAME == report["build"]
+    assert manifest.default_build == BUILD_NAME == report.build
     build = manifest.build
     assert build is not None and (build.backend, build.precision) == ("ort", "int8")
     assert manifest.data["builds"][BUILD_NAME]["onnxruntime_version"]
-    assert build.directory == report["directory"]
+    assert build.directory == report.directory
     assert build.directory.startswith(f"builds/{BUILD_NAME}.")
     target = build.graphs["target"]
     assert target.file == f"{build.directory}/target.onnx"
@@ -76,7 +76,7 @@ def test_the_int8_build_is_recorded_and_becomes_the_default(quantized):
     assert record["calibration_prompts"] == len(prompts)
     assert record["calibration_tokens"] == sum(len(p) for p in prompts)
     assert record["quantized_matmuls"]["quantized"] == record["quantized_matmuls"]["total"] > 0
-    assert record["accuracy"] == report["accuracy"]
+    assert record["accuracy"] == report.accuracy.to_json() == report.to_json()["accuracy"]
     assert build.quantization.greedy_identity == "chains"
     assert not [p.name for p in artifact.iterdir() if p.name.startswith(".")]  # no staging left
 
@@ -153,14 +153,15 @@ def test_speculation_on_the_int8_target_is_lossless(quantized):
 
 def test_the_accuracy_report_is_sane(quantized):
     _, prompts, report = quantized
-    accuracy = report["accuracy"]
-    assert accuracy["prompts"] == len(prompts)
-    assert accuracy["positions"] == sum(len(p) for p in prompts)
-    assert accuracy["scored_tokens"] == sum(len(p) - 1 for p in prompts)
-    assert 0.0 <= accuracy["top1_agreement"] <= 1.0
-    assert math.isfinite(accuracy["loss_fp32"]) and math.isfinite(accuracy["loss_int8"])
-    assert accuracy["loss_increase"] == pytest.approx(accuracy["loss_int8"] - accuracy["loss_fp32"])
-    assert 0.0 <= accuracy["max_abs_logit_diff"] < 1.0  # random weights: small logits
+    accuracy = report.accuracy
+    assert accuracy.prompts == len(prompts)
+    assert accuracy.positions == sum(len(p) for p in prompts)
+    assert accuracy.scored_tokens == sum(len(p) - 1 for p in prompts)
+    assert 0.0 <= accuracy.top1_agreement <= 1.0
+    assert math.isfinite(accuracy.loss_fp32) and math.isfinite(accuracy.loss_int8)
+    assert accuracy.loss_increase == pytest.approx(accuracy.loss_int8 - accuracy.loss_fp32)
+    assert 0.0 <= accuracy.max_abs_logit_diff < 1.0  # random weights: small logits
+    assert report.calibration == (len(prompts), sum(len(p) for p in prompts))
 
 
 def test_the_cli_reads_jsonl_prompts_and_prints_the_report(artifact, tmp_path):
@@ -271,12 +272,12 @@ def test_pyref_int8_keeps_top1_and_loss(pyref_artifact, tmp_path):
     chunks = _held_out_prompts(tokenizer, 256)
     calibration, evaluation = chunks[0::2][:12], chunks[1::2][:16]
     report = quantize_artifact(artifact, calibration, eval_prompts=evaluation, threads=2)
-    accuracy = report["accuracy"]
+    accuracy = report.accuracy
     numbers = (
-        f"pyref-7m int8 on {accuracy['scored_tokens']} held-out tokens: loss fp32 "
-        f"{accuracy['loss_fp32']:.4f} -> int8 {accuracy['loss_int8']:.4f} nats/token "
-        f"({accuracy['loss_increase']:+.4f}), top-1 agreement {accuracy['top1_agreement']:.4f}"
+        f"pyref-7m int8 on {accuracy.scored_tokens} held-out tokens: loss fp32 "
+        f"{accuracy.loss_fp32:.4f} -> int8 {accuracy.loss_int8:.4f} nats/token "
+        f"({accuracy.loss_increase:+.4f}), top-1 agreement {accuracy.top1_agreement:.4f}"
     )
     print(numbers)
-    assert accuracy["top1_agreement"] >= 0.9, numbers
-    assert accuracy["loss_increase"] < 0.1, numbers
+    assert accuracy.top1_agreement >= 0.9, numbers
+    assert accuracy.loss_increase < 0.1, numbers

@@ -29,6 +29,7 @@ import os
 import shutil
 import time
 from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -48,10 +49,12 @@ if TYPE_CHECKING:
 __all__ = [
     "BACKEND",
     "BUILD_NAME",
+    "Accuracy",
     "Int8Static",
     "METHOD",
     "MODES",
     "PrefillReader",
+    "QuantizeReport",
     "check_mode",
     "prefill_inputs",
     "quantize_artifact",
@@ -66,6 +69,65 @@ METHOD = (
     "int8 weights, per-tensor symmetric int8 activations, MatMul inputs only; TreeAttention, "
     "RMSNormalization, RoPE, MatMul outputs and the KV cache stay float32"
 )
+
+
+@dataclass(frozen=True)
+class Accuracy:
+    """A quantized target against float32, teacher-forced on the prefill of each prompt.
+
+    Losses are mean next-token cross-entropies in nats/token over the `scored_tokens`
+    positions that have a next token (None when no prompt has two tokens);
+    `top1_agreement` is the share of all `positions` where both graphs' argmax agree.
+    """
+
+    prompts: int
+    positions: int
+    scored_tokens: int
+    loss_fp32: float | None
+    loss_int8: float | None
+    top1_agreement: float
+    max_abs_logit_diff: float
+    # Written in the record (and read back) but derived: the two losses' difference.
+    loss_increase: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.loss_fp32 is not None and self.loss_int8 is not None:
+            object.__setattr__(self, "loss_increase", self.loss_int8 - self.loss_fp32)
+
+    def to_json(self) -> dict[str, Any]:
+        """The manifest record's `accuracy`, in the order `specx quantize --json` prints."""
+        keys = ("prompts", "positions", "scored_tokens", "loss_fp32", "loss_int8",
+                "loss_increase", "top1_agreement", "max_abs_logit_diff")  # fmt: skip
+        fields = asdict(self)
+        return {key: fields[key] for key in keys}
+
+
+@dataclass(frozen=True)
+class QuantizeReport:
+    """What `quantize_artifact` made: the build, its manifest record and the time taken."""
+
+    build: str
+    directory: str | None
+    quantization: Quantization  # the record stored in the manifest
+    accuracy: Accuracy
+    seconds: float
+
+    @property
+    def quantized_matmuls(self) -> dict[str, int]:
+        """MatMuls quantized and in all (`quantized`, `total`)."""
+        return dict(self.quantization.details["quantized_matmuls"])
+
+    @property
+    def calibration(self) -> tuple[int, int]:
+        """The calibration's prompts and tokens."""
+        details = self.quantization.details
+        return int(details["calibration_prompts"]), int(details["calibration_tokens"])
+
+    def to_json(self) -> dict[str, Any]:
+        """`specx quantize --json`: build, directory, the record, seconds."""
+        record = self.quantization.to_json()
+        return {"build": self.build, "directory": self.directory, **record,
+                "seconds": self.seconds}  # fmt: skip
 
 
 class Int8Static:
@@ -127,11 +189,11 @@ class Int8Static:
             _source_path(manifest), output, inputs, eval_prompts, self.threads
         )
         loss = (
-            f"loss {accuracy['loss_fp32']:.4f} -> {accuracy['loss_int8']:.4f} nats/token, "
-            if accuracy["scored_tokens"]
+            f"loss {accuracy.loss_fp32:.4f} -> {accuracy.loss_int8:.4f} nats/token, "
+            if accuracy.scored_tokens
             else ""
         )
-        job.progress(f"[int8] {loss}top-1 agreement {accuracy['top1_agreement']:.3f}")
+        job.progress(f"[int8] {loss}top-1 agreement {accuracy.top1_agreement:.3f}")
         details = {
             "mode": self.mode,
             "method": METHOD,
@@ -139,7 +201,7 @@ class Int8Static:
             "quantized_matmuls": _count_quantized_matmuls(output),
             "calibration_prompts": len(prompts),
             "calibration_tokens": tokens,
-            "accuracy": accuracy,
+            "accuracy": accuracy.to_json(),
         }
         # Greedy speculation is bit-identical to plain decoding of this build for chain
         # drafts (specx.graphs.row_invariance); trees are not covered.
@@ -156,7 +218,7 @@ def quantize_artifact(
     progress: Progress = lambda message: None,
     eval_prompts: Sequence[Sequence[int]] | None = None,
     threads: int | None = None,
-) -> dict[str, Any]:
+) -> QuantizeReport:
     """Quantizes the artifact's target graph and makes the result the default build.
 
     Args:
@@ -169,9 +231,8 @@ def quantize_artifact(
             all; the process-wide pool is sized once, by the first specx session).
 
     Returns:
-        The report: build name and directory, mode, method, calibration size, the number
-        of MatMuls quantized, the accuracy against float32 and the seconds taken. The same
-        record (less build and seconds) is stored in the manifest.
+        The report: the build, its manifest record (mode, method, calibration size, the
+        MatMuls quantized, the accuracy against float32) and the seconds taken.
 
     Raises:
         BuildError: unknown mode, a ModelOpt mode, empty or invalid prompts, a prompt
@@ -185,13 +246,9 @@ def quantize_artifact(
     options = BuildOptions(backend=builder.name, precision="int8")
     name = build_artifact(artifact_dir, options, progress, prompts, builder)
     build = load_manifest(artifact_dir, verify_hashes=False).builds[name]
-    seconds = time.perf_counter() - started
-    return {
-        "build": name,
-        "directory": build.directory,
-        **build.quantization.to_json(),
-        "seconds": seconds,
-    }
+    accuracy = Accuracy(**build.quantization.details["accuracy"])
+    return QuantizeReport(name, build.directory, build.quantization, accuracy,
+                          time.perf_counter() - started)  # fmt: skip
 
 
 def check_mode(mode: str) -> None:
@@ -406,14 +463,8 @@ def teacher_forced_accuracy(
     inputs: Sequence[TensorSpec],
     prompts: Sequence[Sequence[int]],
     threads: int | None = None,
-) -> dict[str, Any]:
+) -> Accuracy:
     """Compares two target graphs on the prefill of each prompt (teacher-forced).
-
-    Returns:
-        `loss_fp32` / `loss_int8`: mean next-token cross-entropy in nats/token over the
-        `scored_tokens` positions that have a next token (None when no prompt has two
-        tokens); `loss_increase`: their difference; `top1_agreement`: the fraction of all
-        `positions` where both graphs' argmax is the same token; `max_abs_logit_diff`.
 
     Raises:
         BuildError: a graph does not load, or the candidate returns non-finite logits.
@@ -437,16 +488,8 @@ def teacher_forced_accuracy(
         agree += int((logits[0].argmax(-1) == logits[1].argmax(-1)).sum())
         max_diff = max(max_diff, float(np.abs(logits[0] - logits[1]).max()))
     loss_fp32, loss_int8 = (float(x / scored) if scored else None for x in losses)
-    return {
-        "prompts": len(prompts),
-        "positions": positions,
-        "scored_tokens": scored,
-        "loss_fp32": loss_fp32,
-        "loss_int8": loss_int8,
-        "loss_increase": None if loss_fp32 is None or loss_int8 is None else loss_int8 - loss_fp32,
-        "top1_agreement": agree / positions,
-        "max_abs_logit_diff": max_diff,
-    }
+    return Accuracy(len(prompts), positions, scored, loss_fp32, loss_int8, agree / positions,
+                    max_diff)  # fmt: skip
 
 
 def _session(path: Path, threads: int | None):

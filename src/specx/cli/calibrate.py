@@ -178,22 +178,22 @@ def quantize(
     prompts = _prompts(artifact_dir, prompts_file, builtin=False)[:max_prompts]
     report = quantize_artifact(artifact_dir, prompts, mode, progress=progress, threads=threads)
     if as_json:
-        click.echo(json.dumps(report, indent=2))
+        click.echo(json.dumps(report.to_json(), indent=2))
         return
-    matmuls, accuracy = report["quantized_matmuls"], report["accuracy"]
+    matmuls, accuracy = report.quantized_matmuls, report.accuracy
+    prompt_count, tokens = report.calibration
     click.echo(
-        f"{report['build']} ({report['directory']}): {matmuls['quantized']}/{matmuls['total']} "
-        f"MatMuls int8, calibrated on {report['calibration_prompts']} prompts "
-        f"({report['calibration_tokens']} tokens)"
+        f"{report.build} ({report.directory}): {matmuls['quantized']}/{matmuls['total']} "
+        f"MatMuls int8, calibrated on {prompt_count} prompts ({tokens} tokens)"
     )
-    if accuracy["scored_tokens"]:
+    if accuracy.scored_tokens:
         click.echo(
-            f"next-token loss: fp32 {accuracy['loss_fp32']:.4f}, int8 {accuracy['loss_int8']:.4f} "
-            f"nats/token ({accuracy['loss_increase']:+.4f}) over {accuracy['scored_tokens']} tokens"
+            f"next-token loss: fp32 {accuracy.loss_fp32:.4f}, int8 {accuracy.loss_int8:.4f} "
+            f"nats/token ({accuracy.loss_increase:+.4f}) over {accuracy.scored_tokens} tokens"
         )
     click.echo(
-        f"top-1 agreement with fp32: {accuracy['top1_agreement']:.1%} of "
-        f"{accuracy['positions']} positions"
+        f"top-1 agreement with fp32: {accuracy.top1_agreement:.1%} of "
+        f"{accuracy.positions} positions"
     )
 
 
