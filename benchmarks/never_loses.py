@@ -28,6 +28,11 @@ request (what `specx generate` always is; a server learns them across requests).
 
     python -m benchmarks.never_loses [--prompts 24] [--new-tokens 64] [--repeats 2] [--calibrate]
         [--first-request] [--batches 1,2,4,6,8] [--only ngram,suffix,eagle3,draft-model]
+        [--min-groups 8]
+
+--min-groups N: a cell at batch B times max(--prompts, N x B) prompts, so that every cell has
+at least N groups (24 prompts give a batch-8 cell 3 groups, whose paired speedup spread +-5-7%).
+Prompts alternate HumanEval and mt_bench, so every cell and most groups hold both sets.
 
 Writes benchmarks/results/never_loses.json and prints a markdown table: each cell with the 95%
 bootstrap interval of its prompt groups' paired speedups (`bootstrap_interval`), then each
@@ -37,6 +42,7 @@ drafter's pooled speedup over all its groups, with its interval (`pooled`).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import platform
@@ -115,7 +121,8 @@ def measure_cell(engine, drafter, prompts, batch, temperature, args) -> dict:
     decode = dict.fromkeys(modes, 0.0)
     ratios: dict[str, list[float]] = {name: [] for name in modes if name != "plain"}
     identical, sizes, calibration = True, {}, None
-    groups = [prompts[start : start + batch] for start in range(0, len(prompts), batch)]
+    count = max(args.prompts, args.min_groups * batch)  # every cell has --min-groups groups
+    groups = [prompts[start : start + batch] for start in range(0, count, batch)]
     bests: list[dict[str, list]] = [{} for _ in groups]
     runs: list[dict[str, list[float]]] = [{name: [] for name in modes} for _ in groups]
     # Repeats outside groups: what the engine learnt across requests (round costs, when to
@@ -231,6 +238,9 @@ def calibrate(artifact, drafter, temperature, prompts, args) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompts", type=int, default=24)
+    parser.add_argument("--min-groups", type=int, default=0,
+                        help="at least this many prompt groups a cell (more prompts at large "
+                        "batches)")  # fmt: skip
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
@@ -255,11 +265,14 @@ def main() -> None:
         return
     from specx.runtime.engine import load
 
-    half = args.prompts // 2
+    total = max(args.prompts, args.min_groups * max(map(int, args.batches.split(","))))
+    half = total // 2
     humaneval = load_prompts("humaneval.jsonl", 2 * half)
-    mt_bench = load_prompts("mt_bench.jsonl", 2 * (args.prompts - half))
-    prompts = humaneval[:half] + mt_bench[: args.prompts - half]
-    held_out = humaneval[half:] + mt_bench[args.prompts - half :]  # calibration's own
+    mt_bench = load_prompts("mt_bench.jsonl", 2 * (total - half))
+    # Interleaved, so that a cell's first prompts hold both sets whatever its count.
+    pairs = itertools.zip_longest(humaneval[:half], mt_bench[: total - half])
+    prompts = [p for pair in pairs for p in pair if p is not None]
+    held_out = humaneval[half:] + mt_bench[total - half :]  # calibration's own
     work = scratch_dir("specx-never-loses-")
     report: dict = {
         "benchmark": "never_loses",
