@@ -87,18 +87,24 @@ class Accuracy:
     loss_int8: float | None
     top1_agreement: float
     max_abs_logit_diff: float
-    # Written in the record (and read back) but derived: the two losses' difference.
-    loss_increase: float | None = None
 
-    def __post_init__(self) -> None:
-        if self.loss_fp32 is not None and self.loss_int8 is not None:
-            object.__setattr__(self, "loss_increase", self.loss_int8 - self.loss_fp32)
+    @property
+    def loss_increase(self) -> float | None:
+        """int8's loss over float32's, nats/token (None where no token is scored)."""
+        if self.loss_fp32 is None or self.loss_int8 is None:
+            return None
+        return self.loss_int8 - self.loss_fp32
+
+    @classmethod
+    def from_json(cls, record: dict[str, Any]) -> Accuracy:
+        """The record `to_json` wrote (its `loss_increase` is derived, not read)."""
+        return cls(**{k: v for k, v in record.items() if k != "loss_increase"})
 
     def to_json(self) -> dict[str, Any]:
         """The manifest record's `accuracy`, in the order `specx quantize --json` prints."""
         keys = ("prompts", "positions", "scored_tokens", "loss_fp32", "loss_int8",
                 "loss_increase", "top1_agreement", "max_abs_logit_diff")  # fmt: skip
-        fields = asdict(self)
+        fields = asdict(self) | {"loss_increase": self.loss_increase}
         return {key: fields[key] for key in keys}
 
 
@@ -246,7 +252,7 @@ def quantize_artifact(
     options = BuildOptions(backend=builder.name, precision="int8")
     name = build_artifact(artifact_dir, options, progress, prompts, builder)
     build = load_manifest(artifact_dir, verify_hashes=False).builds[name]
-    accuracy = Accuracy(**build.quantization.details["accuracy"])
+    accuracy = Accuracy.from_json(build.quantization.details["accuracy"])
     return QuantizeReport(name, build.directory, build.quantization, accuracy,
                           time.perf_counter() - started)  # fmt: skip
 
