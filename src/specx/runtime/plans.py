@@ -30,6 +30,8 @@ from specx.runtime.controller import (
     RoundCosts,
     Trial,
     controller_for,
+    replayed_guess,
+    replays,
 )
 from specx.runtime.decoder_backend import DecoderBackend
 from specx.runtime.drafters import DrafterOptions, make_drafter
@@ -228,14 +230,16 @@ class Plans:
         with self._lock:
             return self._state(plan)
 
-    def round_costs(self, plan: DraftPlan, batch: int) -> RoundCosts:
+    def round_costs(self, plan: DraftPlan, batch: int, replayed: bool = False) -> RoundCosts:
         """The round costs `plan`'s requests of `batch` sequences time and share.
 
         The machine's, not a request's: they outlive `reset_drafters`. The calibrated curve
-        prices widths not yet timed at batch 1, where it was measured.
+        prices widths not yet timed at batch 1, where it was measured; elsewhere a guess,
+        dear for a drafter that plain steps judge for free (`replayed`: `controller.replays`).
         """
+        shape = (self.shape if batch == 1 else None) or (replayed_guess if replayed else None)
         with self._lock:
-            return self._state(plan).round_costs(batch, self.shape if batch == 1 else None)
+            return self._state(plan).round_costs(batch, shape)
 
     def controller(
         self,
@@ -256,7 +260,7 @@ class Plans:
         """
         if not plan.adaptive:
             return None
-        costs = None if batch is None else self.round_costs(plan, batch)
+        costs = None if batch is None else self.round_costs(plan, batch, replays(drafter))
         with self._lock:
             state = self._state(plan)
             memory = state.asking_memory(batch or 1, sampling)

@@ -284,27 +284,37 @@ def plain_stretch(
     started = np.flatnonzero(active).tolist()
     before = [len(loop.emitted[b]) for b in started]
     rounds = min(rounds, loop.max_new_tokens - min(before))  # no row outlives its budget
-    rows = np.array(started, dtype=np.int64)
     roots = np.array([h[-1] for h in loop.histories], dtype=np.int64)
     taps: np.ndarray | None = None  # [B, rounds, W], when the target exports taps
+    # The step is plain decoding's, and so is its Python: per-step numpy calls (the rows'
+    # write positions, fancy indexing) made a stretch's step ~13 us dearer than
+    # `generate_plain`'s on pyref-7m at batch 1 (docs/decisions.md#lean-stretch-steps).
+    live, parked = started, len(started) < len(active)  # finished rows write at slot 0
     steps, step_s, last_s = 0, [], time.perf_counter()
-    while steps < rounds and rows.size:
-        output = target.decode_step(cache, roots, np.where(active, cache.lengths, 0))
+    while steps < rounds and live:
+        output = target.decode_step(
+            cache, roots, np.where(active, cache.lengths, 0) if parked else None
+        )
         roots = next_tokens(output.logits[:, 0], sampling, loop.rng)
         if output.taps is not None:
             if taps is None:
                 taps = np.empty((len(active), rounds, output.taps.shape[-1]), np.float32)
             taps[:, steps] = output.taps[:, 0]  # the next step overwrites the bound output
-        cache.lengths[rows] += 1
-        for b in rows.tolist():
-            loop.emit(b, [int(roots[b])])
+        if parked:
+            cache.lengths[live] += 1
+        else:
+            cache.lengths += 1
+        tokens = roots.tolist()
+        for b in live:
+            loop.emit(b, (tokens[b],))
         steps += 1
         now = time.perf_counter()
         step_s.append(now - last_s)
         last_s = now
         if progress is not None:
             progress(sum(len(e) for e in loop.emitted), int((~active).sum()))
-        rows = np.flatnonzero(active)
+        if not all(active[live].tolist()):
+            live, parked = [b for b in live if active[b]], True
     if loop.carries is not None:  # provisional tokens of a point the stretch moved past
         for b in started:
             loop.carries[b] = []

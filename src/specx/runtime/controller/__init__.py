@@ -67,7 +67,7 @@ from specx.runtime.controller.base import (
     truncated,
 )
 from specx.runtime.controller.confidence import ConfidenceController
-from specx.runtime.controller.costs import RoundCosts
+from specx.runtime.controller.costs import RoundCosts, replayed_guess
 from specx.runtime.controller.memories import AcceptanceMemory, AskingMemory
 
 __all__ = [
@@ -83,6 +83,8 @@ __all__ = [
     "Stretch",
     "Trial",
     "controller_for",
+    "replayed_guess",
+    "replays",
     "truncated",
 ]
 
@@ -101,9 +103,17 @@ def controller_for(
     requests' windows of asking last paid, for suffix drafting's rule only
     (`AdaptiveController` with it lost n-gram's greedy gains: docs/decisions.md#asking-memory).
     `acceptance`: the p_d earlier requests found, where `AdaptiveController`'s lone rows start.
+    A drafter that `replays` prices a round not yet timed dear (`costs.replayed_guess`):
+    `costs` are made so by `Plans`, suffix drafting's own here.
     `trial`: what the request's first draft costs it (a drafter that sizes its own drafts has
     no prefill).
     """
     if getattr(drafter, "sizes_own_drafts", False):  # absent on drafters written before it
-        return ConfidenceController(memory=memory)
+        own = RoundCosts(shape=replayed_guess if replays(drafter) else None)
+        return ConfidenceController(memory=memory, costs=own)
     return AdaptiveController(costs=costs, acceptance=acceptance, trial=trial)
+
+
+def replays(drafter) -> bool:
+    """Whether plain steps judge `drafter`'s drafts for free (`Drafter.replay`)."""
+    return getattr(drafter, "replay", None) is not None

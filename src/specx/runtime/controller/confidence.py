@@ -8,6 +8,7 @@ from itertools import accumulate
 import numpy as np
 
 from specx.runtime.controller.base import (
+    UNTIMED_BATCH_PROBE,
     Replay,
     Schedule,
     Stretch,
@@ -97,9 +98,10 @@ class ConfidenceController:
         self.g = [[1.0] * self.schedule.max_depth for _ in range(batch)]
         self.kept: list[DraftTree | None] = [None] * batch  # this round's kept drafts
         self.misses = [0] * batch  # drafts in a row trimmed to nothing
-        # The round each row proposes again (0: it proposes); the first as earlier learnt.
+        # The round each row proposes again (0: it proposes); the first as earlier learnt,
+        # and in a batch not before probes are affordable (`_first_batch_window`).
         wait = self.memory.start()
-        self.idle_until = [wait] * batch
+        self.idle_until = [max(wait, self._first_batch_window(batch))] * batch
         self.interval = [self.schedule.probe_every] * batch
         self.probing = [False] * batch
         self.asked = [False] * batch
@@ -118,6 +120,30 @@ class ConfidenceController:
         self._rows = [False] * batch  # the rows decoding this round
         self.round = 0
         self._peers = self._active = 0
+
+    def _first_batch_window(self, batch: int) -> int:
+        """The round a batch's rows first ask (0 alone), as `AdaptiveController`'s first probe.
+
+        A batch's asking round proposes for every row (suffix drafting catches each row's
+        trie up with its tokens first) and a kept node widens the forward for all of them:
+        asking from the second round cost suffix's first requests 3-9% at batches 2 to 8
+        on pyref-7m, drafting in under 2% of their row-rounds
+        (docs/decisions.md#suffix-batch-waits).
+        """
+        if batch == 1:
+            return 0
+        timed = self.costs.plain_timed and self.costs.widest > 1
+        return max(
+            self.schedule.probe_every, self._affordable(None if timed else UNTIMED_BATCH_PROBE)
+        )
+
+    def _affordable(self, probe: float | None = None) -> int:
+        """The fewest rounds between probes that keeps them within `probe_budget`.
+
+        `probe`: a probe round over a plain step; by default the two-token forward's.
+        """
+        probe = probe or self.costs.verify(2) / self.costs.verify(1)
+        return affordable_interval(probe, self.schedule.probe_budget)
 
     def sizes(self, active: np.ndarray, peers: int = 0) -> np.ndarray:  # noqa: D102
         # Python lists, not numpy: per-round work here is what the loop adds to a step.
@@ -148,13 +174,16 @@ class ConfidenceController:
         """Whether row b's replays since it last asked would have paid; if not, it idles on.
 
         Replays are probes that cost no round: a row whose replays earned nothing waits
-        another interval (doubled, as after a probe that found nothing) for more of them.
+        another interval (doubled, as after a probe that found nothing) for more of them,
+        and at least as long as keeps probes affordable: the stretch they end and the
+        replays themselves (a catch-up of the trie and four drafts, ~0.35 ms on pyref-7m)
+        cost about half a plain step (docs/decisions.md#suffix-batch-waits).
         """
         paid = (self.replayed[b] or 0.0) > 0
         self.replayed[b] = None
         if not paid:
             self.interval[b] = min(2 * self.interval[b], self.schedule.max_probe_every)
-            self.idle_until[b] = self.round + self.interval[b]
+            self.idle_until[b] = self.round + max(self.interval[b], self._affordable())
         return paid
 
     def idled(self, stretch: Stretch) -> None:
@@ -279,9 +308,8 @@ class ConfidenceController:
         """
         self.misses[b] = 0
         # A probe widens the forward by a node for every row in it, peers included.
-        probe = self.costs.verify(2) / self.costs.verify(1)
         lost = self.loss / max(self._peers + self._active, 1)
-        affordable = affordable_interval(max(probe, 1.0 + lost), self.schedule.probe_budget)
+        affordable = self._affordable(max(self.costs.verify(2) / self.costs.verify(1), 1.0 + lost))
         wait = 0 if self.request_paid else self.wait
         self.idle_until[b] = self.round + max(self.interval[b], affordable, wait)
 

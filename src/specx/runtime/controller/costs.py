@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-__all__ = ["RoundCosts"]
+__all__ = ["UNTIMED_VERIFY_ROUND", "RoundCosts", "replayed_guess"]
 
 
 class RoundCosts:
@@ -153,5 +153,25 @@ class RoundCosts:
 
 
 def _guess(width: int) -> float:
-    """t(n) / t(1) before anything is timed, where no calibration measured the build's."""
+    """t(n) / t(1) before anything is timed, where no calibration measured the build's.
+
+    Cheap, so that a drafter that learns only by drafting (a head) tries its first draft.
+    """
     return 1.0 + 0.05 * (width - 1)
+
+
+# A verify round over a plain step before one is timed, for a drafter that replays judge:
+# a round leaves plain decoding's loop (fresh inputs and mask, the verification, the slower
+# step after it), 1.7 plain steps at width 2 on pyref-7m at batch 1, where `_guess`'s 1.05
+# kept n-gram asking for drafts at T = 1 round after round
+# (docs/decisions.md#untimed-rounds-dear).
+UNTIMED_VERIFY_ROUND = 1.5
+
+
+def replayed_guess(width: int) -> float:
+    """`_guess` for a drafter whose drafts replays judge for free (`Drafter.replay`).
+
+    Dear: such a drafter need not pay a round to learn what drafting earns, so no round
+    is drafted until what replays show pays at this price; the first one timed replaces it.
+    """
+    return 1.0 if width <= 1 else UNTIMED_VERIFY_ROUND + 0.05 * (width - 2)
