@@ -5,6 +5,8 @@ from __future__ import annotations
 import itertools
 import math
 import shutil
+from collections import Counter
+from collections.abc import Callable
 from dataclasses import replace
 
 import numpy as np
@@ -27,6 +29,8 @@ from specx.runtime.controller import (
     Stretch,
     Trial,
     controller_for,
+    replayed_guess,
+    replays,
     truncated,
 )
 from specx.runtime.drafters import DrafterOptions, make_drafter
@@ -69,15 +73,40 @@ def test_model_free_drafters_switching_sizes_equal_plain(family, artifacts, rng)
     assert_switching_equals_plain(target, lambda: SuffixDrafter(SuffixOptions(8)), prompts)
 
 
+def test_a_row_that_ends_inside_a_stretch_leaves_the_others_decoding_as_plain(artifacts, rng):
+    """A sink ends row 1 at its 7th token, inside the stretch: the rows left decode on."""
+    target = OrtTarget(load_manifest(artifacts["llama"]), threads=2)
+    prompts = loopy(rng, target.vocab_size, 3)
+
+    def ending_row_1() -> Callable[[int, list[int]], bool]:
+        seen: Counter = Counter()
+
+        def sink(row: int, tokens: list[int]) -> bool:
+            seen[row] += len(tokens)
+            return not (row == 1 and seen[row] >= 7)
+
+        return sink
+
+    plain = generate_plain(target, prompts, 40, sink=ending_row_1())
+    idle_first = FixedSizes([0] * 12 + [3])  # a stretch of 12 rounds, then drafts of 3
+    spec = generate_speculative(
+        target, NGramDrafter(5), prompts, 40, controller=idle_first, sink=ending_row_1()
+    )
+    assert spec.tokens == plain.tokens and len(spec.tokens[1]) == 7 < len(spec.tokens[0])
+
+
 def test_a_stretch_that_would_end_just_before_the_budget_runs_to_it(artifacts, rng):
     """A probe that late cannot pay for itself: the request plays out plainly."""
     target = OrtTarget(load_manifest(artifacts["llama"]), threads=2)
-    prompts = loopy(rng, target.vocab_size, 2)
-    for tokens, late in ((1 + 12 + PROBE_TAIL - 1, True), (1 + 12 + PROBE_TAIL, False)):
-        controller = FixedSizes([0] * 12 + [4] * 30)  # 12 rounds idle, then drafts of 4
-        spec = generate_speculative(target, NGramDrafter(8), prompts, tokens, controller=controller)
-        assert spec.tokens == generate_plain(target, prompts, tokens).tokens
-        assert (4 not in spec.stats.speculative.controller.sizes_chosen) == late
+    for rows in (1, 2):  # a batch's probe costs every row: it needs a row's tail per row
+        prompts, tail = loopy(rng, target.vocab_size, rows), PROBE_TAIL * rows
+        for tokens, late in ((1 + 12 + tail - 1, True), (1 + 12 + tail, False)):
+            controller = FixedSizes([0] * 12 + [4] * 40)  # 12 rounds idle, then drafts of 4
+            spec = generate_speculative(
+                target, NGramDrafter(8), prompts, tokens, controller=controller
+            )
+            assert spec.tokens == generate_plain(target, prompts, tokens).tokens
+            assert (4 not in spec.stats.speculative.controller.sizes_chosen) == late
 
 
 def test_a_draft_model_switching_sizes_equals_plain(artifacts, draft_artifacts, rng):
@@ -366,9 +395,10 @@ def test_an_engine_prices_batch_1_on_a_calibration_of_its_own_build(artifacts, t
         write_manifest(artifact, manifest_body(calibrated))
         engine = load(artifact, threads=2)
         plan = engine.plan(Speculation("ngram"), SamplingParams())
-        priced = engine.plans.round_costs(plan, 1).shape
+        priced = engine.plans.round_costs(plan, 1, replayed=True).shape
         assert getattr(priced, "tokens", None) == expected, build  # another build's: not used
-        assert not isinstance(engine.plans.round_costs(plan, 2).shape, VerifyShape)  # measured at 1
+        wider = engine.plans.round_costs(plan, 2, replayed=True).shape
+        assert wider is replayed_guess  # measured at batch 1 only: n-gram's dear guess
 
 
 def test_an_engine_shares_round_costs_per_plan_and_batch(artifacts):
@@ -376,14 +406,15 @@ def test_an_engine_shares_round_costs_per_plan_and_batch(artifacts):
     prompt = [5, 9, 5, 9, 5, 9, 13]
     plain = engine.generate(prompt, max_new_tokens=24, ignore_eos=True).tokens
     plan = engine.plan(Speculation("ngram"), SamplingParams())
-    costs = engine.plans.round_costs(plan, 1)
+    costs = engine.plans.round_costs(plan, 1, replayed=True)
     assert not costs.known
     done = [engine.generate(prompt, max_new_tokens=24, ignore_eos=True, speculation="ngram")]
-    assert costs.known and engine.plans.round_costs(plan, 1) is costs
-    assert engine.plans.round_costs(plan, 2) is not costs  # a wider batch times other forwards
+    assert costs.known and engine.plans.round_costs(plan, 1, replayed=True) is costs
+    wider = engine.plans.round_costs(plan, 2, replayed=True)
+    assert wider is not costs  # a wider batch times other forwards
     engine.reset_drafters()  # drops what drafters learnt, not what the machine costs
     done.append(engine.generate(prompt, max_new_tokens=24, ignore_eos=True, speculation="ngram"))
-    assert engine.plans.round_costs(plan, 1) is costs
+    assert engine.plans.round_costs(plan, 1, replayed=True) is costs
     assert [d.tokens for d in done] == [plain, plain]
 
 
@@ -456,14 +487,15 @@ def test_forget_requests_starts_the_next_request_as_a_fresh_engines_first(artifa
     plans = {d: engine.plan(Speculation(d), SamplingParams()) for d in ("ngram", "suffix")}
     for drafter in plans:
         engine.generate(prompt, **options, speculation=drafter)
-    costs = engine.plans.round_costs(plans["ngram"], 1)
+    costs = engine.plans.round_costs(plans["ngram"], 1, replayed=True)
+    assert costs.shape is replayed_guess  # made by the request, for a drafter replays judge
     accepted = engine.plans.state(plans["ngram"]).acceptance_memory(SamplingParams())
     asking = engine.plans.state(plans["suffix"]).asking_memory(1, SamplingParams())
     assert costs.known and accepted.judged[0] > 0 and asking.rounds > 0
     suffix = engine.plans.take(plans["suffix"])
     engine.plans.give_back(plans["suffix"], suffix)
     engine.forget_requests()
-    assert not engine.plans.round_costs(plans["ngram"], 1).known
+    assert not engine.plans.round_costs(plans["ngram"], 1, replayed=True).known
     assert engine.plans.state(plans["ngram"]).acceptance_memory(SamplingParams()).judged == [0] * 16
     assert engine.plans.state(plans["suffix"]).asking_memory(1, SamplingParams()).rounds == 0
     assert engine.plans.take(plans["suffix"]) is not suffix
@@ -519,7 +551,10 @@ def random_tree(rng, n: int) -> DraftTree:
 
 
 @pytest.mark.parametrize("replays", [True, False])
-def test_suffix_drafts_trimmed_by_confidence_equal_plain(artifacts, rng, replays):
+def test_suffix_drafts_trimmed_by_confidence_equal_plain(artifacts, rng, replays, monkeypatch):
+    # No probe tail (a cost rule that only lengthens stretches): a batch of 3 in 30 tokens
+    # would otherwise play its probes' rounds plainly to the end.
+    monkeypatch.setattr("specx.runtime.rounds.PROBE_TAIL", 0)
     target = OrtTarget(load_manifest(artifacts["llama"]), threads=2)
     prompts = loopy(rng, target.vocab_size, 3)
     for batch in (1, 3):
@@ -663,9 +698,24 @@ def test_the_wait_between_windows_of_asking_goes_on_across_requests_until_one_pa
     assert proposals(ConfidenceController(memory=memory), 10, nothing)[4]
 
 
+def test_a_batch_asks_first_once_a_probe_is_affordable():
+    """A batch's asking round proposes for every row and widens every row's forward: its first
+    window waits as `AdaptiveController`'s first probe does; a row alone asks at once."""
+
+    def first_ask(batch: int, costs=None) -> int:
+        controller = ConfidenceController(costs=costs)
+        controller.start(batch, 8)
+        rows = np.ones(batch, dtype=bool)
+        return next(r for r in range(1, 200) if controller.sizes(rows).any())
+
+    assert first_ask(1) == 2  # after the request's plain first round
+    assert first_ask(4) == 50  # nothing timed: a probe round priced 2 steps, 2% of the time
+    assert first_ask(4, FixedCurve(0.2)) == 10  # a two-token forward timed at 1.2 steps
+
+
 def test_a_batch_keeps_one_width_and_peers_raise_the_bar():
     curve = FixedCurve(0.2)
-    controller = ConfidenceController(costs=curve)
+    controller = ConfidenceController(costs=curve, schedule=Schedule(probe_every=2, probe_budget=1))
     controller.start(2, 8)
     controller.sizes(np.array([True, True]))
     controller.sizes(np.array([True, True]))
@@ -689,7 +739,8 @@ def test_a_batch_is_paid_by_the_tokens_its_least_lucky_row_accepted(accepted):
     controller = ConfidenceController()
     controller.start(2, 8)
     both = np.array([True, True])
-    controller.idled(Stretch(controller.idle_rounds(both), 4, 1.0))  # the plain first rounds
+    idle = controller.idle_rounds(both)  # until the batch's first window
+    controller.idled(Stretch(idle, 2 * idle, 1.0))
     controller.sizes(both)
     kept = controller.keep([chain([1.0] * 8)] * 2)
     assert [len(d) for d in kept] == [1, 1]  # no wider than the widths timed allow
@@ -712,7 +763,12 @@ def test_a_sampled_draft_is_never_trimmed_by_its_own_tokens():
 
 def test_each_drafter_gets_its_controller(artifacts):
     target = OrtTarget(load_manifest(artifacts["llama"]), threads=2)
-    assert isinstance(controller_for(SuffixDrafter()), ConfidenceController)
+    suffix = controller_for(SuffixDrafter())
+    assert isinstance(suffix, ConfidenceController)
+    # Drafters that plain steps judge for free price an untimed round dear; others (a head,
+    # a draft model, a third-party drafter without `replay`) learn only by drafting.
+    assert suffix.costs.shape is replayed_guess and replays(NGramDrafter(4))
+    assert not replays(object()) and not hasattr(DraftModelDrafter, "replay")
     assert isinstance(controller_for(NGramDrafter(4)), AdaptiveController)
     assert isinstance(controller_for(make_drafter("ngram", target, DrafterOptions())),
                       AdaptiveController)  # fmt: skip

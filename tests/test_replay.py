@@ -15,6 +15,7 @@ from specx.runtime.controller import (
     Schedule,
     Stretch,
     controller_for,
+    replayed_guess,
 )
 from specx.runtime.drafters.ngram import NGramDrafter
 from specx.runtime.drafters.suffix import SuffixDrafter, SuffixOptions
@@ -139,6 +140,41 @@ def test_a_window_of_asking_opens_only_where_its_replays_would_have_paid():
         # A window kept shut waits, doubled, for its next replays.
         assert (controller.idle_rounds(ONE) == 0) == asks
         assert controller.interval[0] == (4 if asks else 8)
+
+
+def test_replays_decide_a_first_draft_at_a_dear_price_until_one_is_timed():
+    """Replays that saw the first node accepted once in four: worth a round at the cheap guess
+    (1.05 plain steps, which a head needs to try its first draft), not at the price a drafter
+    that replays judge gets until a round with a draft is timed (1.5)."""
+    chain = DraftTree.chain([1, 2, 3, 4])
+    first, missed = Replay.of(chain, [1, 9, 9, 9]), Replay.of(chain, [9, 9, 9, 9])
+    held = Replay.of(chain, [1, 2, 3, 4])
+    chosen = []
+    for shape, replays in ((None, (first, missed, missed, missed)),
+                           (replayed_guess, (first, missed, missed, missed)),
+                           (replayed_guess, (held,) * 4)):  # fmt: skip
+        controller = AdaptiveController(costs=RoundCosts(shape=shape))
+        controller.start(1, 4)
+        controller.idled(_stretch(controller.idle_rounds(ONE), *replays))
+        chosen.append(int(controller.sizes(ONE)[0]))
+    # Drafts replays show paying are made at the dear price too (one node: a first draft).
+    assert chosen == [1, 0, 1]
+
+
+def test_replays_that_did_not_pay_wait_as_long_as_keeps_probes_affordable():
+    """A stretch ended for replays, and the replays, cost about half a plain step: a lone
+    suffix row whose replays did not pay waits as a probe would (25 rounds at 1.5 steps,
+    within 2% of the time), not the doubled interval's 16, before its next replays."""
+    sure = DraftTree(np.arange(4), np.arange(4) - 1, confidence=np.ones(4))
+    missed = Replay.of(sure, [7, 7, 7, 7])
+    waits = []
+    for shape in (None, replayed_guess):
+        controller = ConfidenceController(costs=RoundCosts(shape=shape))
+        controller.start(1, 4)
+        controller.idled(_stretch(controller.idle_rounds(ONE), missed, missed))
+        assert controller.sizes(ONE)[0] == 0 and controller.interval[0] == 16
+        waits.append(controller.idle_rounds(ONE))
+    assert waits == [15, 24]  # priced 1.05 steps, the doubled interval (16) is the longer
 
 
 def test_a_plain_step_costs_at_most_a_wider_round_or_an_ask():

@@ -230,12 +230,13 @@ class Plans:
         with self._lock:
             return self._state(plan)
 
-    def round_costs(self, plan: DraftPlan, batch: int, replayed: bool = False) -> RoundCosts:
+    def round_costs(self, plan: DraftPlan, batch: int, *, replayed: bool) -> RoundCosts:
         """The round costs `plan`'s requests of `batch` sequences time and share.
 
         The machine's, not a request's: they outlive `reset_drafters`. The calibrated curve
         prices widths not yet timed at batch 1, where it was measured; elsewhere a guess,
-        dear for a drafter that plain steps judge for free (`replayed`: `controller.replays`).
+        dear for a drafter that plain steps judge for free (`replayed`: what
+        `controller.replays` says of the plan's drafter; the first call makes the costs).
         """
         shape = (self.shape if batch == 1 else None) or (replayed_guess if replayed else None)
         with self._lock:
@@ -260,7 +261,7 @@ class Plans:
         """
         if not plan.adaptive:
             return None
-        costs = None if batch is None else self.round_costs(plan, batch, replays(drafter))
+        costs = None if batch is None else self.round_costs(plan, batch, replayed=replays(drafter))
         with self._lock:
             state = self._state(plan)
             memory = state.asking_memory(batch or 1, sampling)

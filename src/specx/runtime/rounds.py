@@ -197,15 +197,19 @@ def verify_round(loop: LoopState, proposed: list[DraftTree], arranged: list[Arra
 
 
 # A probe's cost is paid at once (a wider forward, and the slower step after it) and all it
-# can buy is the rounds left: a stretch that would end with fewer tokens left than this runs
-# to the request's end instead (docs/decisions.md#probe-tail).
+# can buy is the rounds left: a stretch that would end with fewer tokens left than this, a
+# row, runs to the request's end instead (docs/decisions.md#probe-tail). A row: a batch's
+# probe widens every row's forward and asks every row's drafter (suffix drafting catching
+# each row's trie up first), so it costs more the more rows it holds
+# (docs/decisions.md#batch-probe-tail).
 PROBE_TAIL = 8
 
 
 def _past_a_late_probe(loop: LoopState, idle: int) -> int:
     """The stretch's rounds: `idle`, or to the end where the round after it comes too late."""
-    left = loop.max_new_tokens - min(len(loop.emitted[b]) for b in np.flatnonzero(loop.active))
-    return left if left - idle < PROBE_TAIL else idle
+    rows = np.flatnonzero(loop.active)
+    left = loop.max_new_tokens - min(len(loop.emitted[b]) for b in rows)
+    return left if left - idle < PROBE_TAIL * len(rows) else idle
 
 
 def idle_stretch(

@@ -43,13 +43,15 @@ decoding from 0.88x to 0.94x (docs/decisions.md#replays).
 
 Never losing without calibration is the controllers' job, from a request's first round:
 what they assume before measuring is cheap to be wrong about (plain first rounds, one-node
-first drafts, a weak prior that the first misses overrule, a batch's first probe only once
-it is affordable, a drafter's prefill paid only where the request's rest is expected to
-repay it twice: `Trial`), and rounds in which no row drafts are played by plain decoding's
-own loop (`idle_rounds`), so an idle speculative request costs what a plain one does. Both
-rules remember across an engine's requests at one setting: the sized rule the acceptance
-its rows start from (`AcceptanceMemory`), suffix drafting's rule when asking last paid
-(`AskingMemory`), so that a setting where drafts lose stops paying for them.
+first drafts, a weak prior that the first misses overrule, a batch's first probe or window
+of asking only once it is affordable, a drafter's prefill paid only where the request's rest
+is expected to repay it twice: `Trial`; where replays judge the drafter for free, a round
+with a draft priced dear until one is timed: `costs.replayed_guess`), and rounds in which
+no row drafts are played by plain decoding's own loop (`idle_rounds`), so an idle
+speculative request costs what a plain one does. Both rules remember across an engine's
+requests at one setting: the sized rule the acceptance its rows start from
+(`AcceptanceMemory`), suffix drafting's rule when asking last paid (`AskingMemory`), so
+that a setting where drafts lose stops paying for them.
 Calibration adds the batch threshold and the tree. Starting from a calibration's recorded
 acceptance and costs instead was measured worse (docs/decisions.md#no-start-from-calibration): its
 prompts misjudge a given request more than a measured plain round and a one-node probe.
