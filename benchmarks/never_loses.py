@@ -4,9 +4,10 @@ For each target (pyref-7m; pyref-deep when `benchmarks/models/pyref_deep.py` wro
 (ngram, suffix, and every trained drafter under --heads, the committed
 benchmarks/heads/pyref-7m: EAGLE-1/3, Medusa, MTP and the draft model, all trained against
 pyref-7m, whose residual stream and tokens pyref-deep shares; what a head's layout names by
-layer is renumbered for pyref-deep, `pyref_heads.for_deep`), temperature (0, 0.7, 1.0) and
-batch (1, 2, 4, 6, 8; --batches): plain decoding, the drafter at its default configuration with
-every draft kept (`--fixed-draft`: chains of 4, suffix's 16 nodes, Medusa's default tree), and
+layer is renumbered for pyref-deep, `pyref_heads.for_deep`), temperature (0, 0.7, 1.0;
+--temperatures) and batch (1, 2, 4, 6, 8; --batches): plain decoding, the drafter at its
+default configuration with every draft kept (`--fixed-draft`: chains of 4, suffix's 16
+nodes, Medusa's default tree), and
 the default `specx generate` (what `specx.load(...).generate_batch(..., speculation=DRAFTER)`
 does: the calibration entry nearest the temperature when there is one, and the per-round
 controller), on the ORT-lowered build; each repeat runs every group of prompts in turn (an
@@ -250,6 +251,8 @@ def main() -> None:
     parser.add_argument("--only", default=None, help="comma-separated drafters to measure")
     parser.add_argument("--targets", default=None, help="comma-separated targets (pyref-7m, ...)")
     parser.add_argument("--batches", default=",".join(map(str, BATCHES)))
+    parser.add_argument("--temperatures", default=",".join(map(str, TEMPERATURES)),
+                        help="comma-separated temperatures, each calibrated apart")  # fmt: skip
     parser.add_argument("--first-request", action="store_true",
                         help="every timed run as a fresh engine's first request")  # fmt: skip
     parser.add_argument("--no-fixed", action="store_true", help="plain vs the default only")
@@ -288,6 +291,7 @@ def main() -> None:
         "results": {},
     }
     only = None if args.only is None else args.only.split(",")
+    temperatures = [float(t) for t in args.temperatures.split(",")]
     draft = draft_model(work, args.heads)
     targets = None if args.targets is None else args.targets.split(",")
     for target_name, by_kind in artifacts(work, args.heads, only, targets).items():
@@ -300,11 +304,11 @@ def main() -> None:
                 continue
             for drafter in kinds:
                 if args.calibrate:
-                    for temperature in TEMPERATURES:
+                    for temperature in temperatures:
                         calibrate(artifact, drafter, temperature, held_out, args)
             engine = load(artifact, threads=args.threads)
             for drafter in kinds:
-                for temperature in TEMPERATURES:
+                for temperature in temperatures:
                     for batch in map(int, args.batches.split(",")):
                         key = f"{target_name} {_name(drafter)} T={temperature} batch {batch}"
                         log(key)
