@@ -12,9 +12,10 @@ the default `specx generate` (what `specx.load(...).generate_batch(..., speculat
 does: the calibration entry nearest the temperature when there is one, and the per-round
 controller), on the ORT-lowered build; each repeat runs every group of prompts in turn (an
 untimed plain run, then the modes in an order rotated by repeat), fastest of --repeats per
-group; decode time only. All three go through one `Engine`. Beside it, `paired`: per group the
+group; decode time. All three go through one `Engine`. Beside it, `paired`: per group the
 median over repeats of plain's time over the mode's in the same repeat (`_paired`), which a
-drift in the machine's speed does not move.
+drift in the machine's speed does not move; `paired_total_speedup` the same with the prefill
+(where a drafter's prompt work is: suffix drafting's indexing, a head's catch-up).
 
 With --calibrate, every drafter is first calibrated at each temperature (`specx calibrate
 --temperature T`, batches 1, 2, 4, 8, its default; suffix drafting, which sizes its own trees,
@@ -126,12 +127,13 @@ def measure_cell(engine, drafter, prompts, batch, temperature, args) -> dict:
     groups = [prompts[start : start + batch] for start in range(0, count, batch)]
     bests: list[dict[str, list]] = [{} for _ in groups]
     runs: list[dict[str, list[float]]] = [{name: [] for name in modes} for _ in groups]
+    totals: list[dict[str, list[float]]] = [{name: [] for name in modes} for _ in groups]
     # Repeats outside groups: what the engine learnt across requests (round costs, when to
     # ask a drafter) comes from the other prompts' runs, as on a server, never from this
     # prompt's previous repeat.
     for r in range(args.repeats):
         names = list(modes)[r % len(modes) :] + list(modes)[: r % len(modes)]
-        for group, best, run in zip(groups, bests, runs, strict=True):
+        for group, best, run, total in zip(groups, bests, runs, totals, strict=True):
             # Untimed: the timed runs find this group's shapes warm, as back-to-back repeats
             # of one group did (cold, a group's fastest of 9 spread 0.10 against 0.06).
             engine.generate_batch(group, **options)
@@ -144,6 +146,7 @@ def measure_cell(engine, drafter, prompts, batch, temperature, args) -> dict:
                     engine.reset_drafters()
                 done = engine.generate_batch(group, **options, speculation=modes[name])
                 run[name].append(done[0].stats.decode_s)
+                total[name].append(done[0].stats.run.total_s)
                 if name not in best or done[0].stats.decode_s < best[name][0].stats.decode_s:
                     best[name] = done
     for best in bests:
@@ -161,6 +164,8 @@ def measure_cell(engine, drafter, prompts, batch, temperature, args) -> dict:
         for size, count in chosen.items():
             sizes[size] = sizes.get(size, 0) + count
     paired = {name: [_paired(run["plain"], run[name]) for run in runs] for name in ratios}
+    # With the prefill: a drafter's prompt work (suffix indexing, a head's catch-up) is there.
+    paired_total = {name: [_paired(t["plain"], t[name]) for t in totals] for name in ratios}
     return {
         "fixed_speedup": decode["plain"] / decode["fixed"] if "fixed" in decode else None,
         "default_speedup": decode["plain"] / decode["default"],
@@ -174,6 +179,11 @@ def measure_cell(engine, drafter, prompts, batch, temperature, args) -> dict:
         "paired_control": _geometric_mean(paired["control"]) if "control" in paired else None,
         "paired_control_interval": (
             bootstrap_interval(paired["control"]) if "control" in paired else None
+        ),
+        "paired_total_speedup": _geometric_mean(paired_total["default"]),
+        "paired_total_interval": bootstrap_interval(paired_total["default"]),
+        "paired_total_control": (
+            _geometric_mean(paired_total["control"]) if "control" in paired_total else None
         ),
         "identical_to_plain": identical if temperature == 0 else None,
         "default_sizes_chosen": sizes,
@@ -316,7 +326,8 @@ def main() -> None:
                         report["results"][key] = row
                         log(f"  fixed {row['fixed_speedup'] or 0:.2f}x, default "
                             f"{row['default_speedup']:.2f}x, control "
-                            f"{row['control_speedup'] or 0:.2f}x")  # fmt: skip
+                            f"{row['control_speedup'] or 0:.2f}x, paired total "
+                            f"{row['paired_total_speedup']:.2f}x")  # fmt: skip
     if args.merge and args.out.is_file():
         earlier = json.loads(args.out.read_text())
         earlier["results"].update(report["results"])
@@ -331,8 +342,9 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     print("| cell | fixed draft | default (controller) | 95% interval | default / fixed "
-          "| plain / plain | its interval | paired default | paired plain / plain |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|")
+          "| plain / plain | its interval | paired default | paired plain / plain "
+          "| paired default, total |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for key, row in report["results"].items():
         fixed, default = row["fixed_speedup"], row["default_speedup"]
         control = row.get("control_speedup")
@@ -345,6 +357,7 @@ def main() -> None:
             _interval(row.get("control_interval")),
             _paired_cell(row.get("paired_speedup"), row.get("paired_interval")),
             _paired_cell(row.get("paired_control"), row.get("paired_control_interval")),
+            _paired_cell(row.get("paired_total_speedup"), row.get("paired_total_interval")),
         ]
         print(f"| {key} | " + " | ".join(cells) + " |")
     drafters = sorted({key.split()[1] for key in report["results"]})
