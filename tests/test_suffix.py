@@ -105,3 +105,16 @@ def test_a_budget_drafts_the_prefix_of_the_full_tree():
     (cut,) = drafter.propose([history], np.array([True]), SamplingParams(), None, budget=3)
     assert len(full) > 3 and cut.tokens.tolist() == full.tokens[:3].tolist()
     assert cut.parents.tolist() == full.parents[:3].tolist()
+
+
+def test_a_batch_indexes_its_prompts_at_the_first_ask_and_drafts_the_same():
+    prompts = [[5, 6, 7, 1, 5, 6, 7, 2, 5, 6], [3, 4, 3, 4, 3]]
+    batch = SuffixDrafter(SuffixOptions(max_nodes=8, alpha=8, min_prob=0.0))
+    batch.start(prompts, 64)
+    # Nothing indexed with the prefill: a batch's rows ask late, if at all.
+    assert all(len(row.trie) == len(SuffixTrie(row.trie.depth)) for row in batch._rows)
+    drafts = batch.propose(prompts, np.array([True, True]), SamplingParams(), None)
+    for prompt, draft in zip(prompts, drafts, strict=True):
+        alone = draft_of(SuffixDrafter(SuffixOptions(max_nodes=8, alpha=8, min_prob=0.0)), prompt)
+        assert len(draft) > 0 and draft.tokens.tolist() == alone.tokens.tolist()
+        assert draft.parents.tolist() == alone.parents.tolist()

@@ -179,17 +179,19 @@ class SuffixDrafter:
         self._rows: list[_Row] = []
 
     def start(self, prompts: Sequence[Sequence[int]], capacity: int, taps=None) -> None:
-        """Remembers the previous batch's texts and indexes the new prompts.
+        """Remembers the previous batch's texts and indexes a lone prompt.
 
-        Indexing a prompt is prompt work: it is done with the prefill, not in a round.
-        Deferred to the first draft (as heads defer their prefill), it cost the decode of
-        every request that asked at all more than it saved those that never did
-        (docs/decisions.md#suffix-indexes-prompts-with-prefill).
+        A lone row's prompt is indexed with the prefill, not in a round: its replays and
+        first asks come early, and deferred it cost the decode of every request that asked
+        at all more than it saved those that never did. A batch's rows ask late, if at all
+        (`ConfidenceController`'s first batch window), and the first ask catches them up:
+        indexed with the prefill, it cost 3-4% of a 64-token batch request's total time
+        that no draft repaid (docs/decisions.md#suffix-indexes-prompts-with-prefill).
         """
         self.remember(row.history for row in self._rows)
         self._rows = [_Row(self.options.depth) for _ in prompts]
-        for row, prompt in zip(self._rows, prompts, strict=True):
-            row.catch_up(prompt, self.shared)
+        if len(prompts) == 1:
+            self._rows[0].catch_up(prompts[0], self.shared)
 
     def remember(self, documents: Iterable[Sequence[int]]) -> None:
         """Adds finished texts (prompt + output) to the shared trie."""
