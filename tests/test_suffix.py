@@ -118,3 +118,10 @@ def test_a_batch_indexes_its_prompts_at_the_first_ask_and_drafts_the_same():
         alone = draft_of(SuffixDrafter(SuffixOptions(max_nodes=8, alpha=8, min_prob=0.0)), prompt)
         assert len(draft) > 0 and draft.tokens.tolist() == alone.tokens.tolist()
         assert draft.parents.tolist() == alone.parents.tolist()
+
+
+def test_a_batch_that_never_asked_still_feeds_its_prompts_to_later_requests():
+    drafter = SuffixDrafter(SuffixOptions(max_nodes=4, alpha=4))
+    drafter.start([[10, 11, 12, 13, 14, 15], [30, 31, 32]], 64)  # no row asks
+    draft = draft_of(drafter, [20, 11, 12])
+    assert draft.tokens.tolist() == [13, 14, 15]

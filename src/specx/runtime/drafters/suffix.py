@@ -188,8 +188,8 @@ class SuffixDrafter:
         indexed with the prefill, it cost 3-4% of a 64-token batch request's total time
         that no draft repaid (docs/decisions.md#suffix-indexes-prompts-with-prefill).
         """
-        self.remember(row.history for row in self._rows)
-        self._rows = [_Row(self.options.depth) for _ in prompts]
+        self.remember(row.text for row in self._rows)
+        self._rows = [_Row(self.options.depth, prompt) for prompt in prompts]
         if len(prompts) == 1:
             self._rows[0].catch_up(prompts[0], self.shared)
 
@@ -242,10 +242,16 @@ class SuffixDrafter:
 class _Row:
     """One sequence: its own trie, and where its tail stands in the shared trie."""
 
-    def __init__(self, depth: int):
+    def __init__(self, depth: int, prompt: Sequence[int]):
         self.trie = SuffixTrie(depth)
-        self.history: list[int] = []
+        self.prompt = prompt  # what the shared trie learns where the row never asked
+        self.history: list[int] = []  # the tokens fed to the matchers
         self.shared_open: list[int] = []
+
+    @property
+    def text(self) -> Sequence[int]:
+        """The row's text as far as the drafter saw it: its prompt at least."""
+        return self.history if len(self.history) >= len(self.prompt) else self.prompt
 
     def catch_up(self, history: Sequence[int], shared: SuffixTrie) -> None:
         """Feeds the tokens emitted since the last round to both matchers."""
