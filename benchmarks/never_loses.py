@@ -126,14 +126,13 @@ def measure_cell(engine, drafter, prompts, batch, temperature, args) -> dict:
     count = max(args.prompts, args.min_groups * batch)  # every cell has --min-groups groups
     groups = [prompts[start : start + batch] for start in range(0, count, batch)]
     bests: list[dict[str, list]] = [{} for _ in groups]
-    runs: list[dict[str, list[float]]] = [{name: [] for name in modes} for _ in groups]
-    totals: list[dict[str, list[float]]] = [{name: [] for name in modes} for _ in groups]
+    runs: list[dict[str, list]] = [{name: [] for name in modes} for _ in groups]  # RunStats
     # Repeats outside groups: what the engine learnt across requests (round costs, when to
     # ask a drafter) comes from the other prompts' runs, as on a server, never from this
     # prompt's previous repeat.
     for r in range(args.repeats):
         names = list(modes)[r % len(modes) :] + list(modes)[: r % len(modes)]
-        for group, best, run, total in zip(groups, bests, runs, totals, strict=True):
+        for group, best, run in zip(groups, bests, runs, strict=True):
             # Untimed: the timed runs find this group's shapes warm, as back-to-back repeats
             # of one group did (cold, a group's fastest of 9 spread 0.10 against 0.06).
             engine.generate_batch(group, **options)
@@ -145,8 +144,7 @@ def measure_cell(engine, drafter, prompts, batch, temperature, args) -> dict:
                 else:
                     engine.reset_drafters()
                 done = engine.generate_batch(group, **options, speculation=modes[name])
-                run[name].append(done[0].stats.decode_s)
-                total[name].append(done[0].stats.run.total_s)
+                run[name].append(done[0].stats.run)
                 if name not in best or done[0].stats.decode_s < best[name][0].stats.decode_s:
                     best[name] = done
     for best in bests:
@@ -163,9 +161,9 @@ def measure_cell(engine, drafter, prompts, batch, temperature, args) -> dict:
         chosen = spec.controller.sizes_chosen if spec and spec.controller else {}
         for size, count in chosen.items():
             sizes[size] = sizes.get(size, 0) + count
-    paired = {name: [_paired(run["plain"], run[name]) for run in runs] for name in ratios}
+    paired = {name: [_paired(run, name, "decode_s") for run in runs] for name in ratios}
     # With the prefill: a drafter's prompt work (suffix indexing, a head's catch-up) is there.
-    paired_total = {name: [_paired(t["plain"], t[name]) for t in totals] for name in ratios}
+    paired_total = {name: [_paired(run, name, "total_s") for run in runs] for name in ratios}
     return {
         "fixed_speedup": decode["plain"] / decode["fixed"] if "fixed" in decode else None,
         "default_speedup": decode["plain"] / decode["default"],
@@ -192,14 +190,15 @@ def measure_cell(engine, drafter, prompts, batch, temperature, args) -> dict:
     }
 
 
-def _paired(plain: list[float], mode: list[float]) -> float:
-    """A group's median over repeats of plain's time over the mode's, both of one repeat.
+def _paired(run: dict[str, list], mode: str, time: str) -> float:
+    """A group's median over repeats of plain's `time` over the mode's, both of one repeat.
 
     The runs of a repeat follow one another within a second or two, so a drift in the
     machine's speed (this host ran ~15% faster for seconds at a time: a fastest-of-N that
     lands in such a burst for one mode only reads as that mode's gain or loss) falls on both.
     """
-    return statistics.median(p / m for p, m in zip(plain, mode, strict=True))
+    pairs = zip(run["plain"], run[mode], strict=True)
+    return statistics.median(getattr(p, time) / getattr(m, time) for p, m in pairs)
 
 
 def _geometric_mean(ratios: list[float]) -> float:
