@@ -200,7 +200,6 @@ class AdaptiveController:
                 self._learn(row, len(replay.accepted), replay.judged)
             if replays:
                 self.replayed[row] = True
-                self.hit[row] = any(replay.accepted for replay in replays)
 
     def keep(self, proposed: list[DraftTree]) -> list[DraftTree]:  # noqa: D102
         return list(map(truncated, proposed, self._sizes.tolist()))
@@ -213,25 +212,38 @@ class AdaptiveController:
             if not self.replayed[b]:
                 return self.candidates[1]  # a small draft: cheap, and it tests the first depths
             # replays judged the drafter over the stretch: decided as in any round, for free
-        self.replayed[b] = False
+        replayed, self.replayed[b] = bool(self.replayed[b]), False
         size = self._best(b)
         if size and not self.costs.drafted:
             size = self.candidates[1]  # what a draft costs is unknown: learn it cheaply first
         if size and self.probing[b]:
             self.interval[b] = self.schedule.probe_every  # the probe brought speculation back
         elif not size:
-            if self.probing[b] and not self.hit[b]:  # a probe that found nothing: wait longer
+            # A probe that found nothing, or whose replays did not make a draft pay: wait longer.
+            if self.probing[b] and (replayed or not self.hit[b]):
                 self.interval[b] = min(2 * self.interval[b], self.schedule.max_probe_every)
             elif self.probing[b]:  # it found something: probe again soon
                 self.interval[b] = self.schedule.probe_every
             step = max(int(self.interval[b]), self._affordable(len(self.interval)))
-            # On a multiple of the step, so a batch's idle rows probe together, and at least
-            # half a step away: the next multiple can be the next round (n-gram at T = 1
-            # probed 11 rounds after a window at an affordable step of 18).
-            probe = (self.round // step + 1) * step
-            self.next_probe[b] = probe + step if probe - self.round < step // 2 else probe
+            # The wait taken is what the next failed probe doubles: an interval doubled under
+            # the affordable floor left the wait where it was (docs/decisions.md#backoff).
+            self.interval[b] = step
+            self.next_probe[b] = self._probe_round(step)
         self.probing[b] = False
         return size
+
+    def _probe_round(self, step: int) -> int:
+        """The round of an idle row's next probe, `step` rounds or so from now.
+
+        A row alone: `step` rounds away. In a batch, on a multiple of the step, so that its
+        idle rows probe together, and at least half a step away: the next multiple can be
+        the next round (n-gram at T = 1 probed 11 rounds after a window at an affordable
+        step of 18).
+        """
+        if len(self.next_probe) == 1:
+            return self.round + step
+        probe = (self.round // step + 1) * step
+        return probe + step if probe - self.round < step // 2 else probe
 
     def _affordable(self, batch: int) -> int:
         """The fewest rounds between probes that keeps them within `probe_budget`."""

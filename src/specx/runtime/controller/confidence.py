@@ -182,8 +182,11 @@ class ConfidenceController:
         paid = (self.replayed[b] or 0.0) > 0
         self.replayed[b] = None
         if not paid:
-            self.interval[b] = min(2 * self.interval[b], self.schedule.max_probe_every)
-            self.idle_until[b] = self.round + max(self.interval[b], self._affordable())
+            doubled = min(2 * self.interval[b], self.schedule.max_probe_every)
+            # The wait taken is what the next doubling doubles: an interval doubled under the
+            # affordable floor left the wait where it was (docs/decisions.md#backoff).
+            self.interval[b] = max(doubled, self._affordable())
+            self.idle_until[b] = self.round + self.interval[b]
         return paid
 
     def idled(self, stretch: Stretch) -> None:
