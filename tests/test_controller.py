@@ -41,7 +41,7 @@ from specx.runtime.drafters.tree_search import DynamicTree, StaticTree, parse_tr
 from specx.runtime.engine import Speculation, load
 from specx.runtime.ort_target import OrtTarget
 from specx.runtime.plain_decoding import generate_plain
-from specx.runtime.plans import ASKING_SETTINGS
+from specx.runtime.plans import ASKING_SETTINGS, PlanState, time_drafter
 from specx.runtime.rounds import PROBE_TAIL
 from specx.runtime.sampling import SamplingParams
 from specx.runtime.speculative_decoding import generate_speculative
@@ -514,7 +514,7 @@ def test_an_engine_prices_a_drafters_prefill_and_pays_it_only_where_it_pays(head
     trial = engine.plans.state(head).trial([prompt, prompt], 24)
     assert trial is not None and trial.prefill_s > 0 and trial.step_s > 0 and trial.rounds == 24
     # model-free: no prefill
-    assert engine.plans.state(ngram).trial([prompt], 24) == Trial(0.0, 24, 0.0)
+    assert engine.plans.state(ngram).trial([prompt], 24) == Trial(0.0, 24, 0.0, 0.0, len(prompt))
     plain = engine.generate(prompt, **options).tokens
     engine.plans.prefilled(head, seconds=60.0, tokens=1)  # a minute a prompt token: never repaid
     done = engine.generate(prompt, **options, speculation="eagle3")
@@ -712,6 +712,35 @@ def test_a_batch_asks_first_once_a_probe_is_affordable():
     assert first_ask(1) == 2  # after the request's plain first round
     assert first_ask(4) == 50  # nothing timed: a probe round priced 2 steps, 2% of the time
     assert first_ask(4, FixedCurve(0.2)) == 10  # a two-token forward timed at 1.2 steps
+
+
+def test_a_batchs_first_ask_waits_until_indexing_its_rows_texts_is_affordable():
+    """Suffix drafting indexes a batch's texts at its first ask (prompts and every token since):
+    that ask is priced with the indexing, which grows by a token a row each round, so it comes
+    when the whole probe is within 2% of the rounds before it, or never in the request."""
+    six = np.ones(6, dtype=bool)
+
+    def first_ask(index_s: float) -> int:
+        trial = Trial(0.0, rounds=128, index_s=index_s, prompt_tokens=600)
+        controller = ConfidenceController(trial=trial)
+        controller.start(6, 16)
+        controller.idled(Stretch(controller.idle_rounds(six), 6 * 49, 1.0))  # a step: 1 s
+        return next(r for r in range(controller.round + 1, 200) if controller.sizes(six).any())
+
+    assert first_ask(0.0) == 50  # indexing free: the probe's two steps, as without a trial
+    assert first_ask(0.001) == 115  # (2 - 1 + 600 x 0.001) / (0.02 - 6 x 0.001)
+    assert first_ask(0.004) == 129  # 6 x 0.004 a round > 2%: plain to the request's end
+
+
+def test_suffix_drafting_times_its_indexing_for_a_batchs_first_ask():
+    costs = time_drafter(SuffixDrafter(), tap_width=0)
+    assert 0 < costs.index_s_per_token < 1e-3 and costs.prefill_s_per_token == 0
+    assert time_drafter(NGramDrafter(), tap_width=0).index_s_per_token == 0
+    trial = PlanState(drafter_costs=costs).trial([[1] * 30, [2] * 20], max_new_tokens=64)
+    assert trial is not None and (trial.index_s, trial.prompt_tokens) == (
+        costs.index_s_per_token,
+        50,
+    )
 
 
 def test_a_batch_keeps_one_width_and_peers_raise_the_bar():

@@ -125,7 +125,8 @@ class PlanState:
         if costs is None:
             return None
         tokens = sum(map(len, prompts))
-        return Trial(costs.prefill_s_per_token * tokens, max_new_tokens, costs.step_s)
+        prefill_s = costs.prefill_s_per_token * tokens
+        return Trial(prefill_s, max_new_tokens, costs.step_s, costs.index_s_per_token, tokens)
 
     def prefilled(self, seconds: float, tokens: int) -> None:
         """A request's drafter prefilled `tokens` prompt tokens in `seconds`."""
@@ -148,6 +149,7 @@ class DrafterCosts:
 
     prefill_s_per_token: float  # its deferred prefill (`prepare`); 0 without one
     step_s: float  # one proposal of one node for one sequence
+    index_s_per_token: float = 0.0  # a batch row's text indexed at its first ask (suffix)
 
 
 def time_drafter(drafter, tap_width: int) -> DrafterCosts:
@@ -157,10 +159,13 @@ def time_drafter(drafter, tap_width: int) -> DrafterCosts:
     and drafted from twice, the second timed: the first pays a session's first run at the
     shapes. A short history's per-call overhead makes the prefill dearer per token than a
     prompt's: the estimate errs dear. A drafter without a prefill is not run (model-free
-    drafters propose in microseconds).
+    drafters propose in microseconds); one that indexes a batch's texts at their first ask
+    times that itself (`Drafter.time_indexing`).
     """
+    time_indexing = getattr(drafter, "time_indexing", None)
+    index_s = 0.0 if time_indexing is None else time_indexing()
     if getattr(drafter, "prepare", None) is None:
-        return DrafterCosts(0.0, 0.0)
+        return DrafterCosts(0.0, 0.0, index_s)
     history = [1] * (TIMED_PREFILL_TOKENS + 1)
     taps = None
     if drafter.taps != "none":
@@ -173,7 +178,7 @@ def time_drafter(drafter, tap_width: int) -> DrafterCosts:
         started = time.perf_counter()
         drafter.propose([history], active, SamplingParams(), rng, budget=1)
         step = time.perf_counter() - started
-    return DrafterCosts(prefill / TIMED_PREFILL_TOKENS, step)
+    return DrafterCosts(prefill / TIMED_PREFILL_TOKENS, step, index_s)
 
 
 class Plans:

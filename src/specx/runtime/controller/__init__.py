@@ -44,11 +44,12 @@ decoding from 0.88x to 0.94x (docs/decisions.md#replays).
 Never losing without calibration is the controllers' job, from a request's first round:
 what they assume before measuring is cheap to be wrong about (plain first rounds, one-node
 first drafts, a weak prior that the first misses overrule, a batch's first probe or window
-of asking only once it is affordable, a drafter's prefill paid only where the request's rest
-is expected to repay it twice: `Trial`; where replays judge the drafter for free, a round
-with a draft priced dear until one is timed: `costs.replayed_guess`), and rounds in which
-no row drafts are played by plain decoding's own loop (`idle_rounds`), so an idle
-speculative request costs what a plain one does. Both rules remember across an engine's
+of asking only once it is affordable, the indexing of every row's text it forces included
+where the drafter defers that (suffix drafting), a drafter's prefill paid only where the
+request's rest is expected to repay it twice: `Trial`; where replays judge the drafter for
+free, a round with a draft priced dear until one is timed: `costs.replayed_guess`), and
+rounds in which no row drafts are played by plain decoding's own loop (`idle_rounds`), so an
+idle speculative request costs what a plain one does. Both rules remember across an engine's
 requests at one setting: the sized rule the acceptance its rows start from
 (`AcceptanceMemory`), suffix drafting's rule when asking last paid (`AskingMemory`), so
 that a setting where drafts lose stops paying for them.
@@ -59,13 +60,14 @@ prompts misjudge a given request more than a measured plain round and a one-node
 
 from __future__ import annotations
 
-from specx.runtime.controller.adaptive import AdaptiveController, Trial
+from specx.runtime.controller.adaptive import AdaptiveController
 from specx.runtime.controller.base import (
     Controller,
     FixedSizes,
     Replay,
     Schedule,
     Stretch,
+    Trial,
     truncated,
 )
 from specx.runtime.controller.confidence import ConfidenceController
@@ -108,11 +110,11 @@ def controller_for(
     A drafter that `replays` prices a round not yet timed dear (`costs.replayed_guess`):
     `costs` are made so by `Plans`, suffix drafting's own here.
     `trial`: what the request's first draft costs it (a drafter that sizes its own drafts has
-    no prefill).
+    no prefill, but may index a batch's texts at its first ask).
     """
     if getattr(drafter, "sizes_own_drafts", False):  # absent on drafters written before it
         own = RoundCosts(shape=replayed_guess if replays(drafter) else None)
-        return ConfidenceController(memory=memory, costs=own)
+        return ConfidenceController(memory=memory, costs=own, trial=trial)
     return AdaptiveController(costs=costs, acceptance=acceptance, trial=trial)
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
 
 import numpy as np
 
@@ -11,6 +10,7 @@ from specx.runtime.controller.base import (
     UNTIMED_BATCH_PROBE,
     Schedule,
     Stretch,
+    Trial,
     affordable_interval,
     learnt,
     rounds_all_idle,
@@ -21,23 +21,7 @@ from specx.runtime.controller.memories import AcceptanceMemory
 from specx.runtime.metrics import ControllerSummary
 from specx.runtime.trees import DraftTree
 
-__all__ = ["AdaptiveController", "Trial"]
-
-
-@dataclass(frozen=True)
-class Trial:
-    """What a request's first draft costs it however the draft fares: the drafter's prefill.
-
-    A head's or a draft model's prefill of the prompts; none for model-free drafters.
-
-    `prefill_s`: predicted (the engine's measure per prompt token times the request's);
-    `rounds`: the request's rounds at most (its new tokens); `step_s`: one draft step of one
-    sequence, as timed on a dummy (what a draft costs before one is timed in a round).
-    """
-
-    prefill_s: float
-    rounds: int
-    step_s: float = 0.0
+__all__ = ["AdaptiveController"]
 
 
 class AdaptiveController:

@@ -25,6 +25,7 @@ __all__ = [
     "Replay",
     "Schedule",
     "Stretch",
+    "Trial",
     "affordable_interval",
     "rounds_all_idle",
     "learnt",
@@ -152,6 +153,27 @@ class Stretch:
     row_rounds: int
     step_s: float
     replay: Callable[[int], tuple[Replay, ...]] = field(default=lambda row: ())
+
+
+@dataclass(frozen=True)
+class Trial:
+    """What a request's first draft costs it however the draft fares: the drafter's prefill.
+
+    A head's or a draft model's prefill of the prompts; none for model-free drafters. Suffix
+    drafting's batch rows index their texts at their first ask instead (`index_s`).
+
+    `prefill_s`: predicted (the engine's measure per prompt token times the request's);
+    `rounds`: the request's rounds at most (its new tokens); `step_s`: one draft step of one
+    sequence, as timed on a dummy (what a draft costs before one is timed in a round);
+    `index_s`: a token of a row's text indexed at the first ask, as timed on a dummy (0: the
+    drafter indexes nothing then); `prompt_tokens`: the request's, over its prompts.
+    """
+
+    prefill_s: float
+    rounds: int
+    step_s: float = 0.0
+    index_s: float = 0.0
+    prompt_tokens: int = 0
 
 
 def truncated(draft: DraftTree, size: int) -> DraftTree:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from itertools import accumulate
 
@@ -12,6 +13,7 @@ from specx.runtime.controller.base import (
     Replay,
     Schedule,
     Stretch,
+    Trial,
     affordable_interval,
     rounds_all_idle,
     truncated,
@@ -80,8 +82,12 @@ class ConfidenceController:
         costs: RoundCosts | None = None,
         memory: AskingMemory | None = None,
         schedule: Schedule | None = None,
+        trial: Trial | None = None,
     ):
         self.margin, self.schedule = margin, schedule or Schedule()
+        # What a batch's first ask costs beyond its forward: indexing every row's text
+        # (`_price_first_ask`); None or no `index_s`: nothing.
+        self.trial = trial
         self.patience = patience  # rounds keeping nothing before the row stops proposing
         self.loss_budget = loss_budget  # plain steps asking may lose before rows idle
         # T(k); tests pass a fixed curve so that what is kept does not depend on the host
@@ -102,6 +108,7 @@ class ConfidenceController:
         # and in a batch not before probes are affordable (`_first_batch_window`).
         wait = self.memory.start()
         self.idle_until = [max(wait, self._first_batch_window(batch))] * batch
+        self.indexed = False  # a row asked: the drafter indexed the rows' texts
         self.interval = [self.schedule.probe_every] * batch
         self.probing = [False] * batch
         self.asked = [False] * batch
@@ -132,10 +139,32 @@ class ConfidenceController:
         """
         if batch == 1:
             return 0
+        return max(self.schedule.probe_every, self._affordable(self._batch_probe()))
+
+    def _batch_probe(self) -> float:
+        """A batch's probe round over a plain step: as timed, else `UNTIMED_BATCH_PROBE`."""
         timed = self.costs.plain_timed and self.costs.widest > 1
-        return max(
-            self.schedule.probe_every, self._affordable(None if timed else UNTIMED_BATCH_PROBE)
-        )
+        return self.costs.verify(2) / self.costs.verify(1) if timed else UNTIMED_BATCH_PROBE
+
+    def _price_first_ask(self) -> None:
+        """Puts a batch's first window of asking off until the rows' indexing is affordable.
+
+        Its first ask makes the drafter index every row's text (suffix drafting builds each
+        row's trie then: the prompts and every token emitted since, at `trial.index_s` a
+        token; ~7 ms by round 50 at batch 6 on pyref-7m, about five plain steps, which cost
+        6 x 128-token requests 2-4% where the asks found nothing), and the text grows by a
+        token a row each round. Affordable as a probe is (`affordable_interval`): the first
+        round r whose probe, indexing included, costs at most `probe_budget` of the r
+        rounds before it; never where the indexing grows faster than that budget.
+        """
+        trial, step = self.trial, self.costs.verify(1)
+        if self.indexed or trial is None or not trial.index_s or not self.costs.plain_timed:
+            return
+        budget = self.schedule.probe_budget
+        growth = trial.index_s * len(self.idle_until) / step  # plain steps a round adds
+        fixed = self._batch_probe() - 1.0 + trial.index_s * trial.prompt_tokens / step
+        first = trial.rounds + 1 if growth >= budget else math.ceil(fixed / (budget - growth))
+        self.idle_until = [max(wait, first) if wait else wait for wait in self.idle_until]
 
     def _affordable(self, probe: float | None = None) -> int:
         """The fewest rounds between probes that keeps them within `probe_budget`.
@@ -165,6 +194,7 @@ class ConfidenceController:
             self.asked[b] = asked
             chosen.append(self.max_nodes if asked else 0)
         self._chosen[0] += self._active - sum(self.asked)
+        self.indexed = self.indexed or any(self.asked)
         return np.array(chosen, dtype=np.int64)
 
     def idle_rounds(self, active: np.ndarray) -> int:  # noqa: D102
@@ -204,8 +234,11 @@ class ConfidenceController:
         self._chosen[0] += stretch.row_rounds
         self.asked = [False] * len(self.asked)  # the last round that asked is accounted for
         self.costs.record_stretch(stretch.step_s)
-        if len(self.idle_until) > 1 or self.idle_until[0] > self.round + 1:
-            return  # a batch's rows, or a row that does not decide next round
+        if len(self.idle_until) > 1:
+            self._price_first_ask()  # a plain step is timed now
+            return  # a batch's rows are not replayed
+        if self.idle_until[0] > self.round + 1:
+            return  # a row that does not decide next round
         replays = stretch.replay(0)
         for replay in replays:
             if replay.draft.confidence is not None:  # an empty draft teaches nothing

@@ -41,6 +41,9 @@ class Drafter(Protocol):
     # `history[:position]` alone, for the positions past what it has seen; it then stands
     # as after seeing them. Drafters whose drafts are deterministic functions of the
     # history offer it: plain steps then judge their drafts for free (`controller.Replay`).
+    # Optional: `time_indexing()` -> the seconds a token of a row's text costs a drafter that
+    # indexes a batch's texts at its first proposal (suffix drafting), timed on a dummy: a
+    # controller prices that first ask with it (`ConfidenceController._price_first_ask`).
 
     def start(
         self, prompts: Sequence[Sequence[int]], capacity: int, taps: list[np.ndarray] | None
