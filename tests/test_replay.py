@@ -161,21 +161,22 @@ def test_replays_decide_a_first_draft_at_a_dear_price_until_one_is_timed():
     assert chosen == [1, 0, 1]
 
 
-def test_replays_that_do_not_pay_double_the_wait_taken_whatever_tokens_they_hit():
+def test_replays_that_find_nothing_double_the_wait_taken():
     """At the dear untimed price a probe is affordable every 25 rounds: a lone row whose
-    replays keep hitting a first token that does not pay waits 25, then 50, then 64 rounds
-    (`max_probe_every`); an interval doubling beneath that floor kept the wait at 25, each
-    stretch end costing the replays and the loop's re-entry (docs/decisions.md#backoff)."""
+    replays keep finding nothing waits 25, then 50, then 64 rounds (`max_probe_every`); an
+    interval doubling beneath that floor kept the wait at 25, each stretch end costing the
+    replays and the loop's re-entry (docs/decisions.md#backoff). Replays that hit a token
+    bring the next probe back as soon as a probe that hit does."""
     chain = DraftTree.chain([1, 2, 3, 4])
     first, missed = Replay.of(chain, [1, 9, 9, 9]), Replay.of(chain, [9, 9, 9, 9])
     controller = AdaptiveController(costs=RoundCosts(shape=replayed_guess))
     controller.start(1, 4)
     waits = []
-    for _ in range(4):
-        controller.idled(_stretch(controller.idle_rounds(ONE), first, missed, missed, missed))
+    for replays in [(missed,) * 4] * 4 + [(first, missed, missed, missed)]:
+        controller.idled(_stretch(controller.idle_rounds(ONE), *replays))
         assert controller.sizes(ONE)[0] == 0
         waits.append(controller.idle_rounds(ONE) + 1)  # idle rounds, then the probe's
-    assert waits == [25, 50, 64, 64]
+    assert waits == [25, 50, 64, 64, 25]
 
 
 def test_replays_that_did_not_pay_wait_as_long_as_keeps_probes_affordable():

@@ -184,6 +184,7 @@ class AdaptiveController:
                 self._learn(row, len(replay.accepted), replay.judged)
             if replays:
                 self.replayed[row] = True
+                self.hit[row] = any(replay.accepted for replay in replays)
 
     def keep(self, proposed: list[DraftTree]) -> list[DraftTree]:  # noqa: D102
         return list(map(truncated, proposed, self._sizes.tolist()))
@@ -196,15 +197,14 @@ class AdaptiveController:
             if not self.replayed[b]:
                 return self.candidates[1]  # a small draft: cheap, and it tests the first depths
             # replays judged the drafter over the stretch: decided as in any round, for free
-        replayed, self.replayed[b] = bool(self.replayed[b]), False
+        self.replayed[b] = False
         size = self._best(b)
         if size and not self.costs.drafted:
             size = self.candidates[1]  # what a draft costs is unknown: learn it cheaply first
         if size and self.probing[b]:
             self.interval[b] = self.schedule.probe_every  # the probe brought speculation back
         elif not size:
-            # A probe that found nothing, or whose replays did not make a draft pay: wait longer.
-            if self.probing[b] and (replayed or not self.hit[b]):
+            if self.probing[b] and not self.hit[b]:  # a probe that found nothing: wait longer
                 self.interval[b] = min(2 * self.interval[b], self.schedule.max_probe_every)
             elif self.probing[b]:  # it found something: probe again soon
                 self.interval[b] = self.schedule.probe_every
