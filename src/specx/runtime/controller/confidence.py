@@ -157,10 +157,10 @@ class ConfidenceController:
         round r whose probe, indexing included, costs at most `probe_budget` of the r
         rounds before it; never where the indexing grows faster than that budget.
         """
-        trial, step = self.trial, self.costs.verify(1)
+        trial = self.trial
         if self.indexed or trial is None or not trial.index_s or not self.costs.plain_timed:
             return
-        budget = self.schedule.probe_budget
+        step, budget = self.costs.verify(1), self.schedule.probe_budget
         growth = trial.index_s * len(self.idle_until) / step  # plain steps a round adds
         fixed = self._batch_probe() - 1.0 + trial.index_s * trial.prompt_tokens / step
         first = trial.rounds + 1 if growth >= budget else math.ceil(fixed / (budget - growth))
