@@ -86,7 +86,7 @@ class ConfidenceController:
     ):
         self.margin, self.schedule = margin, schedule or Schedule()
         # What a batch's first ask costs beyond its forward: indexing every row's text
-        # (`_price_first_ask`); None or no `index_s`: nothing.
+        # (`_first_batch_window`); None or no `index_s`: nothing.
         self.trial = trial
         self.patience = patience  # rounds keeping nothing before the row stops proposing
         self.loss_budget = loss_budget  # plain steps asking may lose before rows idle
@@ -131,40 +131,30 @@ class ConfidenceController:
     def _first_batch_window(self, batch: int) -> int:
         """The round a batch's rows first ask (0 alone), as `AdaptiveController`'s first probe.
 
-        A batch's asking round proposes for every row (suffix drafting catches each row's
-        trie up with its tokens first) and a kept node widens the forward for all of them:
-        asking from the second round cost suffix's first requests 3-9% at batches 2 to 8
-        on pyref-7m, drafting in under 2% of their row-rounds
-        (docs/decisions.md#suffix-batch-waits).
+        A batch's asking round proposes for every row and a kept node widens the forward for
+        all of them: asking from the second round cost suffix's first requests 3-9% at
+        batches 2 to 8 on pyref-7m, drafting in under 2% of their row-rounds
+        (docs/decisions.md#suffix-batch-waits). The first ask also makes the drafter index
+        every row's text (`trial.index_s` a token: suffix drafting builds each row's trie
+        then, the prompts and every token emitted since; ~7 ms by round 50 at batch 6 on
+        pyref-7m, about five plain steps, which cost 6 x 128-token requests 2-4% where the
+        asks found nothing), and the text grows by a token a row each round. Once a plain
+        step is timed that is priced too: the first round r whose probe, indexing included,
+        costs at most `probe_budget` of the r rounds before it (without indexing,
+        `affordable_interval`); never where the indexing grows faster than that budget.
         """
         if batch == 1:
             return 0
-        return max(self.schedule.probe_every, self._affordable(self._batch_probe()))
-
-    def _batch_probe(self) -> float:
-        """A batch's probe round over a plain step: as timed, else `UNTIMED_BATCH_PROBE`."""
         timed = self.costs.plain_timed and self.costs.widest > 1
-        return self.costs.verify(2) / self.costs.verify(1) if timed else UNTIMED_BATCH_PROBE
-
-    def _price_first_ask(self) -> None:
-        """Puts a batch's first window of asking off until the rows' indexing is affordable.
-
-        Its first ask makes the drafter index every row's text (suffix drafting builds each
-        row's trie then: the prompts and every token emitted since, at `trial.index_s` a
-        token; ~7 ms by round 50 at batch 6 on pyref-7m, about five plain steps, which cost
-        6 x 128-token requests 2-4% where the asks found nothing), and the text grows by a
-        token a row each round. Affordable as a probe is (`affordable_interval`): the first
-        round r whose probe, indexing included, costs at most `probe_budget` of the r
-        rounds before it; never where the indexing grows faster than that budget.
-        """
+        probe = self.costs.verify(2) / self.costs.verify(1) if timed else UNTIMED_BATCH_PROBE
         trial = self.trial
-        if self.indexed or trial is None or not trial.index_s or not self.costs.plain_timed:
-            return
+        if trial is None or not trial.index_s or not self.costs.plain_timed:
+            return max(self.schedule.probe_every, self._affordable(probe))
         step, budget = self.costs.verify(1), self.schedule.probe_budget
-        growth = trial.index_s * len(self.idle_until) / step  # plain steps a round adds
-        fixed = self._batch_probe() - 1.0 + trial.index_s * trial.prompt_tokens / step
+        growth = trial.index_s * batch / step  # plain steps of indexing a round adds
+        fixed = probe - 1.0 + trial.index_s * trial.prompt_tokens / step
         first = trial.rounds + 1 if growth >= budget else math.ceil(fixed / (budget - growth))
-        self.idle_until = [max(wait, first) if wait else wait for wait in self.idle_until]
+        return max(self.schedule.probe_every, first)
 
     def _affordable(self, probe: float | None = None) -> int:
         """The fewest rounds between probes that keeps them within `probe_budget`.
@@ -235,7 +225,9 @@ class ConfidenceController:
         self.asked = [False] * len(self.asked)  # the last round that asked is accounted for
         self.costs.record_stretch(stretch.step_s)
         if len(self.idle_until) > 1:
-            self._price_first_ask()  # a plain step is timed now
+            if not self.indexed:  # a plain step is timed now: the first ask priced in full
+                first = self._first_batch_window(len(self.idle_until))
+                self.idle_until = [max(wait, first) if wait else wait for wait in self.idle_until]
             return  # a batch's rows are not replayed
         if self.idle_until[0] > self.round + 1:
             return  # a row that does not decide next round

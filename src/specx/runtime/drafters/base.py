@@ -43,7 +43,7 @@ class Drafter(Protocol):
     # history offer it: plain steps then judge their drafts for free (`controller.Replay`).
     # Optional: `time_indexing()` -> the seconds a token of a row's text costs a drafter that
     # indexes a batch's texts at its first proposal (suffix drafting), timed on a dummy: a
-    # controller prices that first ask with it (`ConfidenceController._price_first_ask`).
+    # controller prices that first ask with it (`ConfidenceController._first_batch_window`).
 
     def start(
         self, prompts: Sequence[Sequence[int]], capacity: int, taps: list[np.ndarray] | None
