@@ -14,6 +14,7 @@ from specx.runtime.controller import (
     RoundCosts,
     Schedule,
     Stretch,
+    Trial,
     controller_for,
     replayed_guess,
 )
@@ -263,3 +264,22 @@ def test_greedy_decoding_with_replays_equals_plain(make, batches, artifacts, rng
         assert spec.tokens == generate_plain(target, prompts[:batch], 80).tokens
         # the controller learnt from replays (a batch's first, as its rows wait for a probe)
         assert drafter.replays > 0
+
+
+def test_a_batchs_first_suffix_ask_priced_with_its_indexing_keeps_greedy_plain(artifacts, rng):
+    """Pricing a batch's first ask with the indexing it forces moves when rows draft, never what
+    is verified: greedy output is plain's whether the window opens (indexing priced cheap) or
+    never does in the request (dear)."""
+    target = OrtTarget(load_manifest(artifacts["llama"]), threads=2)
+    span = [rng.integers(1, target.vocab_size, 5).tolist() for _ in range(3)]
+    prompts = [rng.integers(1, target.vocab_size, 4).tolist() + s * 3 for s in span]
+    plain = generate_plain(target, prompts, 80).tokens
+    drafted = []
+    for index_s in (1e-9, 1.0):
+        drafter = SuffixDrafter(SuffixOptions(8))
+        trial = Trial(0.0, rounds=80, index_s=index_s, prompt_tokens=sum(map(len, prompts)))
+        controller = ConfidenceController(trial=trial)
+        spec = generate_speculative(target, drafter, prompts, 80, controller=controller)
+        assert spec.tokens == plain
+        drafted.append(controller.indexed)
+    assert drafted == [True, False]
