@@ -28,9 +28,9 @@ def substring_counts(text: list[int], depth: int) -> dict[tuple[int, ...], int]:
 def trie_counts(trie: SuffixTrie) -> dict[tuple[int, ...], int]:
     found, stack = {}, [(0, ())]
     while stack:
-        node, path = stack.pop()
-        for token, child in trie.children[node].items():
-            found[path + (token,)] = trie.counts[child]
+        place, path = stack.pop()
+        for token, child, count in trie.continuations(place, len(path)):
+            found[path + (token,)] = count
             stack.append((child, path + (token,)))
     return found
 
@@ -49,6 +49,54 @@ def test_the_trie_counts_every_short_substring():
     for key, n in substring_counts([2, 2], 5).items():
         expected[key] = expected.get(key, 0) + n
     assert trie_counts(trie) == expected
+
+
+def test_the_trie_keeps_every_count_and_first_seen_order_while_storing_once_seen_text_as_text():
+    rng = np.random.default_rng(1)
+    for depth in (2, 3, 5, 8):
+        for _ in range(12):
+            documents = [rng.integers(0, rng.integers(2, 5), rng.integers(0, 30)).tolist()
+                         for _ in range(rng.integers(1, 4))]  # fmt: skip
+            trie, expected = SuffixTrie(depth), {}
+            for document in documents:
+                trie.new_document()
+                cut = int(rng.integers(0, len(document) + 1))
+                trie.extend(document[:cut])
+                trie.extend(document[cut:])
+                for key, n in substring_counts(document, depth).items():
+                    expected[key] = expected.get(key, 0) + n
+            assert trie_counts(trie) == expected
+            # Continuations come in the order their strings were first seen (grow's ties).
+            for key in expected:
+                if len(key) < depth:
+                    assert continuation_order(trie, key) == first_seen(documents, key)
+            # Following another text finds its longest present suffix at every token.
+            query, places = rng.integers(0, 4, 20).tolist(), []
+            for end in range(1, len(query) + 1):
+                places = trie.follow(places, query[end - 1])
+                present = [n for n in range(1, min(end, depth - 1) + 1)
+                           if tuple(query[end - n : end]) in expected]  # fmt: skip
+                assert len(places) == max(present, default=0)
+    # A once-seen string is text, not nodes: 200 new tokens make 200 nodes, not 200 x 31.
+    trie = SuffixTrie(32)
+    trie.extend(range(200))
+    assert len(trie.counts) == 201
+
+
+def continuation_order(trie: SuffixTrie, key: tuple[int, ...]) -> list[int]:
+    place = 0
+    for length, token in enumerate(key):
+        place = next(c for t, c, _ in trie.continuations(place, length) if t == token)
+    return [token for token, _, _ in trie.continuations(place, len(key))]
+
+
+def first_seen(documents: list[list[int]], key: tuple[int, ...]) -> list[int]:
+    order: list[int] = []
+    for document in documents:
+        for i in range(len(document) - len(key)):
+            if tuple(document[i : i + len(key)]) == key and document[i + len(key)] not in order:
+                order.append(document[i + len(key)])
+    return order
 
 
 def test_the_most_frequent_continuation_leads_the_tree():

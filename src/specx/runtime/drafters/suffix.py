@@ -42,6 +42,7 @@ __all__ = ["SuffixDrafter", "SuffixOptions", "SuffixTrie"]
 
 # Tokens of the random text suffix drafting times its indexing on (`time_indexing`).
 TIMED_INDEX_TOKENS = 256
+END = -1  # closes a document in a trie's text: no token follows it
 
 
 @dataclass(frozen=True)
@@ -72,81 +73,116 @@ class SuffixOptions:
 class SuffixTrie:
     """Every substring of up to `depth` tokens of the documents fed, with occurrence counts.
 
-    Node 0 is the empty string. `children[n]` maps a token to the node of n's string plus
-    that token; `counts[n]` is how often n's string occurred.
+    Kept as a suffix tree keeps its leaves: a string that occurred once is not a chain of
+    nodes but a place in the text, its one occurrence continuing there. Only repeated
+    strings, and the once-seen children of repeated ones, are nodes. A token fed therefore
+    touches the repeated suffixes ending before it (1.6 a token on pyref-7m's HumanEval
+    prompts) rather than all `depth` of them: 13 us a token fell to 1-2 us, and the prompt's
+    indexing had been 1.7 ms of a 12 ms prefill (docs/decisions.md#suffix-trie-leaves).
+
+    A *place* is a node (>= 0) or ~j for a string seen once whose occurrence continues at
+    `text[j]`. Node 0 is the empty string; `children[n]` maps a token to the node of n's
+    string plus it, `counts[n]` is how often n's string occurred, and `tails[n]` is j for a
+    node seen once (its children are then the text's) or -1.
     """
 
     def __init__(self, depth: int):
         self.depth = depth
+        self.text: list[int] = []  # the documents fed, each closed by END
         self.children: list[dict[int, int]] = [{}]
         self.counts: list[int] = [0]
-        self.open: list[int] = []  # nodes of the suffixes ending at the last token, by length
+        self.tails: list[int] = [-1]
+        self.open: list[int] = []  # nodes of the repeated suffixes ending at the last token
 
     def __len__(self) -> int:
-        return len(self.counts)
+        """Its size: nodes and text tokens."""
+        return len(self.counts) + len(self.text)
 
     def new_document(self) -> None:
         """Starts a document: no substring spans the previous one's end."""
+        if self.text and self.text[-1] != END:
+            self.text.append(END)
         self.open = []
 
     def extend(self, tokens: Iterable[int]) -> None:
-        """Feeds tokens at the end of the current document."""
-        children, counts = self.children, self.counts
+        """Feeds tokens at the end of the current document.
+
+        A suffix whose extension is new is seen once from here on: its node gets a tail at
+        the text's end, and it leaves the open suffixes (every longer one is new too).
+        """
+        text, children, counts, tails = self.text, self.children, self.counts, self.tails
         for token in tokens:
-            extended = []
+            text.append(token)
+            extended: list[int] = []  # found children: a prefix of the suffixes, by length
             for node in (0, *self.open):
                 child = children[node].get(token)
                 if child is None:
-                    child = len(counts)
-                    children[node][token] = child
-                    children.append({})
-                    counts.append(0)
-                counts[child] += 1
-                extended.append(child)
+                    children[node][token] = self._node(1, len(text))
+                elif tails[child] < 0:
+                    counts[child] += 1
+                    extended.append(child)
+                else:
+                    counts[child] += 1
+                    self._split(child, len(extended) + 1)
+                    extended.append(child)
             self.open = extended[: self.depth - 1]
 
-    def follow(self, open_nodes: list[int], token: int) -> list[int]:
-        """The nodes of the suffixes after `token`, given those before it (no insertion).
+    def follow(self, open_places: list[int], token: int) -> list[int]:
+        """The places of the suffixes after `token`, given those before it (no insertion).
 
         A suffix absent from the trie has no longer suffix present either, so the result
         is again every present suffix, shortest first.
         """
-        extended = []
-        for node in (0, *open_nodes):
-            child = self.children[node].get(token)
+        extended: list[int] = []
+        for place in (0, *open_places):
+            child = self._step(place, len(extended), token)
             if child is None:
                 break
             extended.append(child)
         return extended[: self.depth - 1]
 
-    def best_match(self, open_nodes: list[int], max_match: int) -> tuple[int, int]:
+    def continuations(self, place: int, length: int) -> list[tuple[int, int, int]]:
+        """(token, place, count) of each string one token longer than `place`'s, `length` long."""
+        if length >= self.depth:
+            return []
+        j = ~place if place < 0 else self.tails[place]
+        if j < 0:
+            return [(token, child, self.counts[child]) for token, child in
+                    self.children[place].items()]  # fmt: skip
+        if j < len(self.text) and self.text[j] != END:
+            return [(self.text[j], ~(j + 1), 1)]
+        return []
+
+    def best_match(self, open_places: list[int], max_match: int) -> tuple[int, int]:
         """The longest open suffix of at most `max_match` tokens with a continuation.
 
-        Returns (node, length); (0, 0) when none has one.
+        Returns (place, length); (0, 0) when none has one.
         """
-        for length in range(min(len(open_nodes), max_match), 0, -1):
-            node = open_nodes[length - 1]
-            if self.children[node]:
-                return node, length
+        for length in range(min(len(open_places), max_match), 0, -1):
+            place = open_places[length - 1]
+            if self.continuations(place, length):
+                return place, length
         return 0, 0
 
-    def grow(self, node: int, budget: int, min_prob: float) -> tuple[DraftTree, float]:
-        """The best-first tree of `node`'s continuations and its expected accepted length."""
+    def grow(
+        self, place: int, length: int, budget: int, min_prob: float
+    ) -> tuple[DraftTree, float]:
+        """The best-first tree of `place`'s continuations and its expected accepted length."""
         tokens: list[int] = []
         parents: list[int] = []
         confidence: list[float] = []
-        heap: list[tuple[float, int, int, int, int, float]] = []
+        heap: list[tuple[float, int, int, int, int, int, float]] = []
         order = itertools.count()  # ties go to the earlier-found node
-        self._push(heap, order, node, -1, 1.0, min_prob)
+        self._push(heap, order, place, length, -1, 1.0, min_prob)
         expected = 0.0
         while heap and len(tokens) < budget:
-            negative, _, token, child, parent, conditional = heapq.heappop(heap)
+            negative, _, token, child, child_length, parent, conditional = heapq.heappop(heap)
             index = len(tokens)
             tokens.append(token)
             parents.append(parent)
             confidence.append(conditional)
             expected -= negative
-            self._push(heap, order, child, index, -negative, min_prob)
+            self._push(heap, order, child, child_length, index, -negative, min_prob)
         tree = DraftTree(
             np.array(tokens, dtype=np.int64),
             np.array(parents, dtype=np.int64),
@@ -154,17 +190,37 @@ class SuffixTrie:
         )
         return tree, expected
 
-    def _push(self, heap: list, order, node: int, index: int, path: float, min_prob: float):
-        kids = self.children[node]
-        if not kids:
-            return
-        total = sum(self.counts[c] for c in kids.values())
-        for token, child in kids.items():
-            conditional = self.counts[child] / total
+    def _push(self, heap, order, place: int, length: int, index: int, path: float, min_prob):
+        kids = self.continuations(place, length)
+        total = sum(count for _, _, count in kids)
+        for token, child, count in kids:
+            conditional = count / total
             if path * conditional >= min_prob:
-                # (-path probability, tie-break, token, trie node, tree parent, conditional)
-                entry = (-path * conditional, next(order), token, child, index, conditional)
+                # (-path probability, tie-break, token, place, its length, tree parent, p)
+                entry = (-path * conditional, next(order), token, child, length + 1, index,
+                         conditional)  # fmt: skip
                 heapq.heappush(heap, entry)
+
+    def _step(self, place: int, length: int, token: int) -> int | None:
+        """The place of `place`'s string plus `token`, None where that never occurred."""
+        if length >= self.depth:
+            return None
+        j = ~place if place < 0 else self.tails[place]
+        if j < 0:
+            return self.children[place].get(token)
+        return ~(j + 1) if j < len(self.text) and self.text[j] == token else None
+
+    def _node(self, count: int, tail: int) -> int:
+        self.children.append({})
+        self.counts.append(count)
+        self.tails.append(tail)
+        return len(self.counts) - 1
+
+    def _split(self, node: int, length: int) -> None:
+        """Makes a node seen once a repeated one: its first occurrence's next token a child."""
+        j, self.tails[node] = self.tails[node], -1
+        if length < self.depth and self.text[j] != END:
+            self.children[node][self.text[j]] = self._node(1, j + 1)
 
 
 class SuffixDrafter:
@@ -216,12 +272,12 @@ class SuffixDrafter:
     def _draft(self, row: _Row, nodes: int) -> DraftTree:
         options = self.options
         best, best_expected = DraftTree.empty(), 0.0
-        for trie, open_nodes in ((row.trie, row.trie.open), (self.shared, row.shared_open)):
-            node, length = trie.best_match(open_nodes, options.max_match)
+        for trie, open_places in ((row.trie, row.trie.open), (self.shared, row.shared_open)):
+            place, length = trie.best_match(open_places, options.max_match)
             if length == 0:
                 continue
             budget = min(nodes, math.ceil(options.alpha * length))
-            tree, expected = trie.grow(node, budget, options.min_prob)
+            tree, expected = trie.grow(place, length, budget, options.min_prob)
             if expected > best_expected:
                 best, best_expected = tree, expected
         return best
@@ -245,11 +301,13 @@ class SuffixDrafter:
     def time_indexing(self) -> float:
         """Seconds a token of a row's text costs to index (`Drafter.time_indexing`).
 
-        Timed on random tokens: all new text, every suffix a new node, so dearer than a
-        prompt that repeats itself (the estimate errs dear); the faster of two, as the first
-        run of a process can take twice as long.
+        Timed on a text that repeats a 16-token phrase: every suffix is a repeated one, so
+        every one is touched, the dearest text for the trie (5 us a token against a
+        HumanEval prompt's 1-2 us here; the estimate errs dear); the faster of two, as the
+        first run of a process can take twice as long.
         """
-        text = np.random.default_rng(0).integers(0, 1 << 15, TIMED_INDEX_TOKENS).tolist()
+        phrase = np.random.default_rng(0).integers(0, 1 << 15, 16).tolist()
+        text = phrase * (TIMED_INDEX_TOKENS // len(phrase))
         seconds = []
         for _ in range(2):
             row = _Row(self.options.depth, ())
