@@ -19,9 +19,10 @@ Nodes are chosen deterministically (`probs` None), so verification uses the dete
 siblings rule and the output keeps the target's distribution at any temperature.
 
 The trie is hand-written (no maintained Python suffix-tree package does incremental
-counts): every substring of up to `depth` tokens of the text fed to it, with its count.
-Feeding a token extends the open suffixes (those ending at the previous token) by it, so
-it costs O(depth) per token, and the open nodes are also the match candidates of step 1.
+counts): every substring of up to `depth` tokens of the text fed to it, with its count,
+a string seen once kept as its place in the text. Feeding a token extends the repeated
+suffixes ending at the previous token by it, and those are also the match candidates of
+step 1 (a suffix seen once has no continuation yet).
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ class SuffixOptions:
     min_prob: float = 0.3
     max_match: int = 12
     depth: int = 32  # longest substring kept; a match of m leaves depth - m to continue
-    shared_nodes: int = 2_000_000  # the shared trie is cleared when it would grow past this
+    shared_nodes: int = 2_000_000  # the shared trie is cleared when it would pass this size
 
     def __post_init__(self) -> None:
         if self.max_nodes < 1 or self.max_match < 1 or self.depth <= self.max_match:
@@ -77,7 +78,7 @@ class SuffixTrie:
     nodes but a place in the text, its one occurrence continuing there. Only repeated
     strings, and the once-seen children of repeated ones, are nodes. A token fed therefore
     touches the repeated suffixes ending before it (1.6 a token on pyref-7m's HumanEval
-    prompts) rather than all `depth` of them: 13 us a token fell to 1-2 us, and the prompt's
+    prompts) rather than all `depth` of them: 10-12 us a token fell to 1-1.5 us; the prompt's
     indexing had been 1.7 ms of a 12 ms prefill (docs/decisions.md#suffix-trie-leaves).
 
     A *place* is a node (>= 0) or ~j for a string seen once whose occurrence continues at
