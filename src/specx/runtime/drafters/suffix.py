@@ -119,13 +119,11 @@ class SuffixTrie:
                 child = children[node].get(token)
                 if child is None:
                     children[node][token] = self._node(1, len(text))
-                elif tails[child] < 0:
-                    counts[child] += 1
-                    extended.append(child)
-                else:
-                    counts[child] += 1
+                    continue
+                counts[child] += 1
+                if tails[child] >= 0:  # seen once before, now twice
                     self._split(child, len(extended) + 1)
-                    extended.append(child)
+                extended.append(child)
             self.open = extended[: self.depth - 1]
 
     def follow(self, open_places: list[int], token: int) -> list[int]:
