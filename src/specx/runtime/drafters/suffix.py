@@ -41,7 +41,7 @@ from specx.runtime.trees import DraftTree
 
 __all__ = ["SuffixDrafter", "SuffixOptions", "SuffixTrie"]
 
-# Tokens of the random text suffix drafting times its indexing on (`time_indexing`).
+# Tokens of the text suffix drafting times its indexing on (`time_indexing`).
 TIMED_INDEX_TOKENS = 256
 END = -1  # closes a document in a trie's text: no token follows it
 
@@ -144,7 +144,7 @@ class SuffixTrie:
         """(token, place, count) of each string one token longer than `place`'s, `length` long."""
         if length >= self.depth:
             return []
-        j = ~place if place < 0 else self.tails[place]
+        j = self._tail(place)
         if j < 0:
             return [(token, child, self.counts[child]) for token, child in
                     self.children[place].items()]  # fmt: skip
@@ -204,10 +204,14 @@ class SuffixTrie:
         """The place of `place`'s string plus `token`, None where that never occurred."""
         if length >= self.depth:
             return None
-        j = ~place if place < 0 else self.tails[place]
+        j = self._tail(place)
         if j < 0:
             return self.children[place].get(token)
         return ~(j + 1) if j < len(self.text) and self.text[j] == token else None
+
+    def _tail(self, place: int) -> int:
+        """Where `place`'s string, seen once, continues in the text; -1 for a repeated one."""
+        return ~place if place < 0 else self.tails[place]
 
     def _node(self, count: int, tail: int) -> int:
         self.children.append({})
