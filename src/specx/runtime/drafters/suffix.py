@@ -326,8 +326,12 @@ class _Row:
     def __init__(self, depth: int, prompt: Sequence[int]):
         self.trie = SuffixTrie(depth)
         self.prompt = prompt  # what the shared trie learns where the row never asked
-        self.history: list[int] = []  # the tokens fed to the matchers
         self.shared_open: list[int] = []
+
+    @property
+    def history(self) -> list[int]:
+        """The tokens fed to the matchers: the row's trie's one document."""
+        return self.trie.text
 
     @property
     def text(self) -> Sequence[int]:
@@ -340,4 +344,3 @@ class _Row:
         self.trie.extend(new)
         for token in new:
             self.shared_open = shared.follow(self.shared_open, token)
-        self.history.extend(new)
