@@ -42,6 +42,7 @@ from specx.graphs.weight_only import WeightOnlyConfig
 from specx.manifest_types import CalibrationEntry
 from specx.runtime.backends import open_decoder
 from specx.runtime.calibrated import calibrated_choice
+from specx.runtime.controller import AdaptiveController
 from specx.runtime.drafters import DrafterOptions, make_drafter
 from specx.runtime.drafters.tree_search import StaticTree
 from specx.runtime.plain_decoding import generate_plain
@@ -260,6 +261,36 @@ def test_calibrate_ngram_picks_a_chain_length(artifact):
         f"  candidate {i}/3" for i in (1, 2, 3)
     ]
     assert entry.report["acceptance"]["top_k"] == 1
+
+
+def test_candidates_and_the_batch_curve_are_timed_as_the_engine_serves_them(
+    artifact, monkeypatch
+):
+    """Every timed speculative run sizes its drafts with a controller, a first request's own.
+
+    Timed with whole drafts, a shape that caps the engine's controller was chosen for what
+    the engine never runs (n-gram's chain 2 over chain 4: docs/decisions.md#calibration-
+    times-the-controller).
+    """
+    seen = []  # (controller, widths it had timed, the batch) at each run's start
+
+    def spy(target, drafter, prompts, *args, controller=None, **kwargs):
+        timed = None if controller is None else dict(controller.costs.by_width)
+        seen.append((controller, timed, len(prompts)))
+        return generate_speculative(target, drafter, prompts, *args, controller=controller,
+                                    **kwargs)  # fmt: skip
+
+    monkeypatch.setattr(timing_module, "generate_speculative", spy)
+    options = CalibrationOptions(**{**FAST.__dict__, "drafter": "ngram"})
+    entry = calibrate_artifact(artifact, PROMPTS, options)
+    candidates = len(entry.choice.measured.candidates)
+    assert len(seen) == candidates * len(PROMPTS) + 2  # batch 2: two groups of the 3 prompts
+    assert all(isinstance(c, AdaptiveController) for c, _, _ in seen)
+    assert len({id(c) for c, _, _ in seen}) == len(seen)  # a fresh one every run
+    assert all(timed == {} for _, timed, _ in seen)  # a first request: nothing timed yet
+    # Widths not yet timed are priced by the verify curve step 3 measured, at batch 1.
+    ones = [c for c, _, batch in seen if batch == 1]
+    assert ones and all(c.costs.shape == entry.verify_shape for c in ones)
 
 
 def test_a_calibration_of_another_build_is_reported_as_such(artifact, tmp_path):

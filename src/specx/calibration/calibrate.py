@@ -15,7 +15,9 @@ Steps, all on this machine and the artifact's default build:
 5. the model's best candidates (3 static trees, 2 chains, EAGLE-2 parameters from the best
    tree; a shape that is a chain measured once) decoded on the prompts, each prompt
    plainly and speculatively back to back, fastest of `repeats` (`specx.calibration.
-   timing`): the fastest candidate is the choice, and its measured speedup is the speedup
+   timing`), each speculative run as the engine serves a first request, its controller
+   sizing every round's draft under the shape (`_AsServed`): the fastest candidate is the
+   choice, and its measured speedup is the speedup
    expected on similar prompts; then the choice at batch 1, 2, 4, 8, measured the same
    way, gives the largest batch where speculation still pays 5% (`PAYS`; `max_batch_spec`, 0
    when it never does: generation then stays plain).
@@ -74,6 +76,7 @@ from specx.runtime.decoder_backend import DecoderBackend
 from specx.runtime.drafters import DrafterOptions, make_drafter
 from specx.runtime.drafters.tree_search import DynamicTree, StaticTree
 from specx.runtime.plain_decoding import check_prompts, generate_plain
+from specx.runtime.plans import DraftPlan, Plans
 from specx.runtime.sampling import SamplingParams
 from specx.runtime.speculative_decoding import generate_speculative
 
@@ -283,21 +286,22 @@ def calibrate_artifact(
     ]
     candidates = _candidates(scored, chains, p, spec)
     progress(f"[5/5] measuring {len(candidates)} candidates, then the batch curve")
+    relative = tuple(s / curve.seconds[0] for s in curve.seconds)
+    verify = VerifyShape(build_name(manifest), curve.tokens, relative)
+    plans = Plans(target, options.threads, verify)
     measured = []
     for i, candidate in enumerate(candidates, 1):
         progress(f"  candidate {i}/{len(candidates)}: {candidate.label}")
-        drafter = _drafter(spec, target, _candidate_shape(candidate), options)
-        timing = measure_speedup(
-            target, drafter, prompts, options.max_new_tokens, options.repeats, 1, sampling
-        )
-        measured.append(_with(candidate, measured_speedup=timing.speedup))
+        served = _AsServed.of(plans, spec, _candidate_shape(candidate), options)
+        measured.append(_with(candidate, measured_speedup=served.time(prompts, 1).speedup))
     choice = _with(
         max(measured, key=_speedup),
         candidates=tuple(
             CandidateTiming(c.label, _predicted_speedup(c), _speedup(c)) for c in measured
         ),
     )
-    batch_curve = _batch_curve(target, spec, choice, prompts, options, progress)
+    served = _AsServed.of(plans, spec, _candidate_shape(choice), options)
+    batch_curve = _batch_curve(served, choice, prompts, progress)
     seconds = time.perf_counter() - started
     report = {
         **_header(manifest, spec, prompts, options, seconds),
@@ -324,8 +328,6 @@ def calibrate_artifact(
         "chains": [{"length": n, "predicted_speedup": s} for s, n in chains],
         "spine_only": sampling.greedy and row_exact(manifest),
     }
-    relative = tuple(s / curve.seconds[0] for s in curve.seconds)
-    verify = VerifyShape(build_name(manifest), curve.tokens, relative)
     entry = _entry(choice, batch_curve, sampling, report, verify)
     key = calibration_key(DrafterName.parse(spec).kind, sampling)
     write_manifest(manifest.root, manifest_body(manifest.with_calibration(key, entry)))
@@ -340,8 +342,9 @@ def calibrate_artifact(
 def _calibrate_budget(manifest, target, spec, prompts, options, sampling, progress):
     """A drafter that sizes its own trees (suffix): its speedup per batch size, no tree.
 
-    Each speculative run gets a fresh drafter, so nothing learnt from an earlier repeat of
-    the same prompt inflates the measurement (a deployment's warm drafter does better).
+    Each speculative run is a fresh engine's first request (`_AsServed`), so nothing learnt
+    from an earlier repeat of the same prompt inflates the measurement (a deployment's warm
+    drafter does better).
     """
     started = time.perf_counter()
     nodes = make_drafter(spec, target, DrafterOptions(threads=options.threads)).max_nodes
@@ -354,13 +357,11 @@ def _calibrate_budget(manifest, target, spec, prompts, options, sampling, progre
     setting = "greedy" if sampling.greedy else calibration_key("", sampling)[1:]
     progress(f"[1/1] {spec} ({nodes}-node budget, {setting}) vs plain at batch sizes "
              f"{', '.join(map(str, options.batches))}")  # fmt: skip
+    served = _AsServed.of(Plans(target, options.threads), spec, None, options)
     curve = []
     for batch in options.batches:
         group = [prompts[i % len(prompts)] for i in range(max(batch, len(prompts)))]
-        timing = measure_speedup(
-            target, None, group, options.max_new_tokens, options.repeats, batch, sampling,
-            new_drafter=lambda: make_drafter(spec, target, DrafterOptions(threads=options.threads)),
-        )  # fmt: skip
+        timing = served.time(group, batch)
         point = BatchPoint.timed(batch, timing)
         curve.append(replace(point, acceptance_length=timing.acceptance_length))
     first = curve[0].measured_speedup
@@ -589,31 +590,68 @@ def _predicted(depth: int, expected_accepted: float, speedup: float) -> ShapeMea
     return ShapeMeasures(depth=depth, expected_accepted=expected_accepted, model_speedup=speedup)
 
 
-def _batch_curve(target, spec, choice, prompts, options, progress) -> list[BatchPoint]:
+def _batch_curve(served: _AsServed, choice: TreeChoice, prompts, progress) -> list[BatchPoint]:
     """Measured speedup of the chosen tree per batch size (prompts cycled to fill batches).
 
     Batch 1 is the choice's own measurement on the prompts; larger batches are decoded
     `batch` prompts at a time, plainly and speculatively, with the same token budget.
     """
     curve = []
-    for batch in options.batches:
+    for batch in served.options.batches:
         if batch == 1:
             curve.append(BatchPoint(1, _speedup(choice)))
             continue
         progress(f"  batch curve: {choice.label} at batch {batch}")
         group = [prompts[i % len(prompts)] for i in range(max(batch, len(prompts)))]
-        drafter = _drafter(spec, target, _candidate_shape(choice), options)
-        timing = measure_speedup(
-            target,
-            drafter,
-            group,
-            options.max_new_tokens,
-            options.repeats,
-            batch,
-            options.sampling(),
-        )
-        curve.append(BatchPoint.timed(batch, timing))
+        curve.append(BatchPoint.timed(batch, served.time(group, batch)))
     return curve
+
+
+@dataclass(frozen=True)
+class _AsServed:
+    """A shape timed as the engine serves it: its pooled drafter, its per-round controller.
+
+    The engine sizes every round's draft with a controller (`specx.runtime.controller`) that
+    the calibrated shape only caps. Timed with whole drafts instead, n-gram's chain 2 beat
+    chain 4 here and then capped the controller at 2: 1.04x greedy at batch 1, where the
+    uncalibrated chain 4 under its controller made 1.17x
+    (docs/decisions.md#calibration-times-the-controller). Every run is a fresh engine's
+    first request (`Plans.forget`), as `specx generate` runs: a drafter that learns starts
+    empty, the controller knows only the verify curve measured in step 3.
+    """
+
+    plans: Plans
+    plan: DraftPlan
+    options: CalibrationOptions
+
+    @classmethod
+    def of(cls, plans: Plans, spec: str, shape, options: CalibrationOptions) -> _AsServed:
+        """`spec` drafting `shape` (None: its own default) through `plans`' engine state."""
+        ngram = DrafterName.parse(spec).kind == "ngram"
+        count = shape.max_nodes if ngram and shape is not None else None
+        drafter_options = DrafterOptions(count, None if ngram else shape, threads=options.threads)
+        plan = DraftPlan(DrafterName.parse(spec), drafter_options, None, True, None)
+        return cls(plans, plan, options)
+
+    def time(self, prompts: Sequence[Sequence[int]], batch: int) -> PairedTiming:
+        """Plain vs served decoding of `prompts`, `batch` at a time (`measure_speedup`)."""
+        o = self.options
+        return measure_speedup(
+            self.plans.target, None, prompts, o.max_new_tokens, o.repeats, batch, o.sampling(),
+            new_drafter=self._drafter, new_controller=self._controller,
+        )  # fmt: skip
+
+    def _drafter(self):
+        self.plans.forget()
+        drafter = self.plans.take(self.plan)
+        self.plans.give_back(self.plan, drafter)  # the next run's again, unless it learns
+        return drafter
+
+    def _controller(self, drafter, prompts: Sequence[Sequence[int]]):
+        o = self.options
+        return self.plans.controller(
+            self.plan, drafter, o.sampling(), prompts, o.max_new_tokens, len(prompts)
+        )
 
 
 def _milliseconds(cost: DraftCost) -> dict[str, float]:

@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from specx.runtime.controller import Controller
 from specx.runtime.decoder_backend import DecoderBackend
 from specx.runtime.drafters.base import Drafter
 from specx.runtime.metrics import AcceptanceSummary
@@ -59,6 +60,7 @@ def measure_speedup(
     batch: int = 1,
     sampling: SamplingParams | None = None,
     new_drafter: Callable[[], Drafter] | None = None,
+    new_controller: Callable[[Drafter, Sequence[Sequence[int]]], Controller | None] | None = None,
 ) -> PairedTiming:
     """Plain vs speculative decoding of `prompts`, `batch` at a time (see module doc).
 
@@ -66,7 +68,9 @@ def measure_speedup(
     compares the sampled tokens, which a lossless loop need not reproduce). `new_drafter`:
     a fresh drafter for every speculative run instead of `drafter` (one that learns across
     requests, as suffix drafting does, would otherwise have seen the prompt's output in an
-    earlier repeat); `drafter` may then be None.
+    earlier repeat); `drafter` may then be None. `new_controller(drafter, prompts)`: a fresh
+    controller for every speculative run, sizing its drafts as the engine's do (without
+    one every round keeps its whole draft).
     """
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
@@ -81,7 +85,10 @@ def measure_speedup(
             fresh = drafter if new_drafter is None else new_drafter()
             if fresh is None:
                 raise ValueError("measure_speedup needs a drafter or new_drafter")
-            spec = generate_speculative(target, fresh, group, max_new_tokens, sampling)
+            controller = None if new_controller is None else new_controller(fresh, group)
+            spec = generate_speculative(
+                target, fresh, group, max_new_tokens, sampling, controller=controller
+            )
             plain_s[g] = min(plain_s[g], plain.stats.decode_s)
             speculative_s[g] = min(speculative_s[g], spec.stats.total_s - spec.stats.prefill_s)
             identical &= spec.tokens == plain.tokens
