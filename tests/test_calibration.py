@@ -263,9 +263,7 @@ def test_calibrate_ngram_picks_a_chain_length(artifact):
     assert entry.report["acceptance"]["top_k"] == 1
 
 
-def test_candidates_and_the_batch_curve_are_timed_as_the_engine_serves_them(
-    artifact, monkeypatch
-):
+def test_candidates_and_the_batch_curve_are_timed_as_the_engine_serves_them(artifact, monkeypatch):
     """Every timed speculative run sizes its drafts with a controller, a first request's own.
 
     Timed with whole drafts, a shape that caps the engine's controller was chosen for what

@@ -72,9 +72,11 @@ from specx.manifest_types import (
 from specx.progress import Progress
 from specx.runtime.backends import build_name, open_decoder
 from specx.runtime.calibrated import calibration_key, choice_shape, row_exact
+from specx.runtime.controller import Controller
 from specx.runtime.decoder_backend import DecoderBackend
 from specx.runtime.drafters import DrafterOptions, make_drafter
-from specx.runtime.drafters.tree_search import DynamicTree, StaticTree
+from specx.runtime.drafters.base import Drafter
+from specx.runtime.drafters.tree_search import DynamicTree, StaticTree, TreeShape
 from specx.runtime.plain_decoding import check_prompts, generate_plain
 from specx.runtime.plans import DraftPlan, Plans
 from specx.runtime.sampling import SamplingParams
@@ -625,13 +627,15 @@ class _AsServed:
     options: CalibrationOptions
 
     @classmethod
-    def of(cls, plans: Plans, spec: str, shape, options: CalibrationOptions) -> _AsServed:
+    def of(
+        cls, plans: Plans, spec: str, shape: TreeShape | None, options: CalibrationOptions
+    ) -> _AsServed:
         """`spec` drafting `shape` (None: its own default) through `plans`' engine state."""
-        ngram = DrafterName.parse(spec).kind == "ngram"
+        name = DrafterName.parse(spec)
+        ngram = name.kind == "ngram"  # its shape is a chain length
         count = shape.max_nodes if ngram and shape is not None else None
         drafter_options = DrafterOptions(count, None if ngram else shape, threads=options.threads)
-        plan = DraftPlan(DrafterName.parse(spec), drafter_options, None, True, None)
-        return cls(plans, plan, options)
+        return cls(plans, DraftPlan(name, drafter_options, None, True, None), options)
 
     def time(self, prompts: Sequence[Sequence[int]], batch: int) -> PairedTiming:
         """Plain vs served decoding of `prompts`, `batch` at a time (`measure_speedup`)."""
@@ -641,13 +645,13 @@ class _AsServed:
             new_drafter=self._drafter, new_controller=self._controller,
         )  # fmt: skip
 
-    def _drafter(self):
+    def _drafter(self) -> Drafter:
         self.plans.forget()
         drafter = self.plans.take(self.plan)
         self.plans.give_back(self.plan, drafter)  # the next run's again, unless it learns
         return drafter
 
-    def _controller(self, drafter, prompts: Sequence[Sequence[int]]):
+    def _controller(self, drafter: Drafter, prompts: Sequence[Sequence[int]]) -> Controller | None:
         o = self.options
         return self.plans.controller(
             self.plan, drafter, o.sampling(), prompts, o.max_new_tokens, len(prompts)
