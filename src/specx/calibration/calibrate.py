@@ -487,11 +487,17 @@ def _candidate_shape(candidate: TreeChoice) -> StaticTree | DynamicTree:
 def _drafter(
     spec: str, target: DecoderBackend, shape: StaticTree | DynamicTree, options: CalibrationOptions
 ):
-    if spec == "ngram":
-        return make_drafter(
-            spec, target, DrafterOptions(num_draft_tokens=shape.max_nodes, threads=options.threads)
-        )
-    return make_drafter(spec, target, DrafterOptions(tree=shape, threads=options.threads))
+    return make_drafter(spec, target, _drafter_options(spec, shape, options))
+
+
+def _drafter_options(
+    spec: str, shape: TreeShape | None, options: CalibrationOptions
+) -> DrafterOptions:
+    """`spec` drafting `shape` (None: its default): n-gram takes a chain as its length."""
+    if DrafterName.parse(spec).kind == "ngram":
+        count = None if shape is None else shape.max_nodes
+        return DrafterOptions(num_draft_tokens=count, threads=options.threads)
+    return DrafterOptions(tree=shape, threads=options.threads)
 
 
 def _run(target, drafter, prompts, options, observer=None) -> CalibrationRun:
@@ -631,11 +637,10 @@ class _AsServed:
         cls, plans: Plans, spec: str, shape: TreeShape | None, options: CalibrationOptions
     ) -> _AsServed:
         """`spec` drafting `shape` (None: its own default) through `plans`' engine state."""
-        name = DrafterName.parse(spec)
-        ngram = name.kind == "ngram"  # its shape is a chain length
-        count = shape.max_nodes if ngram and shape is not None else None
-        drafter_options = DrafterOptions(count, None if ngram else shape, threads=options.threads)
-        return cls(plans, DraftPlan(name, drafter_options, None, True, None), options)
+        drafter_options = _drafter_options(spec, shape, options)
+        return cls(
+            plans, DraftPlan(DrafterName.parse(spec), drafter_options, None, True, None), options
+        )
 
     def time(self, prompts: Sequence[Sequence[int]], batch: int) -> PairedTiming:
         """Plain vs served decoding of `prompts`, `batch` at a time (`measure_speedup`)."""
