@@ -101,23 +101,38 @@ def test_a_later_build_retires_the_recorded_choice(two_builds, tmp_path):
     assert reason.startswith("the artifact's default build, the newest")
 
 
-def test_without_openvino_auto_builds_onnx_runtime_alone_saying_so(monkeypatch):
-    from specx.build import cpu_backends
+def test_without_openvino_or_the_kernels_auto_builds_onnx_runtime_alone_saying_so(
+    artifacts, monkeypatch
+):
+    from specx.build import BuildOptions, cpu_backends
+    from specx.runtime import kernels
 
     found = importlib.util.find_spec
     monkeypatch.setattr(
         importlib.util, "find_spec", lambda name, *a: None if name == "openvino" else found(name)
     )
+    monkeypatch.setattr(kernels, "library", lambda: None)
     said: list[str] = []
-    assert cpu_backends("int4", said.append) == ["ort"]
-    assert len(said) == 1 and "OpenVINO is not installed" in said[0]
+    manifest = load_manifest(artifacts["llama"])
+    assert cpu_backends(manifest, BuildOptions("auto", "int4"), said.append) == ["ort"]
+    assert len(said) == 2 and "OpenVINO is not installed" in said[0]
+    assert "no cpu build" in said[1] and "kernels" in said[1]
+
+
+def test_auto_leaves_out_the_kernels_for_a_target_they_do_not_compute_saying_why(artifacts):
+    from specx.build import BuildOptions, cpu_backends
+
+    said: list[str] = []
+    manifest = load_manifest(artifacts["gemma2"])
+    assert "cpu" not in cpu_backends(manifest, BuildOptions("auto", "int4"), said.append)
+    assert any("Llama-form" in line and "gemma2" in line for line in said)
 
 
 def test_auto_times_each_build_in_its_own_process_and_records_the_fastest(artifacts, tmp_path):
     """End to end on the CLI: int8 on every CPU backend installed, each timed for real."""
     from click.testing import CliRunner
 
-    from specx.build import cpu_backends
+    from specx.build import BuildOptions, cpu_backends
     from specx.cli import main
 
     root = shutil.copytree(artifacts["llama"], tmp_path / "llama")
@@ -129,7 +144,7 @@ def test_auto_times_each_build_in_its_own_process_and_records_the_fastest(artifa
     choice = manifest.build_choice
     assert choice is not None and choice.basis == "plain decoding"
     backends = {manifest.builds[t.build].backend for t in choice.timings}
-    assert backends == set(cpu_backends("int8"))
+    assert backends == set(cpu_backends(manifest, BuildOptions("auto", "int8")))
     fastest = min(choice.timings, key=lambda t: t.decode_ms_per_token)
     assert manifest.default_build == choice.picked == fastest.build
     assert all(t.step_ms == t.verify_ms[0] > 0 and t.ttft_ms > 0 for t in choice.timings)

@@ -44,7 +44,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from specx.artifact import Manifest, load_manifest
-from specx.build import int8_static, openvino, ort, trt
+from specx.build import cpu, int8_static, openvino, ort, trt
 from specx.build.registry import (
     BACKENDS,
     Backend,
@@ -72,7 +72,7 @@ __all__ = [
     "register",
 ]
 
-for _module in (ort, trt, int8_static, openvino):
+for _module in (ort, trt, int8_static, openvino, cpu):
     register(_module.BACKEND)
 
 
@@ -113,17 +113,29 @@ def build_artifact(
     return name
 
 
-def cpu_backends(precision: str, progress: Progress = lambda message: None) -> list[str]:
-    """The CPU backends installed here that build `precision`, ONNX Runtime first."""
+def cpu_backends(
+    manifest: Manifest, options: BuildOptions, progress: Progress = lambda message: None
+) -> list[str]:
+    """The CPU backends installed here that build `precision`, ONNX Runtime first.
+
+    Each one left out is named in one `progress` line, with why.
+    """
+    precision = options.precision
     backends = ["ort"]
     if importlib.util.find_spec("openvino") is None:
-        progress("OpenVINO is not installed (pip install 'specx[openvino]'): ONNX Runtime only")
+        progress("OpenVINO is not installed (pip install 'specx[openvino]'): no OpenVINO build")
     elif precision not in openvino.PRECISIONS:
         progress(
-            f"OpenVINO builds {', '.join(openvino.PRECISIONS)}, not {precision}: ONNX Runtime only"
+            f"OpenVINO builds {', '.join(openvino.PRECISIONS)}, not {precision}: no OpenVINO build"
         )
     else:
         backends.append("openvino")
+    try:
+        cpu.BACKEND.check(manifest, dataclasses.replace(options, backend="cpu"), ())
+    except BuildError as e:
+        progress(f"no cpu build: {e}")
+    else:
+        backends.append("cpu")
     return backends
 
 

@@ -246,10 +246,12 @@ def build(
         backend, precision, max_batch, optimization_level, timing_cache, weight_only, lowering
     )
     if backend == "auto":
+        from specx.artifact import load_manifest
         from specx.build import build_each, cpu_backends
         from specx.calibration.build_choice import choose_build
 
-        backends = cpu_backends(precision, progress)
+        manifest = load_manifest(artifact_dir, verify_hashes=False)
+        backends = cpu_backends(manifest, options, progress)
         names = build_each(artifact_dir, options, backends, progress)
         choose_build(artifact_dir, names, progress=progress)
         return

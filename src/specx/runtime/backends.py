@@ -82,9 +82,28 @@ class _OpenVino:
         )
 
 
+class _CpuKernels:
+    def decoder(self, manifest: Manifest, threads: int | None, graph: str) -> DecoderBackend:
+        from specx.runtime.cpu_target import CpuTarget
+
+        return CpuTarget(manifest, threads, graph)
+
+    def stateless(self, manifest: Manifest, graph: str, threads: int | None):
+        # A cpu build runs its target on the kernels and records its other graphs as ONNX
+        # Runtime's (specx.build.cpu), as an OpenVINO build does.
+        raise ArtifactError(
+            f"{manifest.root}: graph {graph!r} names the cpu kernels, which run only a target"
+        )
+
+
 # Runtime name (a build's `backend`) -> its opener; modules load on first use, so TensorRT
 # (and torch) are imported only for a TensorRT build, OpenVINO only for an OpenVINO one.
-OPENERS: dict[str, Opener] = {"ort": _OnnxRuntime(), "trt": _TensorRT(), "openvino": _OpenVino()}
+OPENERS: dict[str, Opener] = {
+    "ort": _OnnxRuntime(),
+    "trt": _TensorRT(),
+    "openvino": _OpenVino(),
+    "cpu": _CpuKernels(),
+}
 
 
 EXPORTED = "exported"  # the name the exported graphs run under when no build is the default

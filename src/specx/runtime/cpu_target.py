@@ -1,0 +1,165 @@
+"""`CpuTarget`: a `specx build --backend cpu` target on specx's own kernels (`runtime.kernels`).
+
+The build's `target.bin` is mapped read-only (its weights are never copied into the process's
+own memory) and described to the kernels by ctypes structures built once from `target.json`.
+A forward is one call: the kernels write the new keys and values into specx's numpy
+`KVCache` in place and return logits and taps. Rows are independent by construction
+(forward.c), so a one-token forward needs no pad row, the cache no spare slots, and trees are
+exact without the spine rule. The call releases the GIL (ctypes), so a server's other threads
+run while the target computes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+
+import numpy as np
+
+from specx.artifact import Manifest
+from specx.errors import ArtifactError, GenerationError
+from specx.runtime import kernels
+from specx.runtime.decoder_backend import DecoderBackend, StepOutput
+from specx.runtime.kv_cache import KVCache
+
+__all__ = ["CpuTarget"]
+
+_TAP_KINDS = {"none": 0, "last": 1, "eagle3": 2}
+
+
+class CpuTarget(DecoderBackend):
+    """The target of a `cpu-int4` / `cpu-int8` build."""
+
+    def __init__(self, manifest: Manifest, threads: int | None = None, graph: str = "target"):
+        if graph != "target":
+            raise ArtifactError(f"{manifest.root}: a cpu build runs its target only, not {graph!r}")
+        super().__init__(manifest, graph)
+        lib = kernels.library()
+        if lib is None:
+            raise ArtifactError(
+                f"{manifest.root}: its default build runs on specx's CPU kernels, which do not "
+                f"run here ({kernels.unavailable()}); choose another build with --build"
+            )
+        self._lib = lib
+        if self.cache_dtype != np.float32:
+            raise ArtifactError(f"{manifest.root}: the cpu build keeps its cache in float32")
+        entry = manifest.runtime_graph("target")
+        index = json.loads(manifest.path(entry.file).read_text())
+        data = np.memmap(manifest.path(entry.data_files[0]), dtype=np.uint8, mode="r")
+        self._tensors = {
+            name: np.ndarray(spec["shape"], np.dtype(spec["dtype"]), data, spec["offset"])
+            for name, spec in index["tensors"].items()
+        }
+        self._index = index["tensors"]
+        self._model = self._describe(index["constants"], threads or os.cpu_count() or 1)
+        self._workspace = np.empty(0, dtype=np.uint8)
+
+    def _linear(self, name: str) -> kernels.Linear:
+        spec = self._index[name]
+        weight = self._tensors[name].ctypes.data
+        return kernels.Linear(weight, None, spec["bits"], spec["k"], spec["n"], spec["block"])
+
+    def _describe(self, constants: dict, threads: int) -> kernels.Model:
+        """The kernels' `spx_model` over the mapped tensors (kept alive by `self._tensors`)."""
+        t = self._tensors
+        layers = constants["layers"]
+        self._layers = (kernels.Layer * layers)(
+            *(
+                kernels.Layer(
+                    t[f"input_norm.{i}"].ctypes.data,
+                    t[f"post_norm.{i}"].ctypes.data,
+                    self._linear(f"qkv.{i}"),
+                    self._linear(f"o.{i}"),
+                    self._linear(f"gate_up.{i}"),
+                    self._linear(f"down.{i}"),
+                )
+                for i in range(layers)
+            )
+        )
+        taps = self.manifest.model.taps
+        tap_layers = (ctypes.c_int32 * 8)(*taps.layers)
+        return kernels.Model(
+            hidden=constants["hidden"],
+            layers=layers,
+            heads=constants["heads"],
+            kv_heads=constants["kv_heads"],
+            head_dim=constants["head_dim"],
+            inter=constants["inter"],
+            vocab=constants["vocab"],
+            rotary_half=t["inv_freq"].shape[0],
+            eps=constants["eps"],
+            attn_scale=constants["attn_scale"],
+            rope_scaling=1.0,
+            embed_scale=1.0,
+            embed=t["embed"].ctypes.data,
+            inv_freq=t["inv_freq"].ctypes.data,
+            final_norm=t["final_norm"].ctypes.data,
+            lm_head=self._linear("lm_head"),
+            layer=self._layers,
+            tap_kind=_TAP_KINDS[taps.kind],
+            n_taps=len(taps.layers),
+            tap_layers=tap_layers,
+            threads=threads,
+        )
+
+    def allocate_cache(self, batch: int, capacity: int | None = None) -> KVCache:
+        """A zeroed cache for `batch` sequences; capacity defaults to the artifact's."""
+        capacity = self.checked_capacity(capacity)
+        return KVCache.allocate(
+            self.num_layers, batch, self.num_kv_heads, capacity, self.head_dim, np.float32
+        )
+
+    def forward(
+        self,
+        cache: KVCache,
+        input_ids: np.ndarray,  # [B, N] int64
+        position_ids: np.ndarray,  # [B, N] int64
+        attention_mask: np.ndarray,  # [B, 1, N, L] bool, L <= capacity
+        write_pos: np.ndarray,  # [B] int64
+        features: np.ndarray | None = None,
+    ) -> StepOutput:
+        """One forward over N new tokens per sequence, written at `write_pos` in `cache`."""
+        self.check_step(cache, input_ids, attention_mask, write_pos)
+        stacked = cache.stacked
+        if stacked is None or stacked.dtype != np.float32 or not stacked[0, 0].flags.c_contiguous:
+            raise GenerationError("the cpu build needs a cache from its own allocate_cache")
+        batch, n = input_ids.shape
+        slots = attention_mask.shape[3]
+        ids = np.ascontiguousarray(input_ids, dtype=np.int64)
+        positions = np.ascontiguousarray(position_ids, dtype=np.int64)
+        mask = np.ascontiguousarray(attention_mask, dtype=bool)
+        starts = np.ascontiguousarray(write_pos, dtype=np.int64)
+        logits = np.empty((batch, n, self.vocab_size), dtype=np.float32)
+        taps = np.empty((batch, n, self.tap_width), dtype=np.float32) if self.has_taps else None
+        workspace = self._scratch(batch * n, slots)
+        item = stacked.itemsize
+        self._lib.handle.spx_forward(
+            ctypes.byref(self._model),
+            ctypes.c_int(batch),
+            ctypes.c_int(n),
+            _ptr(ids),
+            _ptr(positions),
+            _ptr(mask),
+            ctypes.c_int(slots),
+            _ptr(starts),
+            ctypes.c_void_p(stacked.ctypes.data),
+            ctypes.c_int64(stacked.strides[0] // item),
+            ctypes.c_int64(stacked.strides[1] // item),
+            ctypes.c_int(stacked.shape[3]),
+            _ptr(logits),
+            None if taps is None else _ptr(taps),
+            _ptr(workspace),
+        )
+        return StepOutput(logits=logits, taps=taps)
+
+    def _scratch(self, rows: int, slots: int) -> np.ndarray:
+        """The kernels' workspace, grown to what `rows` x `slots` needs and kept."""
+        size = self._lib.handle.spx_workspace_bytes(ctypes.byref(self._model), rows, slots)
+        if self._workspace.nbytes < size:
+            self._workspace = np.empty(size, dtype=np.uint8)
+        return self._workspace
+
+
+def _ptr(array: np.ndarray) -> ctypes.c_void_p:
+    return ctypes.c_void_p(array.ctypes.data)

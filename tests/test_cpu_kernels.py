@@ -1,0 +1,246 @@
+"""specx's CPU kernels (`specx.runtime.kernels`, `specx build --backend cpu`): the GEMM's
+sums, rows independent of everything else in a forward, the forward against the exported
+graph, lossless speculation with chains, trees and heads, and the fallback where the kernels
+do not run. Skipped where they were not compiled or this CPU runs neither of their paths."""
+
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import pytest
+
+from specx.runtime import kernels
+
+LIB = kernels.library()
+pytestmark = pytest.mark.skipif(LIB is None, reason=kernels.unavailable() or "")
+
+from specx.artifact import load_manifest  # noqa: E402
+from specx.build import BuildOptions, build_artifact  # noqa: E402
+from specx.errors import ArtifactError, BuildError  # noqa: E402
+from specx.graphs.weight_only import quantize_rtn  # noqa: E402
+from specx.masks import causal_mask  # noqa: E402
+from specx.runtime.backends import open_decoder, select_build  # noqa: E402
+from specx.runtime.drafters import DrafterOptions, make_drafter  # noqa: E402
+from specx.runtime.plain_decoding import generate_plain  # noqa: E402
+from specx.runtime.speculative_decoding import generate_speculative  # noqa: E402
+
+PROMPTS = [[5, 9, 5, 9, 5, 9, 13, 5, 9, 5, 9], [7, 3, 11, 7, 3, 11, 7, 3], [4, 4, 6, 4, 4, 6]]
+ZERO = {4: 8, 8: 128}
+
+
+def _libraries() -> list[kernels.Library]:
+    """Every compiled path this CPU runs (AVX-512 VNNI and AVX2 on a VNNI machine)."""
+    import ctypes
+
+    found = []
+    for isa, needs in kernels._ISA_FLAGS.items():
+        if set(needs) <= kernels.cpu_flags():
+            for path in kernels._HERE.glob(f"_forward_{isa}.*so"):
+                handle = ctypes.CDLL(str(path))
+                found.append(kernels.Library(handle, isa))
+    return found
+
+
+def _weight(rng, n: int, k: int, bits: int, block: int = 32):
+    """A random [n, k] weight rounded as the build rounds it: packed, and its codes, scales."""
+    weight = rng.standard_normal((k, n)).astype(np.float32)
+    quantized = quantize_rtn(weight, bits, block, True)
+    codes = np.maximum(quantized.codes.reshape(n, k), 1 if bits == 8 else 0)
+    scales = quantized.scales.astype(np.float16).astype(np.float32)
+    packed = kernels.pack_codes(codes, scales, bits)
+    linear = kernels.Linear(packed.ctypes.data, None, bits, k, n, block)
+    return packed, linear, codes, scales
+
+
+def _reference(x: np.ndarray, codes: np.ndarray, scales: np.ndarray, bits: int) -> np.ndarray:
+    """The kernels' product in float64: activations to int8 per weight block, integer dots."""
+    rows, k = x.shape
+    block = k // scales.shape[1]
+    blocks = x.reshape(rows, -1, block)
+    amax = np.abs(blocks).max(-1, keepdims=True)
+    inverse = np.divide(np.float32(127), amax, out=np.zeros_like(amax), where=amax > 0)
+    xq = np.rint(blocks * inverse)
+    weights = (codes.astype(np.float64) - ZERO[bits]).reshape(codes.shape[0], -1, block)
+    dots = np.einsum("mbi,nbi->mnb", xq, weights)
+    return np.einsum("mnb,nb,mb->mn", dots, scales.reshape(len(codes), -1), amax[..., 0] / 127)
+
+
+@pytest.mark.parametrize(("bits", "block"), [(4, 32), (8, 32), (4, 128), (8, 64)])
+def test_the_gemm_is_the_block_quantized_product(bits, block):
+    rng = np.random.default_rng(bits)
+    packed, weight, codes, scales = _weight(rng, 72, 384, bits, block)  # a padded last tile
+    x = rng.standard_normal((5, 384)).astype(np.float32)
+    x[1, :block] = 0.0  # an all-zero block
+    for lib in _libraries():
+        out = kernels.linear_forward(lib, weight, x, threads=2)
+        expected = _reference(x, codes, scales, bits)
+        np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-4 * np.abs(expected).max())
+
+
+@pytest.mark.parametrize(("bits", "block"), [(4, 32), (8, 32), (4, 128)])
+def test_a_row_of_the_gemm_is_bit_identical_whatever_rows_threads_and_path_run(bits, block):
+    """1..20 rows (past one pass of 16), 1 or 2 threads, VNNI or AVX2, an odd count of tiles
+    and more blocks than fit one cache chunk: the same bits a row."""
+    rng = np.random.default_rng(10 + bits)
+    packed, weight, _, _ = _weight(rng, 80, 4096, bits, block)
+    x = rng.standard_normal((20, 4096)).astype(np.float32)
+    libraries = _libraries()
+    first = kernels.linear_forward(libraries[0], weight, x[:1], threads=1)[0]
+    for lib in libraries:
+        for rows in (1, 2, 5, 16, 17, 20):
+            for threads in (1, 2):
+                out = kernels.linear_forward(lib, weight, x[:rows], threads=threads)
+                np.testing.assert_array_equal(out[0], first, err_msg=f"{lib.isa} {rows} {threads}")
+                alone = kernels.linear_forward(lib, weight, x[rows - 1 : rows], threads=threads)
+                np.testing.assert_array_equal(out[rows - 1], alone[0])
+
+
+@pytest.fixture(scope="module")
+def built(artifacts, tmp_path_factory):
+    """The llama artifact (EAGLE-3 taps) with cpu-int8 and cpu-int4 builds (int4 the default)."""
+    artifact = shutil.copytree(artifacts["llama"], tmp_path_factory.mktemp("cpu") / "llama")
+    for precision in ("int8", "int4"):
+        build_artifact(artifact, BuildOptions(backend="cpu", precision=precision))
+    return artifact
+
+
+def test_the_int8_build_computes_the_exported_graph_within_its_rounding(built):
+    """Prefill of two rows: logits, taps and cache rows close to the float graph's."""
+    manifest = load_manifest(built)
+    exported = open_decoder(select_build(manifest, "exported"), threads=2)
+    cpu = open_decoder(select_build(manifest, "cpu-int8"), threads=2)
+    rng = np.random.default_rng(0)
+    sequences = rng.integers(0, manifest.model.vocab_size, (2, 9)).tolist()
+    outputs, caches = [], []
+    for target in (exported, cpu):
+        cache = target.allocate_cache(2, 32)
+        output, _ = target.feed(cache, sequences, np.array([0, 3]))
+        outputs.append(output)
+        caches.append(cache)
+    for name in ("logits", "taps"):
+        want, got = getattr(outputs[0], name), getattr(outputs[1], name)
+        assert np.abs(got - want).max() < 0.03 * np.abs(want).max(), name
+    for layer in (0, manifest.model.num_layers - 1):
+        for kind in ("keys", "values"):
+            want = getattr(caches[0], kind)[layer]
+            got = getattr(caches[1], kind)[layer]
+            assert np.abs(got - want).max() < 0.03 * np.abs(want).max()
+            assert not got[0, :, 9:].any() and not got[1, :, :3].any()  # only the rows written
+
+
+def _tree_forward(target, cache, tokens, prefix):
+    """Nodes root, two children, a grandchild of the first (the token of `tokens[1]`)."""
+    parents = [-1, 0, 0, 1]
+    mask = np.zeros((1, 1, 4, prefix + 4), bool)
+    mask[..., :prefix] = True
+    depths = []
+    for node, parent in enumerate(parents):
+        seen = node
+        while seen >= 0:
+            mask[0, 0, node, prefix + seen] = True
+            seen = parents[seen]
+        depths.append(0 if parent < 0 else depths[parent] + 1)
+    positions = prefix + np.array([depths])
+    return target.forward(cache, np.array([tokens]), positions, mask, np.array([prefix]))
+
+
+@pytest.mark.parametrize("build", ["cpu-int4", "cpu-int8"])
+def test_a_token_s_logits_are_the_same_bits_alone_in_a_chunk_and_as_a_tree_node(built, build):
+    """Row independence end to end: the plain step, a verify chunk's rows and a tree node
+    deeper in the cache than its position all compute the same logits."""
+    target = open_decoder(select_build(load_manifest(built), build), threads=2)
+    rng = np.random.default_rng(1)
+    prompt = rng.integers(0, 200, 10).tolist()
+    a, b, c = (int(t) for t in rng.integers(0, 200, 3))
+    caches = [target.allocate_cache(1, 32) for _ in range(3)]
+    for cache in caches:
+        target.feed(cache, [prompt], np.array([0]))
+    chunk = target.forward(
+        caches[0], np.array([[a, b, c]]), 10 + np.arange(3)[None],
+        causal_mask(np.array([10]), 3, 13), np.array([10]),
+    )  # fmt: skip
+    alone = []
+    for j, token in enumerate((a, b, c)):
+        at = np.array([10 + j])
+        step = target.decode_step(caches[1], np.array([token]), at)
+        alone.append(step.logits[0, 0])
+    # tree: a; b and a sibling c; c again under b: the path a, b, c sits at slots 10, 11, 13
+    tree = _tree_forward(target, caches[2], [a, b, c, c], 10)
+    for j in range(3):
+        np.testing.assert_array_equal(alone[j], chunk.logits[0, j])
+    np.testing.assert_array_equal(tree.logits[0, [0, 1, 3]], chunk.logits[0])
+    np.testing.assert_array_equal(tree.taps[0, [0, 1, 3]], chunk.taps[0])
+
+
+@pytest.mark.parametrize("build", ["cpu-int4", "cpu-int8"])
+def test_greedy_speculation_on_a_cpu_build_equals_its_plain_decoding(built, build):
+    target = open_decoder(select_build(load_manifest(built), build), threads=2)
+    plain = generate_plain(target, PROMPTS, 24)
+    # A chain of 3, and trees of n-gram matches (several continuations per round).
+    for options in (DrafterOptions(3), DrafterOptions(4, ngram_matches=3)):
+        speculative = generate_speculative(
+            target, make_drafter("ngram", target, options), PROMPTS, 24
+        )
+        assert speculative.tokens == plain.tokens, (build, options)
+
+
+@pytest.mark.parametrize("tree", [None, "dynamic:11,3,3"])
+def test_an_eagle3_head_drafts_on_onnx_runtime_for_a_cpu_target_losslessly(
+    head_artifacts, tree, tmp_path
+):
+    from specx.runtime.backends import graph_runtime
+    from specx.runtime.drafters.tree_search import parse_tree_spec
+
+    artifact = shutil.copytree(head_artifacts["eagle3"], tmp_path / "eagle3")
+    build_artifact(artifact, BuildOptions(backend="cpu", precision="int4"))
+    manifest = load_manifest(artifact)
+    assert manifest.build.quantization.greedy_identity == "all"  # trees need no spine rule
+    drafts = [name for name in manifest.build.graphs if name != "target"]
+    assert drafts and {graph_runtime(manifest, name) for name in drafts} == {"ort"}
+    target = open_decoder(manifest, threads=2)
+    plain = generate_plain(target, PROMPTS, 20)
+    shape = None if tree is None else parse_tree_spec(tree)
+    options = DrafterOptions(3) if shape is None else DrafterOptions(tree=shape)
+    drafter = make_drafter("eagle3", target, options)
+    speculative = generate_speculative(target, drafter, PROMPTS, 20)
+    assert speculative.tokens == plain.tokens
+    assert speculative.stats.speculative.acceptance.rounds > 0
+
+
+def test_a_target_of_another_form_is_refused_before_any_work(artifacts, tmp_path):
+    artifact = shutil.copytree(artifacts["gemma2"], tmp_path / "gemma2")
+    with pytest.raises(BuildError, match="Llama-form targets only.*gemma2"):
+        build_artifact(artifact, BuildOptions(backend="cpu", precision="int4"))
+    with pytest.raises(BuildError, match="int4"):
+        build_artifact(artifact, BuildOptions(backend="cpu", precision="fp16"))
+    assert not load_manifest(artifact).builds and not (artifact / "builds").exists()
+
+
+def test_without_the_kernels_a_cpu_build_is_refused_and_opening_one_says_why(
+    built, monkeypatch, tmp_path
+):
+    monkeypatch.setattr(kernels, "library", lambda: None)
+    reason = kernels.unavailable()
+    assert reason is not None and "ONNX Runtime" in reason
+    with pytest.raises(BuildError, match="kernels"):
+        build_artifact(shutil.copytree(built, tmp_path / "again"), BuildOptions("cpu", "int4"))
+    with pytest.raises(ArtifactError, match="--build"):
+        open_decoder(load_manifest(built))
+    plain = open_decoder(select_build(load_manifest(built), "exported"))  # the others still run
+    assert plain.allocate_cache(1, 8).capacity == 8
+
+
+def test_the_runtime_maps_the_weights_and_never_imports_the_build_side(built):
+    """The cpu target opens with numpy, ctypes and the compiled library alone."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, specx; e = specx.load(sys.argv[1]); "
+        "e.generate([1, 2, 3], max_new_tokens=3, speculation='ngram'); "
+        "bad = [m for m in ('torch', 'onnx', 'onnx_ir', 'specx.build') if m in sys.modules]; "
+        "assert not bad, bad"
+    )
+    done = subprocess.run([sys.executable, "-c", code, str(built)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
