@@ -244,3 +244,67 @@ def test_the_runtime_maps_the_weights_and_never_imports_the_build_side(built):
     )
     done = subprocess.run([sys.executable, "-c", code, str(built)], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
+
+
+@pytest.fixture(scope="module", params=[(256, 4, 1), (320, 4, 2)], ids=["d64-group4", "d80-group2"])
+def wide_heads(request, tmp_path_factory):
+    """Targets whose heads (64 or 80 wide, 4 or 2 sharing a KV head) take the kernels' grouped
+    attention passes, built at int4 (cpu-int4 the default)."""
+    from specx.export.random_checkpoint import CheckpointPreset, write_random_checkpoint
+    from specx.export.target_export import export_target
+
+    hidden, heads, kv_heads = request.param
+    root = tmp_path_factory.mktemp("wide-heads")
+    preset = CheckpointPreset(hidden, 2 * hidden, 3, heads, kv_heads, 512)
+    checkpoint = write_random_checkpoint(root / "ckpt", "llama", preset, seed=5, tokenizer=False)
+    artifact = export_target(checkpoint, root / "art", max_context=256, taps="eagle3")
+    build_artifact(artifact, BuildOptions(backend="cpu", precision="int4"))
+    return artifact
+
+
+def _chain_alone_tree(target, prefix: int):
+    """Logits and taps of tokens a, b, c after `prefix` tokens: as a chunk, one by one, and as
+    the path of a tree whose nodes sit at other slots than their positions."""
+    rng = np.random.default_rng(2)
+    prompt = rng.integers(0, 500, prefix).tolist()
+    a, b, c = (int(t) for t in rng.integers(0, 500, 3))
+    caches = [target.allocate_cache(1, prefix + 8) for _ in range(3)]
+    for cache in caches:
+        target.feed(cache, [prompt], np.array([0]))
+    start = np.array([prefix])
+    chunk = target.forward(
+        caches[0], np.array([[a, b, c]]), prefix + np.arange(3)[None],
+        causal_mask(start, 3, prefix + 3), start,
+    )  # fmt: skip
+    alone = [
+        target.decode_step(caches[1], np.array([t]), start + j) for j, t in enumerate((a, b, c))
+    ]
+    tree = _tree_forward(target, caches[2], [a, b, c, c], prefix)
+    return chunk, alone, tree
+
+
+@pytest.mark.parametrize("prefix", [45, 70])  # past blocks of 16 slots and a chunk of 64
+def test_grouped_attention_keeps_a_token_s_bits_alone_in_a_chunk_and_in_a_tree(wide_heads, prefix):
+    target = open_decoder(load_manifest(wide_heads), threads=2)
+    chunk, alone, tree = _chain_alone_tree(target, prefix)
+    for j in range(3):
+        np.testing.assert_array_equal(alone[j].logits[0, 0], chunk.logits[0, j])
+    np.testing.assert_array_equal(tree.logits[0, [0, 1, 3]], chunk.logits[0])
+    np.testing.assert_array_equal(tree.taps[0, [0, 1, 3]], chunk.taps[0])
+
+
+def test_the_two_instruction_sets_compute_the_same_bits(wide_heads):
+    """AVX-512's grouped attention (16 slots' dots folded by shuffles, heads sharing each key
+    read) and AVX2's one-dot-at-a-time pass sum in the same order, as do their GEMMs."""
+    libraries = {lib.isa: lib for lib in _libraries()}
+    if set(libraries) != {"vnni", "avx2"}:
+        pytest.skip("this CPU runs one of the kernels' instruction sets only")
+    target = open_decoder(load_manifest(wide_heads), threads=2)
+    outputs = {}
+    for isa, lib in libraries.items():
+        target._lib = lib
+        outputs[isa] = _chain_alone_tree(target, 70)
+    (chunk, alone, tree), (chunk2, alone2, tree2) = outputs["vnni"], outputs["avx2"]
+    np.testing.assert_array_equal(chunk.logits, chunk2.logits)
+    np.testing.assert_array_equal(tree.logits, tree2.logits)
+    np.testing.assert_array_equal(alone[0].logits, alone2[0].logits)

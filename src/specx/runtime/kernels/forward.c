@@ -36,6 +36,7 @@
 #define QBLOCK 32 /* inputs a register pass covers; a block is 1 to 8 of them */
 #define ROWS 16   /* rows one pass over a tile's weights serves */
 #define LANES 16  /* partial sums of a dot product, reduced in a fixed order */
+#define SLOT_CHUNK 64 /* cache slots attention keeps in L1 for all of a forward's queries */
 
 typedef struct {
     const uint8_t *weight; /* [tiles][blocks][tile bytes] */
@@ -296,14 +297,132 @@ static void linear(const spx_linear *l, const spx_acts *a, int rows, float *out,
 
 /* ---- elementwise pieces ------------------------------------------------------------ */
 
-static inline float reduce(const float lanes[LANES]) {
-    float s = 0.0f;
-    for (int l = 0; l < LANES; l++) s += lanes[l];
-    return s;
+/* The lanes' sum, halves folded onto halves (a fixed order the compiler vectorizes). */
+static inline float reduce(float lanes[LANES]) {
+    for (int l = 0; l < 8; l++) lanes[l] += lanes[l + 8];
+    for (int l = 0; l < 4; l++) lanes[l] += lanes[l + 4];
+    for (int l = 0; l < 2; l++) lanes[l] += lanes[l + 2];
+    return lanes[0] + lanes[1];
 }
 
+/* exp on the floats softmax and SiLU need: Cephes' polynomial after x = n ln2 + r, the same
+ * operations on one float (exp_one) as on a vector of them (the exp_* loops), so a value's
+ * exp does not depend on where in an array it sits. */
+#define EXP_POLY(type, fma, mul, add, r)                                                      \
+    ({                                                                                    \
+        type p_ = fma(SPLAT(1.9875691500e-4f), r, SPLAT(1.3981999507e-3f));               \
+        p_ = fma(p_, r, SPLAT(8.3334519073e-3f));                                          \
+        p_ = fma(p_, r, SPLAT(4.1665795894e-2f));                                          \
+        p_ = fma(p_, r, SPLAT(1.6666665459e-1f));                                          \
+        p_ = fma(p_, r, SPLAT(5.0000001201e-1f));                                          \
+        add(fma(mul(p_, r), r, r), SPLAT(1.0f));                                           \
+    })
+
+static inline float exp_one(float x) {
+#define SPLAT(c) (c)
+#define MUL(a, b) ((a) * (b))
+#define ADD(a, b) ((a) + (b))
+    x = x < -87.0f ? -87.0f : x > 88.0f ? 88.0f : x;
+    const float n = floorf(fmaf(x, 1.44269504f, 0.5f));
+    const float r = fmaf(n, 2.12194440e-4f, fmaf(n, -0.693359375f, x));
+    const float p = EXP_POLY(float, fmaf, MUL, ADD, r);
+    const int32_t exponent = ((int32_t)n + 127) << 23;
+    float two;
+    memcpy(&two, &exponent, sizeof two);
+    return p * two;
+#undef SPLAT
+#undef MUL
+#undef ADD
+}
+
+#ifdef SPX_VNNI
+#define VLEN 16
+typedef __m512 vfloat;
+static inline vfloat exp_vec(vfloat x) {
+#define SPLAT(c) _mm512_set1_ps(c)
+    x = _mm512_min_ps(_mm512_max_ps(x, SPLAT(-87.0f)), SPLAT(88.0f));
+    const vfloat n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, SPLAT(1.44269504f), SPLAT(0.5f)),
+                                          _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    const vfloat r = _mm512_fmadd_ps(n, SPLAT(2.12194440e-4f),
+                                     _mm512_fmadd_ps(n, SPLAT(-0.693359375f), x));
+    const vfloat p = EXP_POLY(vfloat, _mm512_fmadd_ps, _mm512_mul_ps, _mm512_add_ps, r);
+    const __m512i exponent = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(p, _mm512_castsi512_ps(exponent));
+#undef SPLAT
+}
+#define VLOAD _mm512_loadu_ps
+#define VSTORE _mm512_storeu_ps
+#define VSPLAT _mm512_set1_ps
+#define VMUL _mm512_mul_ps
+#define VADD _mm512_add_ps
+#define VSUB _mm512_sub_ps
+#define VDIV _mm512_div_ps
+#define VFMA _mm512_fmadd_ps
+#else
+#define VLEN 8
+typedef __m256 vfloat;
+static inline vfloat exp_vec(vfloat x) {
+#define SPLAT(c) _mm256_set1_ps(c)
+    x = _mm256_min_ps(_mm256_max_ps(x, SPLAT(-87.0f)), SPLAT(88.0f));
+    const vfloat n = _mm256_floor_ps(_mm256_fmadd_ps(x, SPLAT(1.44269504f), SPLAT(0.5f)));
+    const vfloat r = _mm256_fmadd_ps(n, SPLAT(2.12194440e-4f),
+                                     _mm256_fmadd_ps(n, SPLAT(-0.693359375f), x));
+    const vfloat p = EXP_POLY(vfloat, _mm256_fmadd_ps, _mm256_mul_ps, _mm256_add_ps, r);
+    const __m256i exponent = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(exponent));
+#undef SPLAT
+}
+#define VLOAD _mm256_loadu_ps
+#define VSTORE _mm256_storeu_ps
+#define VSPLAT _mm256_set1_ps
+#define VMUL _mm256_mul_ps
+#define VADD _mm256_add_ps
+#define VSUB _mm256_sub_ps
+#define VDIV _mm256_div_ps
+#define VFMA _mm256_fmadd_ps
+#endif
+
+
+/* 16 lanes of floats: one AVX-512 register or two AVX2 ones, the same sums either way. */
+typedef struct {
+    vfloat v[16 / VLEN];
+} lanes16;
+
+static inline lanes16 load16(const float *x) {
+    lanes16 r;
+    for (int i = 0; i < 16 / VLEN; i++) r.v[i] = VLOAD(x + VLEN * i);
+    return r;
+}
+
+static inline void store16(float *x, lanes16 a) {
+    for (int i = 0; i < 16 / VLEN; i++) VSTORE(x + VLEN * i, a.v[i]);
+}
+
+static inline lanes16 splat16(float x) {
+    lanes16 r;
+    for (int i = 0; i < 16 / VLEN; i++) r.v[i] = VSPLAT(x);
+    return r;
+}
+
+static inline lanes16 mul16(lanes16 a, lanes16 b) {
+    for (int i = 0; i < 16 / VLEN; i++) a.v[i] = VMUL(a.v[i], b.v[i]);
+    return a;
+}
+
+static inline lanes16 fma16(lanes16 a, lanes16 b, lanes16 c) { /* a b + c, rounded once */
+    for (int i = 0; i < 16 / VLEN; i++) c.v[i] = VFMA(a.v[i], b.v[i], c.v[i]);
+    return c;
+}
+
+/* x . y: lane l sums the products at indices = l mod 16 in order, then the lanes fold. */
 static inline float dot(const float *x, const float *y, int n) {
     float lanes[LANES] = {0};
+    if (n % LANES == 0) {
+        lanes16 acc = mul16(load16(x), load16(y)); /* = fma(x, y, 0) but for a zero's sign */
+        for (int i = LANES; i < n; i += LANES) acc = fma16(load16(x + i), load16(y + i), acc);
+        store16(lanes, acc);
+        return reduce(lanes);
+    }
     const int whole = n - n % LANES;
     for (int i = 0; i < whole; i += LANES)
         for (int l = 0; l < LANES; l++) lanes[l] = fmaf(x[i + l], y[i + l], lanes[l]);
@@ -316,21 +435,21 @@ static void rms_norm(const float *x, const float *w, int d, float eps, float *ou
     for (int i = 0; i < d; i++) out[i] = x[i] * inv * w[i];
 }
 
-/* exp on the floats softmax and SiLU need: Cephes' polynomial after x = n ln2 + r */
-static inline float exp_approx(float x) {
-    x = x < -87.0f ? -87.0f : x > 88.0f ? 88.0f : x;
-    const float n = floorf(x * 1.44269504f + 0.5f);
-    float r = fmaf(n, -0.693359375f, x);
-    r = fmaf(n, 2.12194440e-4f, r);
-    float p = 1.9875691500e-4f;
-    p = fmaf(p, r, 1.3981999507e-3f);
-    p = fmaf(p, r, 8.3334519073e-3f);
-    p = fmaf(p, r, 4.1665795894e-2f);
-    p = fmaf(p, r, 1.6666665459e-1f);
-    p = fmaf(p, r, 5.0000001201e-1f);
-    p = fmaf(p * r, r, r) + 1.0f;
-    union { int32_t i; float f; } two = {.i = ((int32_t)n + 127) << 23};
-    return p * two.f;
+/* x[i] = exp(x[i] - shift) */
+static void exp_shifted(float *x, int n, float shift) {
+    int i = 0;
+    for (; i + VLEN <= n; i += VLEN) VSTORE(x + i, exp_vec(VSUB(VLOAD(x + i), VSPLAT(shift))));
+    for (; i < n; i++) x[i] = exp_one(x[i] - shift);
+}
+
+/* g[i] = SiLU(g[i]) u[i] = g[i] / (1 + exp(-g[i])) u[i] */
+static void silu_mul(float *g, const float *u, int n) {
+    int i = 0;
+    for (; i + VLEN <= n; i += VLEN) {
+        const vfloat x = VLOAD(g + i), e = exp_vec(VSUB(VSPLAT(0.0f), x));
+        VSTORE(g + i, VMUL(VDIV(x, VADD(VSPLAT(1.0f), e)), VLOAD(u + i)));
+    }
+    for (; i < n; i++) g[i] = g[i] / (1.0f + exp_one(-g[i])) * u[i];
 }
 
 static void rope(float *x, int heads, int head_dim, const float *cosv, const float *sinv,
@@ -361,45 +480,253 @@ static inline float *cache_rows(const spx_model *m, const spx_step *s, int l, in
            + (size_t)g * s->cap * m->head_dim;
 }
 
-/* Queries of (sequence b, KV head g): all N rows x the heads sharing g. Each key and value
- * row is read once for all of them (the prefix is read once per forward, not per query). */
+/* o[0 .. 16 C) += p[t] v_j for each slot j in [j0, j1) the query sees, t counting them, one
+ * fma after another per output; C (a constant where called) registers of o across the slots,
+ * independent chains for the pipelines. Returns t. */
+static inline __attribute__((always_inline)) int values16(float *o, const float *p, int t,
+                                                          const uint8_t *seen, int j0, int j1,
+                                                          const float *v, int D, const int C) {
+    lanes16 acc[8];
+    for (int c = 0; c < C; c++) acc[c] = load16(o + 16 * c);
+    for (int j = j0; j < j1; j++) {
+        if (!seen[j]) continue;
+        const lanes16 pt = splat16(p[t++]);
+        for (int c = 0; c < C; c++) acc[c] = fma16(pt, load16(v + (size_t)j * D + 16 * c), acc[c]);
+    }
+    for (int c = 0; c < C; c++) store16(o + 16 * c, acc[c]);
+    return t;
+}
+
+/* The same for any D, one output at a time. */
+static int values_any(float *o, const float *p, int t, const uint8_t *seen, int j0, int j1,
+                      const float *v, int D) {
+    for (int j = j0; j < j1; j++) {
+        if (!seen[j]) continue;
+        const float pt = p[t++];
+        for (int d = 0; d < D; d++) o[d] = fmaf(pt, v[(size_t)j * D + d], o[d]);
+    }
+    return t;
+}
+
+static int values(float *o, const float *p, int t, const uint8_t *seen, int j0, int j1,
+                  const float *v, int D) {
+    switch (D % 16 ? 0 : D / 16) {
+    case 4: return values16(o, p, t, seen, j0, j1, v, D, 4);
+    case 5: return values16(o, p, t, seen, j0, j1, v, D, 5);
+    case 6: return values16(o, p, t, seen, j0, j1, v, D, 6);
+    case 8: return values16(o, p, t, seen, j0, j1, v, D, 8);
+    default: return values_any(o, p, t, seen, j0, j1, v, D);
+    }
+}
+
+#ifdef SPX_VNNI
+/* The 16 lanes of each of acc[0..15] summed, into out[0..15]: the same folds as `reduce`
+ * (8 onto 8, 4 onto 4, 2 onto 2, 1 onto 1), done for 16 sums at once by shuffles. */
+static inline void fold16(const __m512 acc[16], float out[16]) {
+    __m512 eight[8], four[4], two[2];
+    for (int s = 0; s < 8; s++) /* [slot 2s lanes l + l+8 | slot 2s+1 ...], l < 8 */
+        eight[s] = _mm512_add_ps(_mm512_shuffle_f32x4(acc[2 * s], acc[2 * s + 1], 0x44),
+                                 _mm512_shuffle_f32x4(acc[2 * s], acc[2 * s + 1], 0xEE));
+    for (int s = 0; s < 4; s++) /* per 128-bit lane, one slot's l + l+4, l < 4 */
+        four[s] = _mm512_add_ps(_mm512_shuffle_f32x4(eight[2 * s], eight[2 * s + 1], 0x88),
+                                _mm512_shuffle_f32x4(eight[2 * s], eight[2 * s + 1], 0xDD));
+    for (int s = 0; s < 2; s++) /* per lane k: slots k, 4 + k (of 8): l + l+2, l < 2 */
+        two[s] = _mm512_add_ps(_mm512_shuffle_ps(four[2 * s], four[2 * s + 1], 0x44),
+                               _mm512_shuffle_ps(four[2 * s], four[2 * s + 1], 0xEE));
+    const __m512 one = _mm512_add_ps(_mm512_shuffle_ps(two[0], two[1], 0x88),
+                                     _mm512_shuffle_ps(two[0], two[1], 0xDD));
+    /* lane 4k + r holds slot 4r + k */
+    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    _mm512_storeu_ps(out, _mm512_permutexvar_ps(order, one));
+}
+
+
+/* dot(q_h, k_{j+s}, D) for HP heads (q in registers, C = D / 16 chunks) and the 16 slots s
+ * from j, each key read once for the heads: out[h][s]. HP and C are constants where called. */
+static inline __attribute__((always_inline)) void dots16(const __m512 (*q)[8], const float *k,
+                                                         const int HP, const int C,
+                                                         float (*out)[16]) {
+    __m512 acc[4][16];
+    for (int s = 0; s < 16; s++, k += 16 * C) {
+        __m512 lanes[4];
+        const __m512 k0 = _mm512_loadu_ps(k);
+        for (int h = 0; h < HP; h++) lanes[h] = _mm512_mul_ps(q[h][0], k0);
+        for (int c = 1; c < C; c++) {
+            const __m512 kc = _mm512_loadu_ps(k + 16 * c);
+            for (int h = 0; h < HP; h++) lanes[h] = _mm512_fmadd_ps(q[h][c], kc, lanes[h]);
+        }
+        for (int h = 0; h < HP; h++) acc[h][s] = lanes[h];
+    }
+    for (int h = 0; h < HP; h++) fold16(acc[h], out[h]);
+}
+
+/* HP heads' scores (q_h at q + h D, its row at score + h L) over the slots [j0, j1) the
+ * query sees, in blocks of 16 by dots16, the rest one by one; returns the new count. */
+static inline __attribute__((always_inline)) int scores_heads(const float *q, const float *keys,
+                                                              const uint8_t *seen, int j0, int j1,
+                                                              const int HP, const int C, int L,
+                                                              float scale, float *score, int t0) {
+    const int D = 16 * C;
+    __m512 qv[4][8];
+    for (int h = 0; h < HP; h++)
+        for (int c = 0; c < C; c++) qv[h][c] = _mm512_loadu_ps(q + h * D + 16 * c);
+    float sixteen[4][16];
+    int j = j0, t = t0;
+    for (; j + 16 <= j1; j += 16) {
+        dots16(qv, keys + (size_t)j * D, HP, C, sixteen);
+        for (int h = 0; h < HP; h++) {
+            t = t0;
+            for (int s = 0; s < 16; s++)
+                if (seen[j + s]) score[(size_t)h * L + t++] = sixteen[h][s] * scale;
+        }
+        t0 = t;
+    }
+    for (int h = 0; h < HP; h++) {
+        t = t0;
+        for (int jj = j; jj < j1; jj++)
+            if (seen[jj]) score[(size_t)h * L + t++] = dot(q + h * D, keys + (size_t)jj * D, D) * scale;
+    }
+    return t;
+}
+
+/* o_h += p_h[t] v_j for HP heads (o_h at o + h D, p_h at p + h L) and the slots [j0, j1)
+ * the query sees, one fma after another per output; each value row read once for the heads,
+ * HP x C registers of outputs across the slots. Returns the new count. */
+static inline __attribute__((always_inline)) int values_heads(float *o, const float *p, int t,
+                                                              const uint8_t *seen, int j0, int j1,
+                                                              const float *v, const int HP,
+                                                              const int C, int L) {
+    const int D = 16 * C;
+    __m512 acc[4][8];
+    for (int h = 0; h < HP; h++)
+        for (int c = 0; c < C; c++) acc[h][c] = _mm512_loadu_ps(o + h * D + 16 * c);
+    for (int j = j0; j < j1; j++) {
+        if (!seen[j]) continue;
+        __m512 pt[4];
+        for (int h = 0; h < HP; h++) pt[h] = _mm512_set1_ps(p[(size_t)h * L + t]);
+        t++;
+        for (int c = 0; c < C; c++) {
+            const __m512 vc = _mm512_loadu_ps(v + (size_t)j * D + 16 * c);
+            for (int h = 0; h < HP; h++) acc[h][c] = _mm512_fmadd_ps(pt[h], vc, acc[h][c]);
+        }
+    }
+    for (int h = 0; h < HP; h++)
+        for (int c = 0; c < C; c++) _mm512_storeu_ps(o + h * D + 16 * c, acc[h][c]);
+    return t;
+}
+
+/* The heads a pass of attention takes together (1, 2 or 4) and D / 16, or 0 where the
+ * grouped passes do not apply (D not a multiple of 16 or over 128). */
+static int head_block(int D, int group) {
+    const int C = D % 16 ? 0 : D / 16;
+    if (C != 4 && C != 5 && C != 6 && C != 8) return 0;
+    return group % 4 == 0 && C <= 6 ? 4 : group % 2 == 0 ? 2 : 1;
+}
+
+#define HEAD_SHAPES(X) X(4, 4) X(4, 5) X(4, 6) X(2, 4) X(2, 5) X(2, 6) X(2, 8) \
+    X(1, 4) X(1, 5) X(1, 6) X(1, 8)
+
+static int scores_block(const float *q, const float *keys, const uint8_t *seen, int j0, int j1,
+                        int HP, int D, int L, float scale, float *score, int t) {
+#define CASE(hp, c) \
+    if (HP == hp && D == 16 * c) return scores_heads(q, keys, seen, j0, j1, hp, c, L, scale, score, t);
+    HEAD_SHAPES(CASE)
+#undef CASE
+    return t;
+}
+
+static int values_block(float *o, const float *p, int t, const uint8_t *seen, int j0, int j1,
+                        const float *v, int HP, int D, int L) {
+#define CASE(hp, c) \
+    if (HP == hp && D == 16 * c) return values_heads(o, p, t, seen, j0, j1, v, hp, c, L);
+    HEAD_SHAPES(CASE)
+#undef CASE
+    return t;
+}
+#endif
+
+/* Query q's scores against the slots [j0, j1) it sees, appended at score[t]; returns t. */
+static int scores_of(const float *q, const float *keys, const uint8_t *seen, int j0, int j1,
+                     int D, float scale, float *score, int t) {
+    for (int j = j0; j < j1; j++)
+        if (seen[j]) score[t++] = dot(q, keys + (size_t)j * D, D) * scale;
+    return t;
+}
+
+/* Queries of (sequence b, KV head g): all N rows x the heads sharing g.
+ *
+ * Slots go in chunks of SLOT_CHUNK, each chunk's keys and values read from memory once and
+ * used from L1 by every query (the prefix is read once per forward, not once per query).
+ * A query's scores are kept compact, in slot order over the slots its mask shows, and every
+ * sum runs over that compact order (softmax's in 16 lanes by compact index, the values' one
+ * fma after another): a tree node sees the same keys in the same order as the same token in a
+ * chain, wherever the node sits, so its sums and output are the same bits. */
 static void attend(const spx_model *m, const spx_step *s, int layer, int b, int g,
-                   const float *qkv, int ldq, float *out, int ldo, float *scores) {
+                   const float *qkv, int ldq, float *out, int ldo, float *scores, int *counts) {
     const int D = m->head_dim, group = m->heads / m->kv_heads, L = s->slots, N = s->n;
-    const float *keys = cache_rows(m, s, layer, 0, b, g), *values = cache_rows(m, s, layer, 1, b, g);
-    for (int j = 0; j < L; j++) { /* scores[i * group + h][j] */
-        const float *kj = keys + (size_t)j * D;
+    const float *keys = cache_rows(m, s, layer, 0, b, g);
+    const float *value_rows = cache_rows(m, s, layer, 1, b, g);
+#ifdef SPX_VNNI
+    const int HP = head_block(D, group) ? head_block(D, group) : 1; /* heads a pass takes */
+    const int grouped = head_block(D, group) != 0;
+#else
+    const int HP = 1; /* the grouped passes are AVX-512's */
+#endif
+    for (int i = 0; i < N; i++) counts[i] = 0;
+    for (int j0 = 0; j0 < L; j0 += SLOT_CHUNK) { /* scores[i * group + h][compact index] */
+        const int j1 = j0 + SLOT_CHUNK < L ? j0 + SLOT_CHUNK : L;
         for (int i = 0; i < N; i++) {
-            if (!s->mask[((size_t)b * N + i) * L + j]) continue;
+            const uint8_t *seen = s->mask + ((size_t)b * N + i) * L;
             const float *q = qkv + (size_t)(b * N + i) * ldq + (size_t)g * group * D;
-            for (int h = 0; h < group; h++)
-                scores[(size_t)(i * group + h) * L + j] = dot(q + h * D, kj, D) * m->attn_scale;
+            int t = counts[i];
+            for (int h = 0; h < group; h += HP) {
+                float *score = scores + (size_t)(i * group + h) * L;
+#ifdef SPX_VNNI
+                if (grouped) {
+                    t = scores_block(q + h * D, keys, seen, j0, j1, HP, D, L, m->attn_scale, score,
+                                     counts[i]);
+                    continue;
+                }
+#endif
+                t = scores_of(q + h * D, keys, seen, j0, j1, D, m->attn_scale, score, counts[i]);
+            }
+            counts[i] = t;
         }
     }
     for (int i = 0; i < N; i++) {
-        const uint8_t *seen = s->mask + ((size_t)b * N + i) * L;
+        const int n = counts[i];
         for (int h = 0; h < group; h++) {
-            float *p = scores + (size_t)(i * group + h) * L, top = -INFINITY, total = 0.0f;
-            for (int j = 0; j < L; j++) if (seen[j]) top = larger(top, p[j]);
-            for (int j = 0; j < L; j++) {
-                p[j] = seen[j] ? exp_approx(p[j] - top) : 0.0f;
-                total += p[j];
-            }
-            const float inv = total > 0.0f ? 1.0f / total : 0.0f;
-            for (int j = 0; j < L; j++) p[j] *= inv;
-            float *o = out + (size_t)(b * N + i) * ldo + (size_t)(g * group + h) * D;
-            memset(o, 0, sizeof(float) * D);
+            float *p = scores + (size_t)(i * group + h) * L, top = -INFINITY;
+            for (int t = 0; t < n; t++) top = larger(top, p[t]);
+            exp_shifted(p, n, top);
+            float lanes[LANES] = {0};
+            const int whole = n - n % LANES;
+            for (int t = 0; t < whole; t += LANES)
+                for (int l = 0; l < LANES; l++) lanes[l] += p[t + l];
+            for (int l = 0; l < n - whole; l++) lanes[l] += p[whole + l];
+            const float total = reduce(lanes), inv = total > 0.0f ? 1.0f / total : 0.0f;
+            for (int t = 0; t < n; t++) p[t] *= inv;
+            memset(out + (size_t)(b * N + i) * ldo + (size_t)(g * group + h) * D, 0, sizeof(float) * D);
         }
+        counts[i] = 0;
     }
-    for (int j = 0; j < L; j++) {
-        const float *vj = values + (size_t)j * D;
+    for (int j0 = 0; j0 < L; j0 += SLOT_CHUNK) { /* out += p . values, slot after slot */
+        const int j1 = j0 + SLOT_CHUNK < L ? j0 + SLOT_CHUNK : L;
         for (int i = 0; i < N; i++) {
-            if (!s->mask[((size_t)b * N + i) * L + j]) continue;
-            for (int h = 0; h < group; h++) {
-                const float p = scores[(size_t)(i * group + h) * L + j];
+            const uint8_t *seen = s->mask + ((size_t)b * N + i) * L;
+            int t = counts[i];
+            for (int h = 0; h < group; h += HP) {
+                const float *p = scores + (size_t)(i * group + h) * L;
                 float *o = out + (size_t)(b * N + i) * ldo + (size_t)(g * group + h) * D;
-                for (int d = 0; d < D; d++) o[d] = fmaf(p, vj[d], o[d]);
+#ifdef SPX_VNNI
+                if (grouped) {
+                    t = values_block(o, p, counts[i], seen, j0, j1, value_rows, HP, D, L);
+                    continue;
+                }
+#endif
+                t = values(o, p, counts[i], seen, j0, j1, value_rows, D);
             }
+            counts[i] = t;
         }
     }
 }
@@ -420,7 +747,8 @@ size_t spx_workspace_bytes(const spx_model *m, int rows, int slots) {
     const size_t floats = rows * (3 * d + widest + (size_t)m->heads * m->head_dim + 2 * m->rotary_half)
                           + (size_t)m->threads * rows * (m->heads / m->kv_heads) * slots
                           + (size_t)rows * (k_max / QBLOCK) * 2 + 64;
-    return floats * 4 + rows * k_max + 256;
+    const size_t counts = (size_t)m->threads * rows; /* attention's per query */
+    return floats * 4 + rows * k_max + counts * 4 + 256;
 }
 
 static int zero_point(const spx_linear *l) { return l->bits == 4 ? 8 : 128; }
@@ -450,6 +778,7 @@ int spx_forward(const spx_model *m, int batch, int n, const int64_t *ids, const 
     const int k_max = widest_input(m);
     int32_t *act_zero = (int32_t *)(act_scale + (size_t)rows * (k_max / QBLOCK));
     int8_t *act_q = (int8_t *)(act_zero + (size_t)rows * (k_max / QBLOCK));
+    int *counts = (int *)(act_q + ((size_t)rows * k_max + 3) / 4 * 4);
     spx_acts acts = {act_q, act_scale, act_zero, d, QBLOCK};
     const spx_step step = {batch, n, slots, cap, mask, kv, layer_stride, batch_stride};
 
@@ -491,7 +820,7 @@ int spx_forward(const spx_model *m, int batch, int n, const int64_t *ids, const 
 #pragma omp barrier
             for (int w = t; w < batch * G; w += T)
                 attend(m, &step, l, w / G, w % G, wide, qn, att, H * D,
-                       scores + (size_t)t * rows * group * slots);
+                       scores + (size_t)t * rows * group * slots, counts + (size_t)t * rows);
 #pragma omp barrier
             quantize_rows(att, rows, H * D, &L->o, &acts, t, T);
 #pragma omp barrier
@@ -509,7 +838,7 @@ int spx_forward(const spx_model *m, int batch, int n, const int64_t *ids, const 
 #pragma omp barrier
             for (int r = t; r < rows; r += T) { /* SiLU(gate) * up, into the gate's half */
                 float *g = wide + (size_t)r * 2 * m->inter, *u = g + m->inter;
-                for (int i = 0; i < m->inter; i++) g[i] = g[i] / (1.0f + exp_approx(-g[i])) * u[i];
+                silu_mul(g, u, m->inter);
             }
 #pragma omp barrier
             quantize_rows(wide, rows, 2 * m->inter, &L->down, &acts, t, T);
@@ -547,3 +876,6 @@ int spx_linear_forward(const spx_linear *l, int rows, const float *x, float *out
     }
     return 0;
 }
+
+/* exp of n floats in place (tests: a value's exp is the same wherever it sits). */
+void spx_exp(float *x, int n) { exp_shifted(x, n, 0.0f); }
