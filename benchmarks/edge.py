@@ -41,7 +41,7 @@ torch==2.13.0 "optimum-intel[openvino]" einops && .../bin/pip uninstall -y torch
 
     python -m benchmarks.edge [--wide ~/.cache/specx/pyref-wide] [--prompts 6]
         [--new-tokens 64] [--repeats 3] [--sections greedy,sampled] [--only REGEX]
-        [--int4-heads] [--openvino-builds] [--llama-cpp]
+        [--int4-heads] [--openvino-builds] [--cpu-builds] [--llama-cpp]
 
 `--llama-cpp`: llama.cpp's `llama-server` too (benchmarks/llama_cpp.py builds it and the GGUFs,
 ~30 minutes once): plain at Q4_0 and Q4_K_M, EAGLE-3 with the same widened head at Q4_0
@@ -52,6 +52,8 @@ so it alternates with the other runners prompt by prompt rather than sharing a p
 `--openvino-builds`: the plain, EAGLE-3 and EAGLE-1 artifacts also get specx's OpenVINO int4
 build (`specx build --backend openvino --precision int4`), timed as "specx-ov" rows (plain,
 n-gram, the heads' chains) with their own verify curve, plain step and greedy comparison.
+`--cpu-builds`: the same artifacts' build on specx's own CPU kernels (`specx build --backend
+cpu --precision int4`), timed as "specx-cpu" rows alike.
 
 `--int4-heads`: kinds with a head distilled against pyref-1b's int4 build
 (`benchmarks/heads/pyref-1b-int4`, `pyref_heads --int4-twin`; what it bought:
@@ -75,7 +77,7 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -101,9 +103,13 @@ CACHE = Path.home() / ".cache" / "specx"
 INT4_HEADS = ROOT / "benchmarks" / "heads" / "pyref-1b-int4"
 HEADS = ("eagle3", "eagle", "mtp", "medusa")
 CHAINS = (2, 3, 4)
-# `--openvino-builds`: these artifacts also get specx's OpenVINO int4 build ("specx-ov" rows).
+# `--openvino-builds` / `--cpu-builds`: these artifacts also get specx's OpenVINO int4 build
+# ("specx-ov" rows) / its build on specx's own CPU kernels ("specx-cpu" rows).
 OV_ARTIFACTS = ("plain", "eagle3", "eagle")
 OV_BUILD = "openvino-int4"
+CPU_BUILD = "cpu-int4"
+# A family of rows -> the build its runners open and the backend that builds it.
+BUILD_FAMILIES = {"specx-ov": (OV_BUILD, "openvino"), "specx-cpu": (CPU_BUILD, "cpu")}
 DRAFT_TOKENS = 4  # the peers' draft length per round
 # EAGLE-2 dynamic trees both runtimes grow with the EAGLE-3 head: (nodes, draft iterations,
 # top-k). OpenVINO GenAI's num_assistant_tokens, tree_depth, branching_factor; specx's
@@ -254,31 +260,38 @@ def prepare_openvino_eagle3(head: Path, taps: tuple[int, ...], work: Path, venv:
     return _mark(out, _stamp(head))
 
 
-def openvino_build(artifact: Path) -> None:
-    """specx's OpenVINO int4 build of `artifact`, (re)built when the code that writes it changed."""
+def extra_build(artifact: Path, backend: str) -> None:
+    """specx's int4 build of `artifact` on `backend` ("openvino" or "cpu"), (re)built when the
+    code that writes it changed."""
     import hashlib
 
+    import specx.build.cpu
     import specx.build.openvino
     import specx.build.ort
     import specx.graphs.ov_lowering
     from specx.artifact import load_manifest
     from specx.build import BuildOptions, build_artifact
 
-    modules = (specx.build.openvino, specx.build.ort, specx.graphs.ov_lowering)
-    code = b"".join(Path(m.__file__).read_bytes() for m in modules if m.__file__)
-    stamp, marker = hashlib.sha256(code).hexdigest(), artifact / ".openvino-build"
+    if backend == "openvino":
+        sources = [Path(m.__file__ or "") for m in (specx.build.openvino, specx.graphs.ov_lowering)]
+    else:
+        forward = Path(specx.build.cpu.__file__ or "").parents[1] / "runtime/kernels/forward.c"
+        sources = [Path(specx.build.cpu.__file__ or ""), forward]
+    sources.append(Path(specx.build.ort.__file__ or ""))
+    code = b"".join(path.read_bytes() for path in sources)
+    stamp, marker = hashlib.sha256(code).hexdigest(), artifact / f".{backend}-build"
     built = marker.is_file() and marker.read_text() == stamp
-    if not built or OV_BUILD not in load_manifest(artifact).builds:
-        log(f"specx build --backend openvino --precision int4: {artifact}")
-        build_artifact(artifact, BuildOptions(backend="openvino", precision="int4"), log)
+    if not built or f"{backend}-int4" not in load_manifest(artifact).builds:
+        log(f"specx build --backend {backend} --precision int4: {artifact}")
+        build_artifact(artifact, BuildOptions(backend=backend, precision="int4"), log)
         marker.write_text(stamp)
 
 
 def prepare(
-    wide: Path, work: Path, venv: Path, int4_heads: bool = False, ov_builds: bool = False
+    wide: Path, work: Path, venv: Path, int4_heads: bool = False, families: Sequence[str] = ()
 ) -> Prepared:
     """Every artifact; `int4_heads`: kinds distilled against the int4 target use those heads;
-    `ov_builds`: OV_ARTIFACTS get specx's OpenVINO build too."""
+    `families` (of BUILD_FAMILIES): OV_ARTIFACTS get their builds too."""
     shape = pyref_wide.Shape()
     target = pyref_wide.write_target(wide, shape)
     heads = pyref_wide.write_heads(wide, shape)
@@ -287,8 +300,9 @@ def prepare(
     config = json.loads((heads["eagle3"] / "config.json").read_text())
     taps = tuple(config["eagle_config"]["eagle_aux_hidden_state_layer_ids"])
     specx = prepare_specx(target, heads, work)
-    for name in OV_ARTIFACTS if ov_builds else ():
-        openvino_build(specx[name])
+    for family in families:
+        for name in OV_ARTIFACTS:
+            extra_build(specx[name], BUILD_FAMILIES[family][1])
     genai = prepare_genai(target, work)
     openvino = prepare_openvino(target, work, venv)
     try:
@@ -331,36 +345,43 @@ def specx_runners(prepared: Prepared, threads: int, sampling, chains=CHAINS) -> 
     return runners
 
 
-def specx_openvino_runners(prepared: Prepared, threads: int, sampling, chains=CHAINS) -> dict:
-    """The "specx-ov" rows: specx's runtime on its OpenVINO builds (plain, n-gram, heads)."""
+def specx_build_runners(
+    prepared: Prepared, family: str, threads: int, sampling, chains=CHAINS
+) -> dict:
+    """A family's rows ("specx-ov", "specx-cpu"): specx's runtime on that build of
+    OV_ARTIFACTS (plain, n-gram, the heads' chains, EAGLE-3's trees)."""
     from specx.artifact import load_manifest
     from specx.runtime.backends import open_decoder
 
+    build = BUILD_FAMILIES[family][0]
+
     def target(name: str):
-        return open_decoder(load_manifest(prepared.specx[name]).with_build(OV_BUILD), threads)
+        return open_decoder(load_manifest(prepared.specx[name]).with_build(build), threads)
 
     plain = target("plain")
-    runners = {"specx-ov plain": SpecxPlain(prepared.specx["plain"], OV_BUILD, threads, sampling)}
+    runners = {f"{family} plain": SpecxPlain(prepared.specx["plain"], build, threads, sampling)}
     if sampling is None:
-        runners["specx-ov ngram"] = SpecxSpeculative(plain, _factory("ngram", plain, ""), sampling)
+        runners[f"{family} ngram"] = SpecxSpeculative(plain, _factory("ngram", plain, ""), sampling)
     for kind in OV_ARTIFACTS[1:]:
         verifier = target(kind)
         for n in chains:
-            runners[f"specx-ov {kind} chain {n}"] = SpecxSpeculative(
+            runners[f"{family} {kind} chain {n}"] = SpecxSpeculative(
                 verifier, _factory(kind, verifier, f"chain:{n}"), sampling
             )
-        # Greedy trees are exact on this build (specx.runtime.spine); its verify is nearly
-        # flat to ~8 tokens, where a tree can pay (on the ONNX Runtime build it does not).
+        # Greedy trees are exact on these builds (the OpenVINO one through its spine,
+        # specx.runtime.spine; the kernels' by construction); their verify is nearly flat to
+        # ~8 tokens, where a tree can pay (on the ONNX Runtime build it does not).
         for tree in TREES if kind == "eagle3" and sampling is None else ():
-            runners[f"specx-ov eagle3 tree {','.join(map(str, tree))}"] = SpecxSpeculative(
+            runners[f"{family} eagle3 tree {','.join(map(str, tree))}"] = SpecxSpeculative(
                 verifier, _factory(kind, verifier, specx_tree(*tree)), sampling
             )
     return runners
 
 
 def family_of(runner_name: str) -> str:
-    """A row's runtime and build: "specx-ov" for specx's OpenVINO-build rows, "specx" for its
-    ONNX Runtime rows, "llama.cpp" (Q4_0) or "llama.cpp-q4km", "openvino", "genai"."""
+    """A row's runtime and build: "specx-ov" / "specx-cpu" for specx's OpenVINO / kernels
+    build rows, "specx" for its ONNX Runtime rows, "llama.cpp" (Q4_0) or "llama.cpp-q4km",
+    "openvino", "genai"."""
     return runner_name.split(" ", 1)[0]
 
 
@@ -635,6 +656,11 @@ def main() -> None:
         help=f"also time specx on its OpenVINO int4 build of {', '.join(OV_ARTIFACTS)} (specx-ov)",
     )  # fmt: skip
     parser.add_argument(
+        "--cpu-builds", action="store_true",
+        help=f"also time specx on its own kernels' int4 build of {', '.join(OV_ARTIFACTS)} "
+        "(specx-cpu)",
+    )  # fmt: skip
+    parser.add_argument(
         "--llama-cpp", action="store_true",
         help="also time llama.cpp's llama-server (built and converted by llama_cpp.py)",
     )  # fmt: skip
@@ -647,7 +673,12 @@ def main() -> None:
     from specx.runtime.sampling import SamplingParams
     from specx.runtime.tokenizer import TextTokenizer
 
-    prepared = prepare(args.wide, args.work, args.ov_venv, args.int4_heads, args.openvino_builds)
+    families = [
+        family
+        for family, wanted in (("specx-ov", args.openvino_builds), ("specx-cpu", args.cpu_builds))
+        if wanted
+    ]
+    prepared = prepare(args.wide, args.work, args.ov_venv, args.int4_heads, families)
     built = None
     if args.llama_cpp:
         from benchmarks import llama_cpp
@@ -657,9 +688,9 @@ def main() -> None:
         return
     from specx.sessions import global_pool_created
 
-    if args.openvino_builds and global_pool_created():
-        # The OpenVINO rows need ONNX Runtime's sessions on non-spinning pools, which ONNX
-        # Runtime allows only before its global pool exists (specx.sessions.stop_spinning).
+    if families and global_pool_created():
+        # The OpenVINO and kernels rows need ONNX Runtime's sessions on non-spinning pools,
+        # which ONNX Runtime allows only before its global pool exists (specx.sessions).
         log("builds ran in this process (ONNX Runtime's global pool exists): run again to time")
         return
     tokenizer = TextTokenizer(pyref_wide.SOURCE / "tokenizer.json")
@@ -683,16 +714,15 @@ def main() -> None:
     keep = re.compile(args.only or ".")
     context = sum(len(p) for p in prompts) // len(prompts)
     curves = {}
-    # OpenVINO first: an OpenVINO target makes every later ONNX Runtime session non-spinning
-    # (specx.sessions.stop_spinning), which only works before the global pool exists.
-    for family, build in (("specx-ov", OV_BUILD), ("specx", "ort-int4")):
-        if family == "specx-ov" and not args.openvino_builds:
-            continue
+    # Their builds first: an OpenVINO or kernels target makes every later ONNX Runtime session
+    # non-spinning (specx.sessions.stop_spinning), which only works before the global pool exists.
+    builds = {family: BUILD_FAMILIES[family][0] for family in families} | {"specx": "ort-int4"}
+    curve_keys = {"specx": "specx_verify_curve", "specx-ov": "specx_openvino_verify_curve"}
+    for family, build in builds.items():
         plain = SpecxPlain(prepared.specx["plain"], build, args.threads)
         widths = (1, 2, 3, 4, 5, 6, 7, 8, *(n + 1 for n, _, _ in TREES))
         curves[family] = measure_verify_curve(plain.target, widths, context, repeats=15)
-        key = "specx_verify_curve" if family == "specx" else "specx_openvino_verify_curve"
-        report[key] = curves[family].summary()
+        report[curve_keys.get(family, "specx_cpu_verify_curve")] = curves[family].summary()
         del plain
     settings = {"greedy": (None, 0.0), "sampled": (SamplingParams(0.7, seed=0), 0.7)}
     with contextlib.ExitStack() as stack:
@@ -701,8 +731,8 @@ def main() -> None:
             sampling, temperature = settings[name]
             chains = CHAINS if sampling is None else (3,)
             runners = {}
-            if args.openvino_builds:
-                runners |= specx_openvino_runners(prepared, args.threads, sampling, chains)
+            for family in families:
+                runners |= specx_build_runners(prepared, family, args.threads, sampling, chains)
             runners |= specx_runners(prepared, args.threads, sampling, chains)
             runners |= peer_runners(prepared, args.threads, temperature)
             if servers is not None:

@@ -114,6 +114,22 @@ def build(tree: Path, work: Path, amx: bool) -> Path:
     return server.parent
 
 
+def bench_tool(work: Path) -> Path | None:
+    """`llama-bench` of the host's build (linked on first use), or None where none is built.
+
+    The build without AMX exists only where the native one faulted (`host_build`).
+    """
+    for folder in (work / "build-no-amx", work / "build"):
+        server = folder / "bin" / "llama-server"
+        if not _stamped(server, f"{PINNED} native amx={folder.name == 'build'}"):
+            continue
+        tool = folder / "bin" / "llama-bench"
+        if not tool.is_file():
+            _run(["ninja", "-C", str(folder), "llama-bench"], "ninja llama-bench")
+        return tool
+    return None
+
+
 # Runs the vendored converter with one change: a pre-tokenizer hash it does not know is
 # read as GPT-2's (pyref's BPE pre-tokenizes as GPT-2's does).
 CONVERT = """

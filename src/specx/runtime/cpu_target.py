@@ -22,6 +22,7 @@ from specx.errors import ArtifactError, GenerationError
 from specx.runtime import kernels
 from specx.runtime.decoder_backend import DecoderBackend, StepOutput
 from specx.runtime.kv_cache import KVCache
+from specx.sessions import stop_spinning
 
 __all__ = ["CpuTarget"]
 
@@ -42,6 +43,7 @@ class CpuTarget(DecoderBackend):
                 f"run here ({kernels.unavailable()}); choose another build with --build"
             )
         self._lib = lib
+        stop_spinning()  # the drafts' ONNX Runtime sessions must leave the cores to the kernels
         if self.cache_dtype != np.float32:
             raise ArtifactError(f"{manifest.root}: the cpu build keeps its cache in float32")
         entry = manifest.runtime_graph("target")
