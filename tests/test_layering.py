@@ -30,6 +30,9 @@ ALLOWED = {
     # A backend registers under the name of the runtime opener that runs its builds, and
     # registering checks that opener exists.
     ("build/registry.py", "runtime"),
+    # The kernels' weight layout has one home, beside the kernels that read it
+    # (runtime/kernels: pack_codes); the build writes it, and checks the kernels run here.
+    ("build/cpu.py", "runtime"),
 }
 
 # The modules at the package's top (the artifact format, the manifest's types, shared

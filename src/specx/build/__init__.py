@@ -16,12 +16,15 @@ lives by layer (graphs may not import builds, the runtime may not import either)
     openvino     ov_lowering                   openvino              runtime.ov_target
     trt          trt_lowering, trt_lint        trt (tensorrt.engine, runtime.trt_target
                                                tensorrt.profiles)
+    cpu          -                             cpu                   runtime.cpu_target
 
 - `ort`: fp32 with TreeAttention lowered to ONNX Runtime's GroupQueryAttention, fp16, and
   weight-only int4 / int8 (MatMulNBits; round-to-nearest or GPTQ);
 - `int8-static`: INT8 QDQ with activation ranges calibrated on prompts;
 - `openvino`: OpenVINO IR for its CPU plugin, fp32 or weight-only int4 / int8 (OpenVINO
   imported only there and in its runtime target);
+- `cpu`: the target's weights in the layout of specx's own compiled CPU kernels
+  (`runtime.kernels`), int4 / int8, for a Llama-form target;
 - `trt`: lowered, linted TensorRT engines; TreeAttention runs as the `specx::TreeAttention`
   plugin (`tensorrt.plugin`, its kernel `tensorrt.triton_tree_attention`); TensorRT is
   imported only there. `specx.runtime.backends.OPENERS` maps each build's recorded backend
