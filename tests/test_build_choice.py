@@ -172,3 +172,24 @@ def test_a_heads_step_is_timed_where_the_artifact_has_one(head_artifacts):
     assert timing.draft_step_ms is not None and timing.draft_step_ms > 0
     assert timing.build == build_name(manifest)  # "exported": the artifact has no build
     assert timing.decode_ms_per_token == predict(timing.verify_ms, timing.draft_step_ms)[0]
+
+
+def test_auto_times_builds_over_the_context_it_is_told_and_only_auto_takes_one(
+    artifacts, tmp_path, monkeypatch
+):
+    from click.testing import CliRunner
+
+    import specx.build
+    import specx.calibration.build_choice as build_choice
+    from specx.cli import main
+
+    root = shutil.copytree(artifacts["llama"], tmp_path / "llama")
+    told: list[int] = []
+    monkeypatch.setattr(specx.build, "build_each", lambda *a, **k: ["ort-int8"])
+    monkeypatch.setattr(build_choice, "choose_build", lambda r, b, c, **k: told.append(c))
+    command = ["build", str(root), "--precision", "int8", "--context", "512"]
+    done = CliRunner().invoke(main, [*command, "--backend", "auto"])
+    assert done.exit_code == 0, done.output
+    assert told == [512]
+    refused = CliRunner().invoke(main, [*command, "--backend", "ort"])
+    assert refused.exit_code != 0 and "--context applies only to --backend auto" in refused.output

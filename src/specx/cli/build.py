@@ -76,8 +76,9 @@ def lint(artifact_dir: Path, lint_target: str, precision: str, as_json: bool) ->
     show_default=True,
     help="A registered build backend (specx.build): ort (CPU), trt (TensorRT engines), "
     "int8-static (static INT8 QDQ calibrated on --prompts, as specx quantize), openvino "
-    "(OpenVINO IR for its CPU plugin: fp32, int4, int8; needs specx[openvino]); or auto: "
-    "every CPU backend installed, each build timed here, the fastest made the default.",
+    "(OpenVINO IR for its CPU plugin: fp32, int4, int8; needs specx[openvino]), cpu (specx's "
+    "own compiled CPU kernels: int4, int8, Llama-form targets); or auto: every CPU backend "
+    "installed, each build timed here, the fastest made the default.",
 )
 @click.option(
     "--precision",
@@ -158,6 +159,14 @@ def lint(artifact_dir: Path, lint_target: str, precision: str, as_json: bool) ->
     "on a target whose int8 activations need row invariance).",
 )
 @click.option(
+    "--context",
+    type=POSITIVE,
+    default=256,
+    show_default=True,
+    help="auto: the cached tokens each build is timed over (the prompt and output your requests "
+    "hold; attention's cost grows with it, and backends differ in how fast).",
+)
+@click.option(
     "--max-batch", type=POSITIVE, default=8, show_default=True, help="TensorRT: largest batch."
 )
 @click.option(
@@ -188,6 +197,7 @@ def build(
     prompts_file: Path | None,
     quantize: str,
     lowering: str,
+    context: int,
     max_batch: int,
     optimization_level: int,
     timing_cache: Path | None,
@@ -200,9 +210,12 @@ def build(
     trt: lowers, lints and builds one TensorRT engine per graph (needs TensorRT and a GPU).
     openvino: OpenVINO IR, int4/int8 weights in OpenVINO's compressed form (--block-size and
     --symmetric/--asymmetric apply; the lm_head is stored at 8 bits).
-    auto: builds ort and (where installed) openvino, times each build on this machine (plain
-    step, verify curve, head step, prompt forward) and makes the fastest the default; the
-    timings are recorded in the manifest (build_choice) and the stats name the reason.
+    cpu: the target on specx's own kernels (compiled at install): each weight read once for
+    all of a verify's tokens, rows exact by construction (trees need no spine).
+    auto: builds ort, openvino and cpu where each is installed and applies, times each build
+    on this machine over --context cached tokens (plain step, verify curve, head step, prompt
+    forward) and makes the fastest the default; the timings are recorded in the manifest
+    (build_choice) and the stats name the reason.
     """
     trt_only = passed(ctx, "max_batch", "optimization_level", "timing_cache")
     if backend != "ort" and passed(ctx, "lowering"):
@@ -212,6 +225,8 @@ def build(
     )
     if backend in ("openvino", "auto") and ort_weights:
         raise BuildError(only_applies(ort_weights, "--backend ort"))
+    if backend != "auto" and passed(ctx, "context"):
+        raise BuildError(only_applies(["--context"], "--backend auto"))
     if backend != "trt" and trt_only:
         raise BuildError(only_applies(trt_only, "--backend trt"))
     weight_options = passed(ctx, *_WEIGHT_OPTIONS)
@@ -253,7 +268,7 @@ def build(
         manifest = load_manifest(artifact_dir, verify_hashes=False)
         backends = cpu_backends(manifest, options, progress)
         names = build_each(artifact_dir, options, backends, progress)
-        choose_build(artifact_dir, names, progress=progress)
+        choose_build(artifact_dir, names, context, progress=progress)
         return
     prompts = _calibration_prompts(artifact_dir, prompts_file) if prompts_file else ()
     build_artifact(artifact_dir, options, progress=progress, prompts=prompts)
