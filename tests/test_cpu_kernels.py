@@ -308,3 +308,12 @@ def test_the_two_instruction_sets_compute_the_same_bits(wide_heads):
     np.testing.assert_array_equal(chunk.logits, chunk2.logits)
     np.testing.assert_array_equal(tree.logits, tree2.logits)
     np.testing.assert_array_equal(alone[0].logits, alone2[0].logits)
+
+
+def test_a_token_id_past_the_vocabulary_is_refused_not_read(built):
+    from specx.errors import GenerationError
+
+    target = open_decoder(load_manifest(built), threads=1)
+    cache = target.allocate_cache(1, 8)
+    with pytest.raises(GenerationError, match=r"token ids must lie in \[0, "):
+        target.feed(cache, [[1, target.vocab_size]], np.array([0]))

@@ -127,6 +127,9 @@ class CpuTarget(DecoderBackend):
         if stacked is None or stacked.dtype != np.float32 or not stacked[0, 0].flags.c_contiguous:
             raise GenerationError("the cpu build needs a cache from its own allocate_cache")
         batch, n = input_ids.shape
+        if input_ids.size and (input_ids.min() < 0 or input_ids.max() >= self.vocab_size):
+            # The kernels read the embedding row of each id without a bound of their own.
+            raise GenerationError(f"token ids must lie in [0, {self.vocab_size})")
         slots = attention_mask.shape[3]
         ids = np.ascontiguousarray(input_ids, dtype=np.int64)
         positions = np.ascontiguousarray(position_ids, dtype=np.int64)
