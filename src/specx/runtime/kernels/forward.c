@@ -35,6 +35,8 @@
 #define TILE 16   /* output columns a tile */
 #define QBLOCK 32 /* inputs a register pass covers; a block is 1 to 8 of them */
 #define ROWS 16   /* rows one pass over a tile's weights serves */
+#define MAX_TILES 4 /* tiles a register pass takes: 4 at one or two rows (more streams from
+                     * memory in flight: the step is memory-bound), else 2 */
 #define LANES 16  /* partial sums of a dot product, reduced in a fixed order */
 #define SLOT_CHUNK 64 /* cache slots attention keeps in L1 for all of a forward's queries */
 
@@ -116,25 +118,25 @@ static inline __attribute__((always_inline)) void tile_group(const uint8_t *w, s
                                                              const int C, int b0, int b1,
                                                              int bits, const spx_acts *a,
                                                              int row0, const int R,
-                                                             float (*acc)[2 * TILE]) {
+                                                             float (*acc)[MAX_TILES * TILE]) {
     const int block = a->block, nb = a->k / block, passes = block / QBLOCK;
     const size_t step = tile_bytes(bits, block), codes = step - TILE * 2;
     const size_t pass_bytes = (size_t)TILE * QBLOCK * bits / 8;
     const __m512i low = _mm512_set1_epi8(0x0f);
     const int8_t *x[4];
     for (int m = 0; m < R; m++) x[m] = a->q + (size_t)(row0 + m) * a->k;
-    __m512 sum[4][2];
+    __m512 sum[4][MAX_TILES];
     for (int m = 0; m < R; m++)
         for (int c = 0; c < C; c++) sum[m][c] = _mm512_loadu_ps(acc[m] + TILE * c);
     w += b0 * step;
     for (int b = b0; b < b1; b++, w += step) {
-        __m512i dot[4][2];
+        __m512i dot[4][MAX_TILES];
         for (int m = 0; m < R; m++)
             for (int c = 0; c < C; c++) dot[m][c] = _mm512_set1_epi32(a->zero[(row0 + m) * nb + b]);
         for (int pass = 0; pass < passes; pass++) {
             const int at = b * block + pass * QBLOCK;
             for (int p = 0; p < 8; p += 2) {
-                __m512i lo[2], hi[2];
+                __m512i lo[MAX_TILES], hi[MAX_TILES];
                 for (int c = 0; c < C; c++) {
                     const uint8_t *source = w + c * stride + pass * pass_bytes;
                     if (bits == 4) {
@@ -197,7 +199,8 @@ static inline void unpack(const uint8_t *w, int bits, int half, __m256i r[8]) {
 
 static inline __attribute__((always_inline)) void tile_one(const uint8_t *w0, int b0, int b1,
                                                            int bits, const spx_acts *a, int row0,
-                                                           const int R, float (*acc)[2 * TILE],
+                                                           const int R,
+                                                           float (*acc)[MAX_TILES * TILE],
                                                            int column) {
     const int block = a->block, nb = a->k / block, passes = block / QBLOCK;
     const size_t step = tile_bytes(bits, block), codes = step - TILE * 2;
@@ -241,25 +244,30 @@ static inline __attribute__((always_inline)) void tile_group(const uint8_t *w, s
                                                              const int C, int b0, int b1,
                                                              int bits, const spx_acts *a,
                                                              int row0, const int R,
-                                                             float (*acc)[2 * TILE]) {
+                                                             float (*acc)[MAX_TILES * TILE]) {
     for (int c = 0; c < C; c++) tile_one(w + c * stride, b0, b1, bits, a, row0, R, acc, TILE * c);
 }
 #endif
 
-/* Up to ROWS rows of C (1 or 2) tiles. The blocks go in chunks whose weights fit the L1
- * cache, each chunk for every group of at most 4 rows (their sums in registers within it):
- * the weights come from memory once, later groups read them from L1. A row's sums still run
- * block after block in order, so its bits do not depend on the chunks or the groups. */
+/* Up to ROWS rows of C (1 to MAX_TILES) tiles. The blocks go in chunks whose weights fit the
+ * L1 cache, each chunk for every group of at most 4 rows (their sums in registers within
+ * it): the weights come from memory once, later groups read them from L1. A row's sums still
+ * run block after block in order, so its bits do not depend on the chunks, groups or tiles. */
 static void tile_rows(const uint8_t *w, size_t stride, int C, int blocks, int bits,
-                      const spx_acts *a, int row0, int rows, float acc[ROWS][2 * TILE]) {
-    const int chunk = (int)(16384 / (2 * tile_bytes(bits, a->block))) + 1;
-    memset(acc, 0, sizeof(float) * ROWS * 2 * TILE);
+                      const spx_acts *a, int row0, int rows, float acc[ROWS][MAX_TILES * TILE]) {
+    const int chunk = (int)(16384 / (C * tile_bytes(bits, a->block))) + 1;
+    memset(acc, 0, sizeof(float) * ROWS * MAX_TILES * TILE);
     for (int b0 = 0; b0 < blocks; b0 += chunk) {
         const int b1 = b0 + chunk < blocks ? b0 + chunk : blocks;
+#define TILES(R, c) tile_group(w, stride, c, b0, b1, bits, a, row0 + m, R, acc + m)
 #define GROUP(R)                                                                          \
     do {                                                                                  \
-        if (C == 2) tile_group(w, stride, 2, b0, b1, bits, a, row0 + m, R, acc + m);      \
-        else tile_group(w, stride, 1, b0, b1, bits, a, row0 + m, R, acc + m);             \
+        switch (C) {                                                                      \
+        case 4: if (R <= 2) { TILES(R, 4); break; } /* fall through */                   \
+        case 3: if (R <= 2) { TILES(R, 3); break; } /* fall through */                   \
+        case 2: TILES(R, 2); break;                                                       \
+        default: TILES(R, 1); break;                                                      \
+        }                                                                                 \
     } while (0)
         int m = 0;
         for (; m + 4 <= rows; m += 4) GROUP(4);
@@ -270,19 +278,23 @@ static void tile_rows(const uint8_t *w, size_t stride, int C, int blocks, int bi
         default: break;
         }
 #undef GROUP
+#undef TILES
     }
 }
 
-/* This thread's share of the tiles (in pairs), every row. */
+/* This thread's share of the tiles, every row: in spans of MAX_TILES tiles for one or two
+ * rows, else of 2. */
 static void linear(const spx_linear *l, const spx_acts *a, int rows, float *out, int ldo,
                    int thread, int threads) {
-    const int tiles = (l->n + TILE - 1) / TILE, blocks = l->k / l->block, pairs = (tiles + 1) / 2;
-    const int first = 2 * (pairs * thread / threads);
-    const int last = 2 * (pairs * (thread + 1) / threads) < tiles ? 2 * (pairs * (thread + 1) / threads) : tiles;
+    const int span = rows <= 2 ? MAX_TILES : 2;
+    const int tiles = (l->n + TILE - 1) / TILE, blocks = l->k / l->block;
+    const int spans = (tiles + span - 1) / span;
+    const int first = span * (spans * thread / threads);
+    const int end = span * (spans * (thread + 1) / threads), last = end < tiles ? end : tiles;
     const size_t stride = (size_t)blocks * tile_bytes(l->bits, l->block);
-    float acc[ROWS][2 * TILE];
-    for (int t = first; t < last; t += 2) {
-        const int C = last - t >= 2 ? 2 : 1, n0 = t * TILE;
+    float acc[ROWS][MAX_TILES * TILE];
+    for (int t = first; t < last; t += span) {
+        const int C = last - t >= span ? span : last - t, n0 = t * TILE;
         const int width = l->n - n0 < C * TILE ? l->n - n0 : C * TILE;
         for (int row0 = 0; row0 < rows; row0 += ROWS) {
             const int count = rows - row0 < ROWS ? rows - row0 : ROWS;
