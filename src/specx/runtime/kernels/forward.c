@@ -35,6 +35,8 @@
 #define TILE 16   /* output columns a tile */
 #define QBLOCK 32 /* inputs a register pass covers; a block is 1 to 8 of them */
 #define ROWS 16   /* rows one pass over a tile's weights serves */
+#define MAX_GROUP 5 /* rows a register pass takes: 5 as one group (a chain of 4's verify),
+                     * more in groups of 4 (a group of 6 spilled registers: slower) */
 #define MAX_TILES 4 /* tiles a register pass takes: 4 at one or two rows (more streams from
                      * memory in flight: the step is memory-bound), else 2 */
 #define LANES 16  /* partial sums of a dot product, reduced in a fixed order */
@@ -123,14 +125,14 @@ static inline __attribute__((always_inline)) void tile_group(const uint8_t *w, s
     const size_t step = tile_bytes(bits, block), codes = step - TILE * 2;
     const size_t pass_bytes = (size_t)TILE * QBLOCK * bits / 8;
     const __m512i low = _mm512_set1_epi8(0x0f);
-    const int8_t *x[4];
+    const int8_t *x[MAX_GROUP];
     for (int m = 0; m < R; m++) x[m] = a->q + (size_t)(row0 + m) * a->k;
-    __m512 sum[4][MAX_TILES];
+    __m512 sum[MAX_GROUP][MAX_TILES];
     for (int m = 0; m < R; m++)
         for (int c = 0; c < C; c++) sum[m][c] = _mm512_loadu_ps(acc[m] + TILE * c);
     w += b0 * step;
     for (int b = b0; b < b1; b++, w += step) {
-        __m512i dot[4][MAX_TILES];
+        __m512i dot[MAX_GROUP][MAX_TILES];
         for (int m = 0; m < R; m++)
             for (int c = 0; c < C; c++) dot[m][c] = _mm512_set1_epi32(a->zero[(row0 + m) * nb + b]);
         for (int pass = 0; pass < passes; pass++) {
@@ -207,10 +209,10 @@ static inline __attribute__((always_inline)) void tile_one(const uint8_t *w0, in
     const size_t pass_bytes = (size_t)TILE * QBLOCK * bits / 8;
     for (int half = 0; half < 2; half++) {
         const uint8_t *w = w0 + b0 * step;
-        __m256 sum[4];
+        __m256 sum[MAX_GROUP];
         for (int m = 0; m < R; m++) sum[m] = _mm256_loadu_ps(acc[m] + column + 8 * half);
         for (int b = b0; b < b1; b++, w += step) {
-            __m256i dots[4];
+            __m256i dots[MAX_GROUP];
             for (int m = 0; m < R; m++) /* int8 computes sum q x directly: no zero term */
                 dots[m] = _mm256_set1_epi32(bits == 4 ? a->zero[(row0 + m) * nb + b] : 0);
             for (int pass = 0; pass < passes; pass++) {
@@ -250,8 +252,8 @@ static inline __attribute__((always_inline)) void tile_group(const uint8_t *w, s
 #endif
 
 /* Up to ROWS rows of C (1 to MAX_TILES) tiles. The blocks go in chunks whose weights fit the
- * L1 cache, each chunk for every group of at most 4 rows (their sums in registers within
- * it): the weights come from memory once, later groups read them from L1. A row's sums still
+ * L1 cache, each chunk for every group of rows (4, the last up to MAX_GROUP; their sums in
+ * registers within it): the weights come from memory once, later groups read them from L1. A row's sums still
  * run block after block in order, so its bits do not depend on the chunks, groups or tiles. */
 static void tile_rows(const uint8_t *w, size_t stride, int C, int blocks, int bits,
                       const spx_acts *a, int row0, int rows, float acc[ROWS][MAX_TILES * TILE]) {
@@ -270,8 +272,10 @@ static void tile_rows(const uint8_t *w, size_t stride, int C, int blocks, int bi
         }                                                                                 \
     } while (0)
         int m = 0;
-        for (; m + 4 <= rows; m += 4) GROUP(4);
-        switch (rows - m) {
+        for (; rows - m > MAX_GROUP; m += 4) GROUP(4);
+        switch (rows - m) { /* the last group whole: 5 rows as 4 + 1 paid a pass for one */
+        case 5: GROUP(5); break;
+        case 4: GROUP(4); break;
         case 3: GROUP(3); break;
         case 2: GROUP(2); break;
         case 1: GROUP(1); break;
