@@ -266,6 +266,7 @@ def extra_build(artifact: Path, backend: str) -> None:
     import hashlib
 
     import specx.build.cpu
+    import specx.build.cpu_read
     import specx.build.openvino
     import specx.build.ort
     import specx.graphs.ov_lowering
@@ -276,7 +277,8 @@ def extra_build(artifact: Path, backend: str) -> None:
         sources = [Path(m.__file__ or "") for m in (specx.build.openvino, specx.graphs.ov_lowering)]
     else:
         forward = Path(specx.build.cpu.__file__ or "").parents[1] / "runtime/kernels/forward.c"
-        sources = [Path(specx.build.cpu.__file__ or ""), forward]
+        sources = [Path(m.__file__ or "") for m in (specx.build.cpu, specx.build.cpu_read)]
+        sources.append(forward)
     sources.append(Path(specx.build.ort.__file__ or ""))
     code = b"".join(path.read_bytes() for path in sources)
     stamp, marker = hashlib.sha256(code).hexdigest(), artifact / f".{backend}-build"

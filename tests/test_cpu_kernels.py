@@ -42,18 +42,22 @@ def _libraries() -> list[kernels.Library]:
     return found
 
 
-def _weight(rng, n: int, k: int, bits: int, block: int = 32):
-    """A random [n, k] weight rounded as the build rounds it: packed, and its codes, scales."""
-    weight = rng.standard_normal((k, n)).astype(np.float32)
-    quantized = quantize_rtn(weight, bits, block, True)
+def _weight(rng, n: int, k: int, bits: int, block: int = 32, symmetric: bool = True):
+    """A random [n, k] weight rounded as the build rounds it: packed, and its codes, scales
+    and zero points [n, k / block]."""
+    weight = rng.standard_normal((k, n)).astype(np.float32) + (0 if symmetric else 0.7)
+    quantized = quantize_rtn(weight, bits, block, symmetric)
     codes = np.maximum(quantized.codes.reshape(n, k), 1 if bits == 8 else 0)
     scales = quantized.scales.astype(np.float16).astype(np.float32)
-    packed = kernels.pack_codes(codes, scales, bits)
-    linear = kernels.Linear(packed.ctypes.data, None, bits, k, n, block)
-    return packed, linear, codes, scales
+    zeros = quantized.zero_points
+    packed = kernels.pack_codes(codes, scales, bits, zeros)
+    linear = kernels.Linear(packed.ctypes.data, None, bits, k, n, block, int(not symmetric))
+    if zeros is None:
+        zeros = np.full(scales.shape, ZERO[bits], dtype=np.uint8)
+    return packed, linear, codes, scales, zeros
 
 
-def _reference(x: np.ndarray, codes: np.ndarray, scales: np.ndarray, bits: int) -> np.ndarray:
+def _reference(x: np.ndarray, codes: np.ndarray, scales: np.ndarray, zeros: np.ndarray):
     """The kernels' product in float64: activations to int8 per weight block, integer dots."""
     rows, k = x.shape
     block = k // scales.shape[1]
@@ -61,29 +65,37 @@ def _reference(x: np.ndarray, codes: np.ndarray, scales: np.ndarray, bits: int) 
     amax = np.abs(blocks).max(-1, keepdims=True)
     inverse = np.divide(np.float32(127), amax, out=np.zeros_like(amax), where=amax > 0)
     xq = np.rint(blocks * inverse)
-    weights = (codes.astype(np.float64) - ZERO[bits]).reshape(codes.shape[0], -1, block)
+    n = codes.shape[0]
+    weights = codes.astype(np.float64).reshape(n, -1, block) - zeros[..., None]
     dots = np.einsum("mbi,nbi->mnb", xq, weights)
-    return np.einsum("mnb,nb,mb->mn", dots, scales.reshape(len(codes), -1), amax[..., 0] / 127)
+    return np.einsum("mnb,nb,mb->mn", dots, scales.reshape(n, -1), amax[..., 0] / 127)
 
 
-@pytest.mark.parametrize(("bits", "block"), [(4, 32), (8, 32), (4, 128), (8, 64)])
-def test_the_gemm_is_the_block_quantized_product(bits, block):
+GEMMS = [(4, 32, True), (8, 32, True), (4, 128, True), (8, 64, True), (4, 128, False)]
+
+
+@pytest.mark.parametrize(("bits", "block", "symmetric"), GEMMS)
+def test_the_gemm_is_the_block_quantized_product(bits, block, symmetric):
+    """Each path (VNNI, AVX2) against float64, int4 with zero points too."""
     rng = np.random.default_rng(bits)
-    packed, weight, codes, scales = _weight(rng, 72, 384, bits, block)  # a padded last tile
+    packed, weight, codes, scales, zeros = _weight(rng, 72, 384, bits, block, symmetric)
+    assert symmetric or len(np.unique(zeros)) > 3  # zero points that differ by column
     x = rng.standard_normal((5, 384)).astype(np.float32)
     x[1, :block] = 0.0  # an all-zero block
     for lib in _libraries():
         out = kernels.linear_forward(lib, weight, x, threads=2)
-        expected = _reference(x, codes, scales, bits)
+        expected = _reference(x, codes, scales, zeros)
         np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-4 * np.abs(expected).max())
 
 
-@pytest.mark.parametrize(("bits", "block"), [(4, 32), (8, 32), (4, 128)])
-def test_a_row_of_the_gemm_is_bit_identical_whatever_rows_threads_and_path_run(bits, block):
+@pytest.mark.parametrize(("bits", "block", "symmetric"), [*GEMMS[:3], GEMMS[-1]])
+def test_a_row_of_the_gemm_is_bit_identical_whatever_rows_threads_and_path_run(
+    bits, block, symmetric
+):
     """1..20 rows (past one pass of 16), 1 or 2 threads, VNNI or AVX2, an odd count of tiles
     and more blocks than fit one cache chunk: the same bits a row."""
     rng = np.random.default_rng(10 + bits)
-    packed, weight, _, _ = _weight(rng, 80, 4096, bits, block)
+    packed, weight, _, _, _ = _weight(rng, 80, 4096, bits, block, symmetric)
     x = rng.standard_normal((20, 4096)).astype(np.float32)
     libraries = _libraries()
     first = kernels.linear_forward(libraries[0], weight, x[:1], threads=1)[0]
@@ -185,19 +197,70 @@ def test_greedy_speculation_on_a_cpu_build_equals_its_plain_decoding(built, buil
         assert speculative.tokens == plain.tokens, (build, options)
 
 
+@pytest.fixture(scope="module")
+def eagle3_built(head_artifacts, tmp_path_factory):
+    """The EAGLE-3 artifact with cpu-int8 and cpu-int4 builds: the head on the kernels too."""
+    artifact = shutil.copytree(head_artifacts["eagle3"], tmp_path_factory.mktemp("cpu") / "e3")
+    for precision in ("int8", "int4"):
+        build_artifact(artifact, BuildOptions(backend="cpu", precision=precision))
+    return artifact
+
+
+def test_an_eagle3_head_runs_on_the_kernels_as_its_exported_graph_within_rounding(eagle3_built):
+    """The int8 head's forward (two rows of a catch-up over features) and its projection."""
+    from specx.runtime.backends import graph_runtime, open_stateless
+
+    manifest = select_build(load_manifest(eagle3_built), "cpu-int8")
+    assert "draft_chain" not in manifest.build.graphs  # the chain loops over the kernels' head
+    for graph in ("draft_head", "draft_projection"):
+        assert graph_runtime(manifest, graph) == "cpu"
+    exported = select_build(manifest, "exported")
+    rng = np.random.default_rng(1)
+    taps = rng.standard_normal((2, 7, manifest.model.taps.width)).astype(np.float32)
+    projected = [open_stateless(m, "draft_projection", 2)(taps) for m in (exported, manifest)]
+    assert np.abs(projected[1] - projected[0]).max() < 0.03 * np.abs(projected[0]).max()
+    tokens = rng.integers(0, manifest.model.vocab_size, (2, 7)).tolist()
+    outputs = []
+    for m in (exported, manifest):
+        head = open_decoder(m, threads=2, graph="draft_head")
+        cache = head.allocate_cache(2, 32)
+        outputs.append(head.feed(cache, tokens, np.array([0, 4]), list(projected[0]))[0])
+    for name in ("logits", "taps"):
+        want, got = getattr(outputs[0], name), getattr(outputs[1], name)
+        assert np.abs(got - want).max() < 0.03 * np.abs(want).max(), name
+
+
+def test_the_kernels_head_chain_drafts_what_the_per_depth_path_drafts(eagle3_built):
+    """`StepChain` (one forward a depth) against the tree path's chain: the same tokens."""
+    from specx.runtime.drafters.chain_graph import StepChain
+    from specx.runtime.drafters.feature_head import FeatureHeadDrafter
+    from specx.runtime.drafters.tree_search import StaticTree
+    from specx.runtime.sampling import SamplingParams
+
+    manifest = load_manifest(eagle3_built)
+    target = open_decoder(manifest, threads=2)
+    shape = StaticTree.chain(4)
+    drafters = [FeatureHeadDrafter(manifest, shape, 2, one_call=c) for c in (True, False)]
+    assert isinstance(drafters[0].chain, StepChain) and drafters[1].chain is None
+    cache = target.allocate_cache(len(PROMPTS), 64)
+    output, last = target.feed(cache, PROMPTS, np.zeros(len(PROMPTS), np.int64))
+    histories = [list(p) + [int(output.logits[b, last[b]].argmax())] for b, p in enumerate(PROMPTS)]
+    assert output.taps is not None
+    taps = [output.taps[b, : len(p)] for b, p in enumerate(PROMPTS)]
+    proposals = []
+    for drafter in drafters:
+        drafter.start(PROMPTS, 64, taps)
+        trees = drafter.propose(histories, [True] * 3, SamplingParams(), np.random.default_rng(0))
+        proposals.append([t.tokens.tolist() for t in trees])
+    assert proposals[0] == proposals[1] and all(len(t) == 4 for t in proposals[0])
+
+
 @pytest.mark.parametrize("tree", [None, "dynamic:11,3,3"])
-def test_an_eagle3_head_drafts_on_onnx_runtime_for_a_cpu_target_losslessly(
-    head_artifacts, tree, tmp_path
-):
-    from specx.runtime.backends import graph_runtime
+def test_an_eagle3_head_on_the_kernels_drafts_losslessly(eagle3_built, tree):
     from specx.runtime.drafters.tree_search import parse_tree_spec
 
-    artifact = shutil.copytree(head_artifacts["eagle3"], tmp_path / "eagle3")
-    build_artifact(artifact, BuildOptions(backend="cpu", precision="int4"))
-    manifest = load_manifest(artifact)
+    manifest = load_manifest(eagle3_built)
     assert manifest.build.quantization.greedy_identity == "all"  # trees need no spine rule
-    drafts = [name for name in manifest.build.graphs if name != "target"]
-    assert drafts and {graph_runtime(manifest, name) for name in drafts} == {"ort"}
     target = open_decoder(manifest, threads=2)
     plain = generate_plain(target, PROMPTS, 20)
     shape = None if tree is None else parse_tree_spec(tree)

@@ -94,14 +94,14 @@ class OnnxRuntime:
         return _build_ort(job.manifest, job.options, job.output, job.progress, job.prompts)
 
 
-def build_drafts(job: BuildJob) -> BuildEntry:
-    """The ONNX Runtime build of every graph but the target.
+def build_drafts(job: BuildJob, skip: Collection[str] = ()) -> BuildEntry:
+    """The ONNX Runtime build of every graph but the target (and `skip`).
 
-    For a backend that builds the target its own way and runs the drafts here
-    (`specx.build.openvino`).
+    For a backend that builds the target (and maybe some drafts) its own way and runs the
+    other drafts here (`specx.build.openvino`, `specx.build.cpu`).
     """
     return _build_ort(
-        job.manifest, job.options, job.output, job.progress, job.prompts, skip={"target"}
+        job.manifest, job.options, job.output, job.progress, job.prompts, skip={"target", *skip}
     )
 
 
@@ -148,7 +148,7 @@ def _build_ort(
             if padded == "graph" or (lower and padded == "attention"):
                 entry = dataclasses.replace(entry, kv_spare_slots=1)  # the padding row's K, V
             graphs[name] = entry
-        if "draft_chain" in manifest.graphs:
+        if "draft_chain" in manifest.graphs and "draft_head" in graphs:
             graphs["draft_chain"] = _derive_chain(manifest, graphs["draft_head"], output)
         for name in graphs:
             try:

@@ -89,11 +89,10 @@ class _CpuKernels:
         return CpuTarget(manifest, threads, graph)
 
     def stateless(self, manifest: Manifest, graph: str, threads: int | None):
-        # A cpu build runs its target on the kernels and records its other graphs as ONNX
-        # Runtime's (specx.build.cpu), as an OpenVINO build does.
-        raise ArtifactError(
-            f"{manifest.root}: graph {graph!r} names the cpu kernels, which run only a target"
-        )
+        # The one one-input graph the kernels run: an EAGLE-3 head's projection.
+        from specx.runtime.cpu_target import CpuProjection
+
+        return CpuProjection(manifest, graph, threads)
 
 
 # Runtime name (a build's `backend`) -> its opener; modules load on first use, so TensorRT

@@ -1,7 +1,9 @@
-"""`CpuTarget`: a `specx build --backend cpu` target on specx's own kernels (`runtime.kernels`).
+"""A `specx build --backend cpu` build's graphs on specx's own kernels (`runtime.kernels`).
 
-The build's `target.bin` is mapped read-only (its weights are never copied into the process's
-own memory) and described to the kernels by ctypes structures built once from `target.json`.
+`CpuTarget` runs the target, or an EAGLE-3 head (`draft_head`: one Llama layer over
+[embedding, features]); `CpuProjection` the head's projection of the taps. The build's
+`<graph>.bin` is mapped read-only (its weights are never copied into the process's own
+memory) and described to the kernels by ctypes structures built once from `<graph>.json`.
 A forward is one call: the kernels write the new keys and values into specx's numpy
 `KVCache` in place and return logits and taps. Rows are independent by construction
 (forward.c), so a one-token forward needs no pad row, the cache no spare slots, and trees are
@@ -24,63 +26,97 @@ from specx.runtime.decoder_backend import DecoderBackend, StepOutput
 from specx.runtime.kv_cache import KVCache
 from specx.sessions import stop_spinning
 
-__all__ = ["CpuTarget"]
+__all__ = ["CpuProjection", "CpuTarget"]
 
-_TAP_KINDS = {"none": 0, "last": 1, "eagle3": 2}
+_TAP_KINDS = {"none": 0, "last": 1, "eagle3": 2, "hidden": 3}
+
+
+def _library(manifest: Manifest) -> kernels.Library:
+    lib = kernels.library()
+    if lib is None:
+        raise ArtifactError(
+            f"{manifest.root}: its default build runs on specx's CPU kernels, which do not "
+            f"run here ({kernels.unavailable()}); choose another build with --build"
+        )
+    stop_spinning()  # the drafts' ONNX Runtime sessions must leave the cores to the kernels
+    return lib
+
+
+class _Mapped:
+    """A cpu graph's tensors (`<graph>.json` indexing `<graph>.bin`), mapped read-only."""
+
+    def __init__(self, manifest: Manifest, graph: str):
+        entry = manifest.runtime_graph(graph)
+        index = json.loads(manifest.path(entry.file).read_text())
+        data = np.memmap(manifest.path(entry.data_files[0]), dtype=np.uint8, mode="r")
+        self.constants: dict = index["constants"]
+        self.specs: dict[str, dict] = index["tensors"]
+        self.tensors = {
+            name: np.ndarray(spec["shape"], np.dtype(spec["dtype"]), data, spec["offset"])
+            for name, spec in self.specs.items()
+        }
+
+    def linear(self, name: str) -> kernels.Linear:
+        """The kernels' `spx_linear` of a packed weight (kept alive by `self.tensors`)."""
+        spec = self.specs[name]
+        weight = self.tensors[name].ctypes.data
+        zero_points = int(spec.get("zero_points", False))  # absent before asymmetric int4
+        return kernels.Linear(
+            weight, None, spec["bits"], spec["k"], spec["n"], spec["block"], zero_points
+        )
+
+
+class CpuProjection:
+    """An EAGLE-3 head's projection of the taps (`draft_projection`), one packed linear."""
+
+    def __init__(self, manifest: Manifest, graph: str, threads: int | None = None):
+        self._lib = _library(manifest)
+        self._mapped = _Mapped(manifest, graph)
+        self._weight = self._mapped.linear("projection")
+        self.threads = threads or os.cpu_count() or 1
+
+    def __call__(self, taps: np.ndarray) -> np.ndarray:
+        """Taps [B, N, k] -> features [B, N, n]."""
+        rows = taps.reshape(-1, taps.shape[-1])
+        out = kernels.linear_forward(self._lib, self._weight, rows, self.threads)
+        return out.reshape(*taps.shape[:-1], -1)
 
 
 class CpuTarget(DecoderBackend):
-    """The target of a `cpu-int4` / `cpu-int8` build."""
+    """The target of a `cpu-int4` / `cpu-int8` build, or its EAGLE-3 head (`draft_head`)."""
 
     def __init__(self, manifest: Manifest, threads: int | None = None, graph: str = "target"):
-        if graph != "target":
-            raise ArtifactError(f"{manifest.root}: a cpu build runs its target only, not {graph!r}")
         super().__init__(manifest, graph)
-        lib = kernels.library()
-        if lib is None:
-            raise ArtifactError(
-                f"{manifest.root}: its default build runs on specx's CPU kernels, which do not "
-                f"run here ({kernels.unavailable()}); choose another build with --build"
-            )
-        self._lib = lib
-        stop_spinning()  # the drafts' ONNX Runtime sessions must leave the cores to the kernels
+        self._lib = _library(manifest)
         if self.cache_dtype != np.float32:
             raise ArtifactError(f"{manifest.root}: the cpu build keeps its cache in float32")
-        entry = manifest.runtime_graph("target")
-        index = json.loads(manifest.path(entry.file).read_text())
-        data = np.memmap(manifest.path(entry.data_files[0]), dtype=np.uint8, mode="r")
-        self._tensors = {
-            name: np.ndarray(spec["shape"], np.dtype(spec["dtype"]), data, spec["offset"])
-            for name, spec in index["tensors"].items()
-        }
-        self._index = index["tensors"]
-        self._model = self._describe(index["constants"], threads or os.cpu_count() or 1)
+        self._mapped = _Mapped(manifest, graph)
+        self._tensors = self._mapped.tensors
+        self._embedded = self._tensors["embed"].shape[0]  # token ids the graph reads
+        self._head = graph != "target"
+        self._model = self._describe(self._mapped.constants, threads or os.cpu_count() or 1)
         self._workspace = np.empty(0, dtype=np.uint8)
-
-    def _linear(self, name: str) -> kernels.Linear:
-        spec = self._index[name]
-        weight = self._tensors[name].ctypes.data
-        return kernels.Linear(weight, None, spec["bits"], spec["k"], spec["n"], spec["block"])
 
     def _describe(self, constants: dict, threads: int) -> kernels.Model:
         """The kernels' `spx_model` over the mapped tensors (kept alive by `self._tensors`)."""
-        t = self._tensors
+        t, linear = self._tensors, self._mapped.linear
         layers = constants["layers"]
         self._layers = (kernels.Layer * layers)(
             *(
                 kernels.Layer(
                     t[f"input_norm.{i}"].ctypes.data,
                     t[f"post_norm.{i}"].ctypes.data,
-                    self._linear(f"qkv.{i}"),
-                    self._linear(f"o.{i}"),
-                    self._linear(f"gate_up.{i}"),
-                    self._linear(f"down.{i}"),
+                    linear(f"qkv.{i}"),
+                    linear(f"o.{i}"),
+                    linear(f"gate_up.{i}"),
+                    linear(f"down.{i}"),
                 )
                 for i in range(layers)
             )
         )
-        taps = self.manifest.model.taps
-        tap_layers = (ctypes.c_int32 * 8)(*taps.layers)
+        tap_kind, tap_layers = "hidden", tuple[int, ...]()
+        if not self._head:
+            tap_kind, tap_layers = self.manifest.model.taps.kind, self.manifest.model.taps.layers
         return kernels.Model(
             hidden=constants["hidden"],
             layers=layers,
@@ -97,12 +133,13 @@ class CpuTarget(DecoderBackend):
             embed=t["embed"].ctypes.data,
             inv_freq=t["inv_freq"].ctypes.data,
             final_norm=t["final_norm"].ctypes.data,
-            lm_head=self._linear("lm_head"),
+            lm_head=linear("lm_head"),
             layer=self._layers,
-            tap_kind=_TAP_KINDS[taps.kind],
-            n_taps=len(taps.layers),
-            tap_layers=tap_layers,
+            tap_kind=_TAP_KINDS[tap_kind],
+            n_taps=len(tap_layers),
+            tap_layers=(ctypes.c_int32 * 8)(*tap_layers),
             threads=threads,
+            hidden_norm=t["hidden_norm"].ctypes.data if self._head else None,
         )
 
     def allocate_cache(self, batch: int, capacity: int | None = None) -> KVCache:
@@ -127,9 +164,13 @@ class CpuTarget(DecoderBackend):
         if stacked is None or stacked.dtype != np.float32 or not stacked[0, 0].flags.c_contiguous:
             raise GenerationError("the cpu build needs a cache from its own allocate_cache")
         batch, n = input_ids.shape
-        if input_ids.size and (input_ids.min() < 0 or input_ids.max() >= self.vocab_size):
+        if input_ids.size and (input_ids.min() < 0 or input_ids.max() >= self._embedded):
             # The kernels read the embedding row of each id without a bound of their own.
-            raise GenerationError(f"token ids must lie in [0, {self.vocab_size})")
+            raise GenerationError(f"token ids must lie in [0, {self._embedded})")
+        if self._head:
+            if features is None or features.shape != (batch, n, self.tap_width):
+                raise GenerationError(f"a head's forward needs features [B, N, {self.tap_width}]")
+            features = np.ascontiguousarray(features, dtype=np.float32)
         slots = attention_mask.shape[3]
         ids = np.ascontiguousarray(input_ids, dtype=np.int64)
         positions = np.ascontiguousarray(position_ids, dtype=np.int64)
@@ -152,6 +193,7 @@ class CpuTarget(DecoderBackend):
             ctypes.c_int64(stacked.strides[0] // item),
             ctypes.c_int64(stacked.strides[1] // item),
             ctypes.c_int(stacked.shape[3]),
+            None if features is None else _ptr(features),
             _ptr(logits),
             None if taps is None else _ptr(taps),
             _ptr(workspace),

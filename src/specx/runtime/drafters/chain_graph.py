@@ -1,4 +1,4 @@
-"""`DraftChain`: an autoregressive head's whole greedy round in one ONNX Runtime call.
+"""An autoregressive head's whole greedy round, in one ONNX Runtime call or on the kernels.
 
 Runs the artifact's `draft_chain` graph (`specx.graphs.draft_chain`): the catch-up over the
 positions whose target features arrived, then K - 1 greedy steps from the head's own
@@ -7,6 +7,10 @@ head call per depth (node slots, masks, a sort per depth); here only the catch-u
 are built in Python. Used for greedy chains on ONNX Runtime; at a temperature chains are
 sampled from q (the sampled-chain rule needs q and a draw per depth), and trees and
 TensorRT keep the per-depth path too.
+
+On the kernels a head's forward is already one C call with nothing between its operators,
+so `StepChain` loops in Python over the head's own forwards, the same tokens as the graph
+(its positions, slots, masks and ties), with none of the per-depth path's tree bookkeeping.
 """
 
 from __future__ import annotations
@@ -19,10 +23,11 @@ import onnxruntime as ort
 from specx.artifact import Manifest
 from specx.masks import causal_mask
 from specx.runtime.backends import graph_runtime
+from specx.runtime.decoder_backend import DecoderBackend
 from specx.runtime.kv_cache import KVCache
 from specx.runtime.ort_target import open_session
 
-__all__ = ["DraftChain"]
+__all__ = ["DraftChain", "StepChain"]
 
 
 class DraftChain:
@@ -86,3 +91,55 @@ class DraftChain:
             binding.bind_output(name, "cpu", 0, array.dtype, list(array.shape), array.ctypes.data)
         self.session.run_with_iobinding(binding)
         return draft_ids, probs
+
+
+class StepChain:
+    """The `draft_chain` graph's round as a loop over a head's forwards (`DraftChain`'s API).
+
+    For a head whose runtime runs no chain graph but makes a forward one cheap call (specx's
+    kernels). `to_target` maps draft ids to target ids (EAGLE-3's d2t), None where equal.
+    """
+
+    def __init__(self, head: DecoderBackend, to_target: np.ndarray | None):
+        self.head, self.to_target = head, to_target
+
+    def fits(self, cache: KVCache, starts: np.ndarray, width: int, steps: int) -> bool:
+        """Whether the catch-up and the steps stay inside the cache."""
+        return int(starts.max()) + width + steps <= cache.capacity
+
+    def _pick(self, logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Target ids [B] and softmax probabilities of the best entries of logits [B, V]."""
+        best = logits.argmax(-1)  # ties to the lowest id, as the graph's ArgMax
+        top = logits[np.arange(len(best)), best]
+        probs = 1.0 / np.exp(logits - top[:, None]).sum(-1)
+        return (best if self.to_target is None else self.to_target[best]), probs
+
+    def __call__(
+        self,
+        cache: KVCache,
+        tokens: Sequence[Sequence[int]],  # per row: the fed tokens (catch-up)
+        features: Sequence[np.ndarray],  # per row: their features [n_b, d]
+        starts: np.ndarray,  # [B] slot of each row's first fed token
+        steps: int,  # greedy steps after the first draft token (chain length - 1)
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Returns draft ids [B, steps + 1] (target vocabulary) and their probabilities."""
+        starts = np.asarray(starts, dtype=np.int64)
+        output, last = self.head.feed(cache, tokens, starts, features)
+        assert output.taps is not None  # a head's forward returns its hidden output
+        rows = np.arange(len(tokens))
+        token, prob = self._pick(output.logits[rows, last])
+        hidden = output.taps[rows, last]
+        ids, probs = [token], [prob]
+        slot = starts + last + 1  # the graph's s_b; positions are slots here
+        for j in range(steps):
+            write = slot + j
+            mask = causal_mask(write, 1, int(write.max()) + 1)
+            output = self.head.forward(
+                cache, token[:, None], write[:, None], mask, write, hidden[:, None]
+            )
+            assert output.taps is not None
+            token, prob = self._pick(output.logits[:, 0])
+            hidden = output.taps[:, 0]
+            ids.append(token)
+            probs.append(prob)
+        return np.stack(ids, 1).astype(np.int64), np.stack(probs, 1).astype(np.float32)

@@ -16,8 +16,8 @@ import numpy as np
 
 from specx.artifact import Manifest
 from specx.errors import ArtifactError
-from specx.runtime.backends import open_decoder, open_stateless
-from specx.runtime.drafters.chain_graph import DraftChain
+from specx.runtime.backends import graph_runtime, open_decoder, open_stateless
+from specx.runtime.drafters.chain_graph import DraftChain, StepChain
 from specx.runtime.drafters.node_slots import NodeSlots
 from specx.runtime.drafters.tree_search import (
     DynamicTree,
@@ -65,13 +65,16 @@ class FeatureHeadDrafter:
             self.pool_size = shape.top_k + shape.depth * shape.top_k**2
         else:
             self.pool_size = shape.max_nodes
-        # Greedy chains of 2+ tokens run as one call where the artifact has the graph; at a
-        # temperature chains are sampled from q, per depth (the sampled-chain rule).
+        # Greedy chains of 2+ tokens run as one call where the artifact has the graph, as a
+        # loop of forwards where the head is on specx's kernels; at a temperature chains are
+        # sampled from q, per depth (the sampled-chain rule).
         chain = isinstance(shape, StaticTree) and shape.is_chain and shape.max_nodes >= 2
-        self.chain = None
+        self.chain: DraftChain | StepChain | None = None
         if one_call and chain and DraftChain.available(manifest):
             self.chain = DraftChain(manifest, threads)
-            self.chain_parents = np.arange(shape.max_nodes) - 1
+        elif one_call and chain and graph_runtime(manifest, "draft_head") == "cpu":
+            self.chain = StepChain(self.head, self.to_target)
+        self.chain_parents = np.arange(shape.max_nodes) - 1
 
     def _project(self, taps: np.ndarray) -> np.ndarray:
         return taps if self.projection is None else self.projection(taps[None])[0]
@@ -142,7 +145,7 @@ class FeatureHeadDrafter:
         return out.logits[rows, last], out.taps[rows, last]
 
     def _propose_chain(
-        self, chain: DraftChain, histories, active, length: int
+        self, chain: DraftChain | StepChain, histories, active, length: int
     ) -> list[DraftTree] | None:
         """The greedy chain in one call (`chain`); None when it would overflow the cache."""
         starts, counts, tokens, features = self._pending(histories)

@@ -51,6 +51,7 @@ class Linear(ctypes.Structure):
         ("k", ctypes.c_int32),
         ("n", ctypes.c_int32),
         ("block", ctypes.c_int32),
+        ("zero_points", ctypes.c_int32),
     ]
 
 
@@ -92,6 +93,7 @@ class Model(ctypes.Structure):
         ("n_taps", ctypes.c_int32),
         ("tap_layers", ctypes.c_int32 * 8),
         ("threads", ctypes.c_int32),
+        ("hidden_norm", ctypes.c_void_p),  # an EAGLE-3 head's; None for a target
     ]
 
 
@@ -154,20 +156,26 @@ def unavailable() -> str | None:
     )
 
 
-def pack_codes(codes: np.ndarray, scales: np.ndarray, bits: int) -> np.ndarray:
-    """Codes [n, k] (uint8, zero at 8 or 128) and scales [n, k / block] in forward.c's layout.
+def pack_codes(
+    codes: np.ndarray, scales: np.ndarray, bits: int, zero_points: np.ndarray | None = None
+) -> np.ndarray:
+    """Codes [n, k] (uint8) and scales [n, k / block] in forward.c's layout.
 
-    The block is k over the scales' count. Columns are padded to whole tiles with zero
-    weights. Returns uint8 [tiles * blocks * tile bytes]: per tile and block, for each pass
-    of 32 inputs the codes as the kernel's registers read them (register p holds inputs
-    4p..4p+3 of each of the tile's 16 columns; at 4 bits registers 2p and 2p+1 share bytes,
-    low and high nibble), then the tile's 16 scales in fp16.
+    A weight is (code - zero) x scale, zero the block's entry of `zero_points` [n, k / block]
+    (int4 only) or, without them, 8 at int4 and 128 at int8. The block is k over the scales'
+    count. Columns are padded to whole tiles with zero weights. Returns uint8 [tiles * blocks
+    * tile bytes]: per tile and block, for each pass of 32 inputs the codes as the kernel's
+    registers read them (register p holds inputs 4p..4p+3 of each of the tile's 16 columns;
+    at 4 bits registers 2p and 2p+1 share bytes, low and high nibble), then the tile's 16
+    scales in fp16, then its 16 zero points (one byte each) where there are any.
     """
     n, k = codes.shape
     blocks = scales.shape[1] if scales.ndim == 2 else 0
     block = k // blocks if blocks else 0
     if scales.shape[0] != n or block not in BLOCKS or block * blocks != k or bits not in _ZERO:
         raise ValueError(f"codes {codes.shape}, scales {scales.shape}, bits {bits}: not packable")
+    if zero_points is not None and (bits != 4 or zero_points.shape != scales.shape):
+        raise ValueError(f"zero points {zero_points.shape} at {bits} bits: not packable")
     tiles, passes = -(-n // TILE), block // QBLOCK
     padded = np.full((tiles * TILE, k), _ZERO[bits], dtype=np.uint8)
     padded[:n] = codes
@@ -179,8 +187,12 @@ def pack_codes(codes: np.ndarray, scales: np.ndarray, bits: int) -> np.ndarray:
     if bits == 4:
         registers = registers[:, :, :, 0::2] | (registers[:, :, :, 1::2] << 4)
     scale_bytes = padded_scales.reshape(tiles, TILE, blocks).transpose(0, 2, 1).copy()
-    body = registers.reshape(tiles, blocks, -1)
-    packed = np.concatenate([body, scale_bytes.view(np.uint8)], axis=2)
+    parts = [registers.reshape(tiles, blocks, -1), scale_bytes.view(np.uint8)]
+    if zero_points is not None:
+        padded_zeros = np.full((tiles * TILE, blocks), _ZERO[bits], dtype=np.uint8)
+        padded_zeros[:n] = zero_points
+        parts.append(padded_zeros.reshape(tiles, TILE, blocks).transpose(0, 2, 1))
+    packed = np.concatenate(parts, axis=2)
     return np.ascontiguousarray(packed).reshape(-1)
 
 

@@ -19,7 +19,8 @@
  *
  * Weights: per tile of TILE output columns and block of QBLOCK inputs, the codes (int4: two a
  * byte, register r's 4 codes of column j at byte 4j of nibble-plane r; int8: u8 = q + 128)
- * then TILE fp16 scales. value = (code - zero) * scale, zero = 8 (int4) or 128 (int8).
+ * then TILE fp16 scales, then (int4 with zero points) TILE zero-point bytes. value = (code -
+ * zero) * scale, zero = the column's zero point, else 8 (int4) or 128 (int8).
  * Activations are quantized to int8 per block of QBLOCK (scale = max|x| / 127), as ONNX
  * Runtime's int4 builds do at accuracy level 4.
  *
@@ -47,6 +48,7 @@ typedef struct {
     const float *bias;     /* [n] or NULL */
     int32_t bits, k, n;    /* n: real columns (the last tile may be padded) */
     int32_t block;         /* inputs sharing a scale, weights' and activations' alike */
+    int32_t zero_points;   /* 1: int4 blocks carry a zero point per column (asymmetric) */
 } spx_linear;
 
 typedef struct {
@@ -63,16 +65,24 @@ typedef struct {
     const float *final_norm;
     spx_linear lm_head;
     const spx_layer *layer;
-    int32_t tap_kind; /* 0 none, 1 the last hidden state after the final norm, 2 layer inputs */
+    int32_t tap_kind; /* 0 none, 1 the last hidden state after the final norm, 2 layer inputs,
+                       * 3 the last hidden state before the final norm (a head's `hidden`) */
     int32_t n_taps;
     int32_t tap_layers[8]; /* states entering these layers; == layers: the last one's output */
     int32_t threads;
+    /* An EAGLE-3 head (one layer) where set: the residual starts from `features` [rows, d],
+     * not the embedding, and its layer's q/k/v read [input_norm(embed) | hidden_norm(features)]
+     * (2d inputs). NULL: a target. */
+    const float *hidden_norm;
 } spx_model;
 
-/* A tile's bytes per block: the codes, then TILE fp16 scales. */
-static inline size_t tile_bytes(int bits, int block) {
-    return (size_t)TILE * block * bits / 8 + TILE * 2;
+/* A tile's bytes per block: the codes, then TILE fp16 scales (and TILE zero points). */
+static inline size_t tile_bytes(int bits, int block, int zero_points) {
+    return (size_t)TILE * block * bits / 8 + TILE * 2 + (zero_points ? TILE : 0);
 }
+
+/* The codes' bytes of a tile's block: its scales follow, then its zero points. */
+static inline size_t code_bytes(int bits, int block) { return (size_t)TILE * block * bits / 8; }
 
 /* fmaxf's NaN rules keep it a libm call; the inputs here are finite. */
 static inline float larger(float a, float b) { return a > b ? a : b; }
@@ -82,12 +92,12 @@ static inline float larger(float a, float b) { return a > b ? a : b; }
 typedef struct {
     int8_t *q;     /* [rows][k] */
     float *scale;  /* [rows][k / block] */
-    int32_t *zero; /* [rows][k / block]: -zero point x the block's sum of codes */
+    int32_t *sum;  /* [rows][k / block]: the block's sum of codes (times a zero point: the
+                    * term the integer dot takes off) */
     int k, block;
 } spx_acts;
 
-static void quantize_row(const float *x, int k, int block, int zero_point, int8_t *q,
-                         float *scale, int32_t *zero) {
+static void quantize_row(const float *x, int k, int block, int8_t *q, float *scale, int32_t *sums) {
     for (int b = 0; b < k / block; b++) {
         const float *xb = x + b * block;
         float amax = 0.0f;
@@ -100,7 +110,7 @@ static void quantize_row(const float *x, int k, int block, int zero_point, int8_
             sum += c;
         }
         scale[b] = d;
-        zero[b] = -zero_point * sum;
+        sums[b] = sum;
     }
 }
 
@@ -118,11 +128,13 @@ static inline __m512i broadcast4(const int8_t *x) {
  * Register p of a pass holds inputs 4p..4p+3 of a tile's 16 columns (pack_codes). */
 static inline __attribute__((always_inline)) void tile_group(const uint8_t *w, size_t stride,
                                                              const int C, int b0, int b1,
-                                                             int bits, const spx_acts *a,
-                                                             int row0, const int R,
+                                                             int bits, int zero_points,
+                                                             const spx_acts *a, int row0,
+                                                             const int R,
                                                              float (*acc)[MAX_TILES * TILE]) {
     const int block = a->block, nb = a->k / block, passes = block / QBLOCK;
-    const size_t step = tile_bytes(bits, block), codes = step - TILE * 2;
+    const size_t step = tile_bytes(bits, block, zero_points), codes = code_bytes(bits, block);
+    const int zero = bits == 4 ? 8 : 128;
     const size_t pass_bytes = (size_t)TILE * QBLOCK * bits / 8;
     const __m512i low = _mm512_set1_epi8(0x0f);
     const int8_t *x[MAX_GROUP];
@@ -132,9 +144,19 @@ static inline __attribute__((always_inline)) void tile_group(const uint8_t *w, s
         for (int c = 0; c < C; c++) sum[m][c] = _mm512_loadu_ps(acc[m] + TILE * c);
     w += b0 * step;
     for (int b = b0; b < b1; b++, w += step) {
-        __m512i dot[MAX_GROUP][MAX_TILES];
-        for (int m = 0; m < R; m++)
-            for (int c = 0; c < C; c++) dot[m][c] = _mm512_set1_epi32(a->zero[(row0 + m) * nb + b]);
+        __m512i dot[MAX_GROUP][MAX_TILES]; /* from -zero x sum of codes: then sum (w - zero) x */
+        if (zero_points) {
+            for (int c = 0; c < C; c++) {
+                const __m512i zeros = _mm512_cvtepu8_epi32(
+                    _mm_loadu_si128((const __m128i *)(w + c * stride + codes + TILE * 2)));
+                for (int m = 0; m < R; m++)
+                    dot[m][c] = _mm512_mullo_epi32(zeros, _mm512_set1_epi32(-a->sum[(row0 + m) * nb + b]));
+            }
+        } else {
+            for (int m = 0; m < R; m++)
+                for (int c = 0; c < C; c++)
+                    dot[m][c] = _mm512_set1_epi32(-zero * a->sum[(row0 + m) * nb + b]);
+        }
         for (int pass = 0; pass < passes; pass++) {
             const int at = b * block + pass * QBLOCK;
             for (int p = 0; p < 8; p += 2) {
@@ -200,12 +222,13 @@ static inline void unpack(const uint8_t *w, int bits, int half, __m256i r[8]) {
 }
 
 static inline __attribute__((always_inline)) void tile_one(const uint8_t *w0, int b0, int b1,
-                                                           int bits, const spx_acts *a, int row0,
+                                                           int bits, int zero_points,
+                                                           const spx_acts *a, int row0,
                                                            const int R,
                                                            float (*acc)[MAX_TILES * TILE],
                                                            int column) {
     const int block = a->block, nb = a->k / block, passes = block / QBLOCK;
-    const size_t step = tile_bytes(bits, block), codes = step - TILE * 2;
+    const size_t step = tile_bytes(bits, block, zero_points), codes = code_bytes(bits, block);
     const size_t pass_bytes = (size_t)TILE * QBLOCK * bits / 8;
     for (int half = 0; half < 2; half++) {
         const uint8_t *w = w0 + b0 * step;
@@ -213,8 +236,15 @@ static inline __attribute__((always_inline)) void tile_one(const uint8_t *w0, in
         for (int m = 0; m < R; m++) sum[m] = _mm256_loadu_ps(acc[m] + column + 8 * half);
         for (int b = b0; b < b1; b++, w += step) {
             __m256i dots[MAX_GROUP];
-            for (int m = 0; m < R; m++) /* int8 computes sum q x directly: no zero term */
-                dots[m] = _mm256_set1_epi32(bits == 4 ? a->zero[(row0 + m) * nb + b] : 0);
+            if (zero_points) {
+                const __m256i zeros = _mm256_cvtepu8_epi32(
+                    _mm_loadl_epi64((const __m128i *)(w + codes + TILE * 2 + 8 * half)));
+                for (int m = 0; m < R; m++)
+                    dots[m] = _mm256_mullo_epi32(zeros, _mm256_set1_epi32(-a->sum[(row0 + m) * nb + b]));
+            } else { /* int8 computes sum q x directly: no zero term */
+                for (int m = 0; m < R; m++)
+                    dots[m] = _mm256_set1_epi32(bits == 4 ? -8 * a->sum[(row0 + m) * nb + b] : 0);
+            }
             for (int pass = 0; pass < passes; pass++) {
                 __m256i r[8];
                 unpack(w + pass * pass_bytes, bits, half, r);
@@ -244,10 +274,12 @@ static inline __attribute__((always_inline)) void tile_one(const uint8_t *w0, in
 
 static inline __attribute__((always_inline)) void tile_group(const uint8_t *w, size_t stride,
                                                              const int C, int b0, int b1,
-                                                             int bits, const spx_acts *a,
-                                                             int row0, const int R,
+                                                             int bits, int zero_points,
+                                                             const spx_acts *a, int row0,
+                                                             const int R,
                                                              float (*acc)[MAX_TILES * TILE]) {
-    for (int c = 0; c < C; c++) tile_one(w + c * stride, b0, b1, bits, a, row0, R, acc, TILE * c);
+    for (int c = 0; c < C; c++)
+        tile_one(w + c * stride, b0, b1, bits, zero_points, a, row0, R, acc, TILE * c);
 }
 #endif
 
@@ -256,12 +288,13 @@ static inline __attribute__((always_inline)) void tile_group(const uint8_t *w, s
  * registers within it): the weights come from memory once, later groups read them from L1. A row's sums still
  * run block after block in order, so its bits do not depend on the chunks, groups or tiles. */
 static void tile_rows(const uint8_t *w, size_t stride, int C, int blocks, int bits,
-                      const spx_acts *a, int row0, int rows, float acc[ROWS][MAX_TILES * TILE]) {
-    const int chunk = (int)(16384 / (C * tile_bytes(bits, a->block))) + 1;
+                      int zero_points, const spx_acts *a, int row0, int rows,
+                      float acc[ROWS][MAX_TILES * TILE]) {
+    const int chunk = (int)(16384 / (C * tile_bytes(bits, a->block, zero_points))) + 1;
     memset(acc, 0, sizeof(float) * ROWS * MAX_TILES * TILE);
     for (int b0 = 0; b0 < blocks; b0 += chunk) {
         const int b1 = b0 + chunk < blocks ? b0 + chunk : blocks;
-#define TILES(R, c) tile_group(w, stride, c, b0, b1, bits, a, row0 + m, R, acc + m)
+#define TILES(R, c) tile_group(w, stride, c, b0, b1, bits, zero_points, a, row0 + m, R, acc + m)
 #define GROUP(R)                                                                          \
     do {                                                                                  \
         switch (C) {                                                                      \
@@ -295,14 +328,15 @@ static void linear(const spx_linear *l, const spx_acts *a, int rows, float *out,
     const int spans = (tiles + span - 1) / span;
     const int first = span * (spans * thread / threads);
     const int end = span * (spans * (thread + 1) / threads), last = end < tiles ? end : tiles;
-    const size_t stride = (size_t)blocks * tile_bytes(l->bits, l->block);
+    const size_t stride = (size_t)blocks * tile_bytes(l->bits, l->block, l->zero_points);
     float acc[ROWS][MAX_TILES * TILE];
     for (int t = first; t < last; t += span) {
         const int C = last - t >= span ? span : last - t, n0 = t * TILE;
         const int width = l->n - n0 < C * TILE ? l->n - n0 : C * TILE;
         for (int row0 = 0; row0 < rows; row0 += ROWS) {
             const int count = rows - row0 < ROWS ? rows - row0 : ROWS;
-            tile_rows(l->weight + t * stride, stride, C, blocks, l->bits, a, row0, count, acc);
+            tile_rows(l->weight + t * stride, stride, C, blocks, l->bits, l->zero_points, a, row0,
+                      count, acc);
             for (int m = 0; m < count; m++) {
                 float *o = out + (size_t)(row0 + m) * ldo + n0;
                 for (int j = 0; j < width; j++) o[j] = acc[m][j] + (l->bias ? l->bias[n0 + j] : 0.0f);
@@ -751,7 +785,8 @@ static void attend(const spx_model *m, const spx_step *s, int layer, int b, int 
 
 static int widest_input(const spx_model *m) {
     const int attention = m->heads * m->head_dim;
-    const int k = m->inter > m->hidden ? m->inter : m->hidden;
+    const int hidden = m->hidden_norm ? 2 * m->hidden : m->hidden;
+    const int k = m->inter > hidden ? m->inter : hidden;
     return k > attention ? k : attention;
 }
 
@@ -760,14 +795,12 @@ size_t spx_workspace_bytes(const spx_model *m, int rows, int slots) {
     const size_t d = m->hidden, q = (size_t)(m->heads + 2 * m->kv_heads) * m->head_dim;
     const size_t widest = (size_t)m->inter * 2 > q ? (size_t)m->inter * 2 : q;
     const size_t k_max = widest_input(m);
-    const size_t floats = rows * (3 * d + widest + (size_t)m->heads * m->head_dim + 2 * m->rotary_half)
+    const size_t floats = rows * (4 * d + widest + (size_t)m->heads * m->head_dim + 2 * m->rotary_half)
                           + (size_t)m->threads * rows * (m->heads / m->kv_heads) * slots
                           + (size_t)rows * (k_max / QBLOCK) * 2 + 64;
     const size_t counts = (size_t)m->threads * rows; /* attention's per query */
     return floats * 4 + rows * k_max + counts * 4 + 256;
 }
-
-static int zero_point(const spx_linear *l) { return l->bits == 4 ? 8 : 128; }
 
 /* This thread's rows of x [rows][ld] quantized as `l` reads them (its k inputs, its block). */
 static void quantize_rows(const float *x, int rows, int ld, const spx_linear *l, spx_acts *a,
@@ -776,18 +809,19 @@ static void quantize_rows(const float *x, int rows, int ld, const spx_linear *l,
     a->k = k;
     a->block = l->block;
     for (int r = thread; r < rows; r += threads)
-        quantize_row(x + (size_t)r * ld, k, l->block, zero_point(l), a->q + (size_t)r * k,
-                     a->scale + (size_t)r * nb, a->zero + (size_t)r * nb);
+        quantize_row(x + (size_t)r * ld, k, l->block, a->q + (size_t)r * k, a->scale + (size_t)r * nb,
+                     a->sum + (size_t)r * nb);
 }
 
 int spx_forward(const spx_model *m, int batch, int n, const int64_t *ids, const int64_t *pos,
                 const uint8_t *mask, int slots, const int64_t *write_pos, float *kv,
-                int64_t layer_stride, int64_t batch_stride, int cap, float *logits, float *taps,
-                void *workspace) {
+                int64_t layer_stride, int64_t batch_stride, int cap, const float *features,
+                float *logits, float *taps, void *workspace) {
     const int rows = batch * n, d = m->hidden, D = m->head_dim, H = m->heads, G = m->kv_heads;
     const int qn = (H + 2 * G) * D, group = H / G, half = m->rotary_half;
     const int tap_width = m->tap_kind == 2 ? m->n_taps * d : d;
-    float *h = workspace, *xn = h + (size_t)rows * d, *att = xn + (size_t)rows * d;
+    const int head = m->hidden_norm != NULL, in = head ? 2 * d : d; /* the q/k/v inputs */
+    float *h = workspace, *xn = h + (size_t)rows * d, *att = xn + (size_t)rows * 2 * d;
     float *wide = att + (size_t)rows * H * D, *scores = wide + (size_t)rows * (m->inter * 2 > qn ? m->inter * 2 : qn);
     float *rot = scores + (size_t)m->threads * rows * group * slots; /* [rows][cos | sin] */
     float *act_scale = rot + (size_t)rows * 2 * half;
@@ -802,7 +836,13 @@ int spx_forward(const spx_model *m, int batch, int n, const int64_t *ids, const 
     {
         const int t = omp_get_thread_num(), T = omp_get_num_threads();
         for (int r = t; r < rows; r += T) {
-            for (int i = 0; i < d; i++) h[(size_t)r * d + i] = m->embed[(size_t)ids[r] * d + i] * m->embed_scale;
+            float *x = h + (size_t)r * d;
+            for (int i = 0; i < d; i++) x[i] = m->embed[(size_t)ids[r] * d + i] * m->embed_scale;
+            if (head) { /* [input_norm(embed) | hidden_norm(features)], then h = features */
+                rms_norm(x, m->layer[0].input_norm, d, m->eps, xn + (size_t)r * in);
+                rms_norm(features + (size_t)r * d, m->hidden_norm, d, m->eps, xn + (size_t)r * in + d);
+                memcpy(x, features + (size_t)r * d, sizeof(float) * d);
+            }
             for (int i = 0; i < half; i++) {
                 const float angle = (float)pos[r] * m->inv_freq[i];
                 rot[(size_t)r * 2 * half + i] = cosf(angle) * m->rope_scaling;
@@ -817,10 +857,10 @@ int spx_forward(const spx_model *m, int batch, int n, const int64_t *ids, const 
                         memcpy(taps + (size_t)r * tap_width + (size_t)k * d, h + (size_t)r * d, sizeof(float) * d);
             if (l == m->layers) break;
             const spx_layer *L = m->layer + l;
-            for (int r = t; r < rows; r += T)
+            for (int r = t; r < rows && !head; r += T)
                 rms_norm(h + (size_t)r * d, L->input_norm, d, m->eps, xn + (size_t)r * d);
 #pragma omp barrier
-            quantize_rows(xn, rows, d, &L->qkv, &acts, t, T);
+            quantize_rows(xn, rows, in, &L->qkv, &acts, t, T);
 #pragma omp barrier
             linear(&L->qkv, &acts, rows, wide, qn, t, T);
 #pragma omp barrier
@@ -868,6 +908,7 @@ int spx_forward(const spx_model *m, int batch, int n, const int64_t *ids, const 
         for (int r = t; r < rows; r += T) {
             rms_norm(h + (size_t)r * d, m->final_norm, d, m->eps, xn + (size_t)r * d);
             if (m->tap_kind == 1) memcpy(taps + (size_t)r * d, xn + (size_t)r * d, sizeof(float) * d);
+            if (m->tap_kind == 3) memcpy(taps + (size_t)r * d, h + (size_t)r * d, sizeof(float) * d);
         }
 #pragma omp barrier
         quantize_rows(xn, rows, d, &m->lm_head, &acts, t, T);
