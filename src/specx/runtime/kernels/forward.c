@@ -38,8 +38,9 @@
 #define ROWS 16   /* rows one pass over a tile's weights serves */
 #define MAX_GROUP 5 /* rows a register pass takes: 5 as one group (a chain of 4's verify),
                      * more in groups of 4 (a group of 6 spilled registers: slower) */
-#define MAX_TILES 4 /* tiles a register pass takes: 4 at one or two rows (more streams from
-                     * memory in flight: the step is memory-bound), else 2 */
+#define MAX_TILES 4 /* tiles a register pass takes: more streams from memory in flight, and
+                     * each activation read serves 4 tiles (4 x 5 dots fit the registers
+                     * with the float sums kept in L1) */
 #define LANES 16  /* partial sums of a dot product, reduced in a fixed order */
 #define SLOT_CHUNK 64 /* cache slots attention keeps in L1 for all of a forward's queries */
 
@@ -117,15 +118,18 @@ static void quantize_row(const float *x, int k, int block, int8_t *q, float *sca
 /* ---- the weight-only GEMM: out[m][n] = sum_k x[m][k] w[n][k] (+ bias) --------------- */
 
 #ifdef SPX_VNNI
-static inline __m512i broadcast4(const int8_t *x) {
-    int32_t four;
-    memcpy(&four, x, 4);
-    return _mm512_set1_epi32(four);
+/* acc += w (u8) . x's 4 bytes broadcast (s8), the broadcast folded into the instruction's
+ * memory operand ({1to16}): a separate vpbroadcastd per row took a vector pipe beside the
+ * dots, and with it 5 rows of pyref-1b cost 28.5 ms, without 24.8 (docs/decisions.md). */
+static inline __m512i dot_broadcast(__m512i acc, __m512i w, const int8_t *x) {
+    __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*(const int32_t *)x));
+    return acc;
 }
 
 /* R rows x C tiles (constants where it is called) over every block: R x C integer dots a
- * block, independent chains for the pipelines, each activation broadcast serving C tiles.
- * Register p of a pass holds inputs 4p..4p+3 of a tile's 16 columns (pack_codes). */
+ * block, independent chains for the pipelines; the float sums stay in `acc` (L1), updated
+ * once a block, so the registers hold 4 tiles' dots for up to 5 rows. Register p of a pass
+ * holds inputs 4p..4p+3 of a tile's 16 columns (pack_codes). */
 static inline __attribute__((always_inline)) void tile_group(const uint8_t *w, size_t stride,
                                                              const int C, int b0, int b1,
                                                              int bits, int zero_points,
@@ -139,9 +143,6 @@ static inline __attribute__((always_inline)) void tile_group(const uint8_t *w, s
     const __m512i low = _mm512_set1_epi8(0x0f);
     const int8_t *x[MAX_GROUP];
     for (int m = 0; m < R; m++) x[m] = a->q + (size_t)(row0 + m) * a->k;
-    __m512 sum[MAX_GROUP][MAX_TILES];
-    for (int m = 0; m < R; m++)
-        for (int c = 0; c < C; c++) sum[m][c] = _mm512_loadu_ps(acc[m] + TILE * c);
     w += b0 * step;
     for (int b = b0; b < b1; b++, w += step) {
         __m512i dot[MAX_GROUP][MAX_TILES]; /* from -zero x sum of codes: then sum (w - zero) x */
@@ -174,10 +175,9 @@ static inline __attribute__((always_inline)) void tile_group(const uint8_t *w, s
                 }
                 for (int m = 0; m < R; m++) {
                     const int8_t *xm = x[m] + at;
-                    const __m512i first = broadcast4(xm + 4 * p), second = broadcast4(xm + 4 * p + 4);
                     for (int c = 0; c < C; c++) {
-                        dot[m][c] = _mm512_dpbusd_epi32(dot[m][c], lo[c], first);
-                        dot[m][c] = _mm512_dpbusd_epi32(dot[m][c], hi[c], second);
+                        dot[m][c] = dot_broadcast(dot[m][c], lo[c], xm + 4 * p);
+                        dot[m][c] = dot_broadcast(dot[m][c], hi[c], xm + 4 * p + 4);
                     }
                 }
             }
@@ -187,12 +187,12 @@ static inline __attribute__((always_inline)) void tile_group(const uint8_t *w, s
                 _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w + c * stride + codes)));
             for (int m = 0; m < R; m++) {
                 const __m512 s = _mm512_mul_ps(ws, _mm512_set1_ps(a->scale[(row0 + m) * nb + b]));
-                sum[m][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[m][c]), s, sum[m][c]);
+                float *sum = acc[m] + TILE * c;
+                _mm512_storeu_ps(sum, _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[m][c]), s,
+                                                      _mm512_loadu_ps(sum)));
             }
         }
     }
-    for (int m = 0; m < R; m++)
-        for (int c = 0; c < C; c++) _mm512_storeu_ps(acc[m] + TILE * c, sum[m][c]);
 }
 #else
 /* The same sums on AVX2, a half tile (8 columns) at a time for want of registers: u8 x s8
@@ -298,8 +298,8 @@ static void tile_rows(const uint8_t *w, size_t stride, int C, int blocks, int bi
 #define GROUP(R)                                                                          \
     do {                                                                                  \
         switch (C) {                                                                      \
-        case 4: if (R <= 2) { TILES(R, 4); break; } /* fall through */                   \
-        case 3: if (R <= 2) { TILES(R, 3); break; } /* fall through */                   \
+        case 4: TILES(R, 4); break;                                                       \
+        case 3: TILES(R, 3); break;                                                       \
         case 2: TILES(R, 2); break;                                                       \
         default: TILES(R, 1); break;                                                      \
         }                                                                                 \
@@ -319,11 +319,10 @@ static void tile_rows(const uint8_t *w, size_t stride, int C, int blocks, int bi
     }
 }
 
-/* This thread's share of the tiles, every row: in spans of MAX_TILES tiles for one or two
- * rows, else of 2. */
+/* This thread's share of the tiles, every row, in spans of MAX_TILES tiles. */
 static void linear(const spx_linear *l, const spx_acts *a, int rows, float *out, int ldo,
                    int thread, int threads) {
-    const int span = rows <= 2 ? MAX_TILES : 2;
+    const int span = MAX_TILES;
     const int tiles = (l->n + TILE - 1) / TILE, blocks = l->k / l->block;
     const int spans = (tiles + span - 1) / span;
     const int first = span * (spans * thread / threads);
