@@ -271,6 +271,23 @@ def test_an_eagle3_head_on_the_kernels_drafts_losslessly(eagle3_built, tree):
     assert speculative.stats.speculative.acceptance.rounds > 0
 
 
+def test_a_head_the_kernels_do_not_run_drafts_on_onnx_runtime_losslessly(head_artifacts, tmp_path):
+    """An EAGLE-1 head: the build says why in its progress, the drafts run on ONNX Runtime."""
+    from specx.runtime.backends import graph_runtime
+
+    artifact = shutil.copytree(head_artifacts["eagle"], tmp_path / "eagle")
+    lines: list[str] = []
+    build_artifact(artifact, BuildOptions(backend="cpu", precision="int4"), lines.append)
+    assert any("(the kernels run EAGLE-3 heads, not an eagle head)" in x for x in lines)
+    manifest = load_manifest(artifact)
+    drafts = [name for name in manifest.build.graphs if name != "target"]
+    assert drafts and {graph_runtime(manifest, name) for name in drafts} == {"ort"}
+    target = open_decoder(manifest, threads=2)
+    plain = generate_plain(target, PROMPTS, 16)
+    drafter = make_drafter("eagle", target, DrafterOptions(3))
+    assert generate_speculative(target, drafter, PROMPTS, 16).tokens == plain.tokens
+
+
 def test_a_target_of_another_form_is_refused_before_any_work(artifacts, tmp_path):
     artifact = shutil.copytree(artifacts["gemma2"], tmp_path / "gemma2")
     with pytest.raises(BuildError, match="Llama-form targets only.*gemma2"):

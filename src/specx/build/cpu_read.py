@@ -260,7 +260,8 @@ def read_head(manifest: Manifest) -> tuple[DecoderWeights | None, np.ndarray | N
     """
     spec = manifest.drafter
     if spec is None or spec.kind != "eagle3" or spec.projection is None:
-        return None, None, "no EAGLE-3 head"
+        kind = "other draft graphs" if spec is None else f"an {spec.kind} head"
+        return None, None, f"the kernels run EAGLE-3 heads, not {kind}"
     try:
         head = _read(manifest)
         nodes = list(load_graph(manifest, spec.projection).graph)

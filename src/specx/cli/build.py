@@ -210,8 +210,9 @@ def build(
     trt: lowers, lints and builds one TensorRT engine per graph (needs TensorRT and a GPU).
     openvino: OpenVINO IR, int4/int8 weights in OpenVINO's compressed form (--block-size and
     --symmetric/--asymmetric apply; the lm_head is stored at 8 bits).
-    cpu: the target on specx's own kernels (compiled at install): each weight read once for
-    all of a verify's tokens, rows exact by construction (trees need no spine).
+    cpu: the target (and an EAGLE-3 head) on specx's own kernels (compiled at install): each
+    weight read once for all of a verify's tokens, rows exact by construction (trees need no
+    spine).
     auto: builds ort, openvino and cpu where each is installed and applies, times each build
     on this machine over --context cached tokens (plain step, verify curve, head step, prompt
     forward) and makes the fastest the default; the timings are recorded in the manifest
