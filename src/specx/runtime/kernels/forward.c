@@ -623,6 +623,15 @@ static inline __attribute__((always_inline)) int scores_heads(const float *q, co
     int j = j0, t = t0;
     for (; j + 16 <= j1; j += 16) {
         dots16(qv, keys + (size_t)j * D, HP, C, sixteen);
+        const __m128i shown = _mm_loadu_si128((const __m128i *)(seen + j));
+        if (_mm_movemask_epi8(_mm_cmpeq_epi8(shown, _mm_setzero_si128())) == 0) {
+            /* all 16 seen (a prefix's usual case): the same products, stored at once */
+            for (int h = 0; h < HP; h++)
+                _mm512_storeu_ps(score + (size_t)h * L + t0,
+                                 _mm512_mul_ps(_mm512_loadu_ps(sixteen[h]), _mm512_set1_ps(scale)));
+            t0 += 16;
+            continue;
+        }
         for (int h = 0; h < HP; h++) {
             t = t0;
             for (int s = 0; s < 16; s++)
