@@ -108,13 +108,23 @@ def test_a_row_of_the_gemm_is_bit_identical_whatever_rows_threads_and_path_run(
                 np.testing.assert_array_equal(out[rows - 1], alone[0])
 
 
-@pytest.fixture(scope="module")
-def built(artifacts, tmp_path_factory):
-    """The llama artifact (EAGLE-3 taps) with cpu-int8 and cpu-int4 builds (int4 the default)."""
-    artifact = shutil.copytree(artifacts["llama"], tmp_path_factory.mktemp("cpu") / "llama")
+def _with_cpu_builds(source, directory):
+    """A copy of the artifact `source` with cpu-int8 and cpu-int4 builds (int4 the default)."""
+    artifact = shutil.copytree(source, directory)
     for precision in ("int8", "int4"):
         build_artifact(artifact, BuildOptions(backend="cpu", precision=precision))
     return artifact
+
+
+def _assert_close(got: np.ndarray, want: np.ndarray, what: str = "") -> None:
+    """Within an int8 build's rounding: 3% of the largest reference value."""
+    assert np.abs(got - want).max() < 0.03 * np.abs(want).max(), what
+
+
+@pytest.fixture(scope="module")
+def built(artifacts, tmp_path_factory):
+    """The llama artifact (EAGLE-3 taps) with cpu-int8 and cpu-int4 builds (int4 the default)."""
+    return _with_cpu_builds(artifacts["llama"], tmp_path_factory.mktemp("cpu") / "llama")
 
 
 def test_the_int8_build_computes_the_exported_graph_within_its_rounding(built):
@@ -131,13 +141,12 @@ def test_the_int8_build_computes_the_exported_graph_within_its_rounding(built):
         outputs.append(output)
         caches.append(cache)
     for name in ("logits", "taps"):
-        want, got = getattr(outputs[0], name), getattr(outputs[1], name)
-        assert np.abs(got - want).max() < 0.03 * np.abs(want).max(), name
+        _assert_close(getattr(outputs[1], name), getattr(outputs[0], name), name)
     for layer in (0, manifest.model.num_layers - 1):
         for kind in ("keys", "values"):
             want = getattr(caches[0], kind)[layer]
             got = getattr(caches[1], kind)[layer]
-            assert np.abs(got - want).max() < 0.03 * np.abs(want).max()
+            _assert_close(got, want, kind)
             assert not got[0, :, 9:].any() and not got[1, :, :3].any()  # only the rows written
 
 
@@ -200,10 +209,7 @@ def test_greedy_speculation_on_a_cpu_build_equals_its_plain_decoding(built, buil
 @pytest.fixture(scope="module")
 def eagle3_built(head_artifacts, tmp_path_factory):
     """The EAGLE-3 artifact with cpu-int8 and cpu-int4 builds: the head on the kernels too."""
-    artifact = shutil.copytree(head_artifacts["eagle3"], tmp_path_factory.mktemp("cpu") / "e3")
-    for precision in ("int8", "int4"):
-        build_artifact(artifact, BuildOptions(backend="cpu", precision=precision))
-    return artifact
+    return _with_cpu_builds(head_artifacts["eagle3"], tmp_path_factory.mktemp("cpu") / "e3")
 
 
 def test_an_eagle3_head_runs_on_the_kernels_as_its_exported_graph_within_rounding(eagle3_built):
@@ -218,7 +224,7 @@ def test_an_eagle3_head_runs_on_the_kernels_as_its_exported_graph_within_roundin
     rng = np.random.default_rng(1)
     taps = rng.standard_normal((2, 7, manifest.model.taps.width)).astype(np.float32)
     projected = [open_stateless(m, "draft_projection", 2)(taps) for m in (exported, manifest)]
-    assert np.abs(projected[1] - projected[0]).max() < 0.03 * np.abs(projected[0]).max()
+    _assert_close(projected[1], projected[0], "projection")
     tokens = rng.integers(0, manifest.model.vocab_size, (2, 7)).tolist()
     outputs = []
     for m in (exported, manifest):
@@ -226,8 +232,7 @@ def test_an_eagle3_head_runs_on_the_kernels_as_its_exported_graph_within_roundin
         cache = head.allocate_cache(2, 32)
         outputs.append(head.feed(cache, tokens, np.array([0, 4]), list(projected[0]))[0])
     for name in ("logits", "taps"):
-        want, got = getattr(outputs[0], name), getattr(outputs[1], name)
-        assert np.abs(got - want).max() < 0.03 * np.abs(want).max(), name
+        _assert_close(getattr(outputs[1], name), getattr(outputs[0], name), name)
 
 
 def test_the_kernels_head_chain_drafts_what_the_per_depth_path_drafts(eagle3_built):

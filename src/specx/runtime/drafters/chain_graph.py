@@ -27,10 +27,32 @@ from specx.runtime.decoder_backend import DecoderBackend
 from specx.runtime.kv_cache import KVCache
 from specx.runtime.ort_target import open_session
 
-__all__ = ["DraftChain", "StepChain"]
+__all__ = ["DraftChain", "HeadChain", "StepChain"]
 
 
-class DraftChain:
+class HeadChain:
+    """A head's greedy round: the catch-up over the fed tokens, then `steps` greedy steps."""
+
+    def fits(self, cache: KVCache, starts: np.ndarray, width: int, steps: int) -> bool:
+        """Whether the round stays inside the cache (else the per-depth path feeds rows)."""
+        return int(starts.max()) + width + steps <= cache.capacity
+
+    def __call__(
+        self,
+        cache: KVCache,
+        tokens: Sequence[Sequence[int]],
+        features: Sequence[np.ndarray],
+        starts: np.ndarray,
+        steps: int,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Draft ids [B, steps + 1] (target vocabulary) and their softmax probabilities.
+
+        Per row: the fed tokens, their features [n_b, d], the slot of the first (`starts`).
+        """
+        raise NotImplementedError
+
+
+class DraftChain(HeadChain):
     """The `draft_chain` graph on ONNX Runtime, its head cache bound in place."""
 
     def __init__(self, manifest: Manifest, threads: int | None = None):
@@ -45,19 +67,7 @@ class DraftChain:
         graphs = manifest.graphs if build is None else build.graphs
         return "draft_chain" in graphs and graph_runtime(manifest, "draft_chain") == "ort"
 
-    def fits(self, cache: KVCache, starts: np.ndarray, width: int, steps: int) -> bool:
-        """Whether one padded call stays inside the cache (else the per-depth path feeds rows)."""
-        return int(starts.max()) + width + steps <= cache.capacity
-
-    def __call__(
-        self,
-        cache: KVCache,
-        tokens: Sequence[Sequence[int]],  # per row: the fed tokens (catch-up)
-        features: Sequence[np.ndarray],  # per row: their features [n_b, d]
-        starts: np.ndarray,  # [B] slot of each row's first fed token
-        steps: int,  # greedy steps after the first draft token (chain length - 1)
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """Returns draft ids [B, steps + 1] (target vocabulary) and their probabilities."""
+    def __call__(self, cache, tokens, features, starts, steps):  # noqa: D102 (HeadChain's)
         batch = len(tokens)
         width = max(1, max(len(t) for t in tokens))
         ids = np.zeros((batch, width), dtype=np.int64)
@@ -93,8 +103,8 @@ class DraftChain:
         return draft_ids, probs
 
 
-class StepChain:
-    """The `draft_chain` graph's round as a loop over a head's forwards (`DraftChain`'s API).
+class StepChain(HeadChain):
+    """The `draft_chain` graph's round as a loop over a head's forwards.
 
     For a head whose runtime runs no chain graph but makes a forward one cheap call (specx's
     kernels). `to_target` maps draft ids to target ids (EAGLE-3's d2t), None where equal.
@@ -103,10 +113,6 @@ class StepChain:
     def __init__(self, head: DecoderBackend, to_target: np.ndarray | None):
         self.head, self.to_target = head, to_target
 
-    def fits(self, cache: KVCache, starts: np.ndarray, width: int, steps: int) -> bool:
-        """Whether the catch-up and the steps stay inside the cache."""
-        return int(starts.max()) + width + steps <= cache.capacity
-
     def _pick(self, logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Target ids [B] and softmax probabilities of the best entries of logits [B, V]."""
         best = logits.argmax(-1)  # ties to the lowest id, as the graph's ArgMax
@@ -114,15 +120,7 @@ class StepChain:
         probs = 1.0 / np.exp(logits - top[:, None]).sum(-1)
         return (best if self.to_target is None else self.to_target[best]), probs
 
-    def __call__(
-        self,
-        cache: KVCache,
-        tokens: Sequence[Sequence[int]],  # per row: the fed tokens (catch-up)
-        features: Sequence[np.ndarray],  # per row: their features [n_b, d]
-        starts: np.ndarray,  # [B] slot of each row's first fed token
-        steps: int,  # greedy steps after the first draft token (chain length - 1)
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """Returns draft ids [B, steps + 1] (target vocabulary) and their probabilities."""
+    def __call__(self, cache, tokens, features, starts, steps):  # noqa: D102 (HeadChain's)
         starts = np.asarray(starts, dtype=np.int64)
         output, last = self.head.feed(cache, tokens, starts, features)
         assert output.taps is not None  # a head's forward returns its hidden output

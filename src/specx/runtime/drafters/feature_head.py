@@ -17,7 +17,7 @@ import numpy as np
 from specx.artifact import Manifest
 from specx.errors import ArtifactError
 from specx.runtime.backends import graph_runtime, open_decoder, open_stateless
-from specx.runtime.drafters.chain_graph import DraftChain, StepChain
+from specx.runtime.drafters.chain_graph import DraftChain, HeadChain, StepChain
 from specx.runtime.drafters.node_slots import NodeSlots
 from specx.runtime.drafters.tree_search import (
     DynamicTree,
@@ -69,7 +69,7 @@ class FeatureHeadDrafter:
         # loop of forwards where the head is on specx's kernels; at a temperature chains are
         # sampled from q, per depth (the sampled-chain rule).
         chain = isinstance(shape, StaticTree) and shape.is_chain and shape.max_nodes >= 2
-        self.chain: DraftChain | StepChain | None = None
+        self.chain: HeadChain | None = None
         if one_call and chain and DraftChain.available(manifest):
             self.chain = DraftChain(manifest, threads)
         elif one_call and chain and graph_runtime(manifest, "draft_head") == "cpu":
@@ -145,7 +145,7 @@ class FeatureHeadDrafter:
         return out.logits[rows, last], out.taps[rows, last]
 
     def _propose_chain(
-        self, chain: DraftChain | StepChain, histories, active, length: int
+        self, chain: HeadChain, histories, active, length: int
     ) -> list[DraftTree] | None:
         """The greedy chain in one call (`chain`); None when it would overflow the cache."""
         starts, counts, tokens, features = self._pending(histories)
