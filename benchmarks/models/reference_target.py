@@ -2,6 +2,7 @@
 
     python -m benchmarks.models.reference_target [--out DIR] [--steps 3562] [--no-compile]
     python -m benchmarks.models.reference_target --tiny --steps 3   # a seconds-long smoke run
+    python -m benchmarks.models.reference_target --layers 12 --out ~/.cache/specx/pyref-12l
 
 The recipe of `shared/models/pyref-7m/README.md`, fixed and seeded: every stdlib .py file
 of the running Python (no test/, tests/, site-packages, __pycache__); files whose
@@ -46,7 +47,7 @@ def encode(files: list[Path], tokenizer_path: Path) -> tuple[np.ndarray, int]:
     return np.concatenate(ids), sum(len(t.encode()) for t in texts)
 
 
-def model_config(tiny: bool):
+def model_config(tiny: bool, layers: int = 5):
     from transformers import LlamaConfig
 
     sizes = (
@@ -62,7 +63,7 @@ def model_config(tiny: bool):
         else dict(
             hidden_size=320,
             intermediate_size=864,
-            num_hidden_layers=5,
+            num_hidden_layers=layers,
             num_attention_heads=4,
             num_key_value_heads=2,
             vocab_size=4096,
@@ -123,6 +124,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--no-compile", action="store_true")
     parser.add_argument("--tiny", action="store_true", help="Smoke-test sizes (seconds).")
+    parser.add_argument(
+        "--layers", type=int, default=5, help="Decoder layers (pyref-7m: 5; pyref-12l: 12)."
+    )
     args = parser.parse_args()
     from transformers import LlamaForCausalLM
 
@@ -134,7 +138,7 @@ def main() -> None:
         train_files, held_files = train_files[:30], held_files[:3]
     args.out.mkdir(parents=True, exist_ok=True)
     tokenizer_path = args.out / "tokenizer.json"
-    config = model_config(args.tiny)
+    config = model_config(args.tiny, args.layers)
     if not tokenizer_path.is_file():
         log(f"[1/4] training a {config.vocab_size}-token BPE on {len(train_files)} files")
         train_byte_level_bpe(train_files, config.vocab_size, tokenizer_path)
@@ -191,6 +195,7 @@ def main() -> None:
         "steps": args.steps,
         "seed": args.seed,
         "tiny": args.tiny,
+        "layers": config.num_hidden_layers,
         "train_files": len(train_files),
         "held_out_files": len(held_files),
         **evaluate(model, held_stream, held_bytes, args.seq_len, args.batch),

@@ -15,15 +15,15 @@ from specx.errors import SpecxError
 __all__ = ["KINDS", "DrafterName"]
 
 # Every drafter specx builds (`specx.runtime.drafters.DRAFTERS` builds each of these).
-KINDS = ("ngram", "suffix", "draft-model", "eagle3", "eagle", "mtp", "medusa")
+KINDS = ("ngram", "suffix", "draft-model", "skip", "eagle3", "eagle", "mtp", "medusa")
 
 
 @dataclass(frozen=True)
 class DrafterName:
-    """`kind` (ngram, suffix, draft-model, eagle3, eagle, mtp, medusa) and its argument.
+    """`kind` (ngram, suffix, draft-model, skip, eagle3, eagle, mtp, medusa) and its argument.
 
-    The argument is a path (a draft model's artifact, a head's checkpoint directory) or
-    None; `str()` spells the spec back as it was given.
+    The argument is a path (a draft model's artifact, a head's checkpoint directory), the
+    layers `skip` leaves out, or None; `str()` spells the spec back as it was given.
     """
 
     kind: str

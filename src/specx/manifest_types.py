@@ -552,7 +552,9 @@ class VerifyShape:
         return relative[upper - 1] + share * (relative[upper] - relative[upper - 1])
 
 
-_ENTRY_FIELDS = ("choice", "max_batch_spec", "expected_speedup", "sampling", "verify_shape")
+_ENTRY_FIELDS = (
+    "choice", "max_batch_spec", "expected_speedup", "sampling", "verify_shape", "skipped_layers"
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -567,6 +569,7 @@ class CalibrationEntry:
     # where it was measured, acceptance, costs, the trees and chains ranked, batch curve.
     report: Json = field(default_factory=dict)
     verify_shape: VerifyShape | None = None  # None: recorded before calibrate measured it
+    skipped_layers: tuple[int, ...] = ()  # `skip`'s chosen layers (its entry only)
 
     @property
     def measured_build(self) -> str | None:
@@ -592,6 +595,7 @@ class CalibrationEntry:
                 sampling,
                 _rest(d, _ENTRY_FIELDS),  # `d` is an object once the fields above read
                 VerifyShape.from_json(d["verify_shape"]) if "verify_shape" in d else None,
+                tuple(int(i) for i in d.get("skipped_layers", ())),
             ),
             data,
         )
@@ -603,7 +607,10 @@ class CalibrationEntry:
             "max_batch_spec": self.max_batch_spec,
             "expected_speedup": self.expected_speedup,
             "sampling": self.sampling.to_json(),
-            **_present(verify_shape=self.verify_shape and self.verify_shape.to_json()),
+            **_present(
+                verify_shape=self.verify_shape and self.verify_shape.to_json(),
+                skipped_layers=list(self.skipped_layers) or None,
+            ),
         }
 
 

@@ -56,6 +56,7 @@ import numpy as np
 from specx.artifact import load_manifest, manifest_body, write_manifest
 from specx.calibration.acceptance import AcceptanceCounts, probe_choices
 from specx.calibration.costs import DraftCost, fit_draft_cost, measure_verify_curve
+from specx.calibration.layer_skip import SkipChoice, choose_skipped
 from specx.calibration.timing import PairedTiming, measure_speedup
 from specx.calibration.tree_selection import RankedTree, best_trees, chain_expected
 from specx.drafter_name import DrafterName
@@ -73,9 +74,11 @@ from specx.progress import Progress
 from specx.runtime.backends import build_name, open_decoder
 from specx.runtime.calibrated import calibration_key, choice_shape, row_exact
 from specx.runtime.controller import Controller
+from specx.runtime.cpu_target import CpuTarget
 from specx.runtime.decoder_backend import DecoderBackend
 from specx.runtime.drafters import DrafterOptions, make_drafter
 from specx.runtime.drafters.base import Drafter
+from specx.runtime.drafters.layer_skip import parse_layers
 from specx.runtime.drafters.tree_search import DynamicTree, StaticTree, TreeShape
 from specx.runtime.plain_decoding import check_prompts, generate_plain
 from specx.runtime.plans import DraftPlan, Plans
@@ -92,7 +95,7 @@ __all__ = [
 ]
 
 VERIFY_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
-DYNAMIC_DRAFTERS = ("eagle3", "eagle", "mtp", "draft-model")
+DYNAMIC_DRAFTERS = ("eagle3", "eagle", "mtp", "draft-model", "skip")
 
 
 @dataclass(frozen=True)
@@ -218,6 +221,9 @@ def calibrate_artifact(
             "(eagle3|eagle|medusa|mtp), or pass --drafter ngram | draft-model:ARTIFACT"
         )
     target = open_decoder(manifest, options.threads)
+    skip = _skipped_layers(target, spec, prompts, options, progress)
+    if skip is not None:
+        spec = f"skip:{','.join(map(str, skip.best.skipped))}"
     if spec == "suffix":
         return _calibrate_budget(manifest, target, spec, prompts, options, sampling, progress)
     top_k = 1 if spec == "ngram" else options.probe_top_k
@@ -329,8 +335,13 @@ def calibrate_artifact(
         ],
         "chains": [{"length": n, "predicted_speedup": s} for s, n in chains],
         "spine_only": sampling.greedy and row_exact(manifest),
+        **({} if skip is None else {"layer_skip": skip.to_json()}),
     }
     entry = _entry(choice, batch_curve, sampling, report, verify)
+    name = DrafterName.parse(spec)
+    if name.kind == "skip":  # the layers `--drafter skip` then leaves out
+        skipped = parse_layers(name.argument or "", target.num_layers)
+        entry = replace(entry, skipped_layers=tuple(sorted(skipped)))
     key = calibration_key(DrafterName.parse(spec).kind, sampling)
     write_manifest(manifest.root, manifest_body(manifest.with_calibration(key, entry)))
     progress(
@@ -339,6 +350,17 @@ def calibrate_artifact(
         f"{batch_summary(entry.max_batch_spec)}, in {seconds:.0f}s"
     )
     return entry
+
+
+def _skipped_layers(target, spec: str, prompts, options, progress) -> SkipChoice | None:
+    """For `skip` without layers named: the set `choose_skipped` measures best, else None."""
+    name = DrafterName.parse(spec)
+    if name.kind != "skip" or name.argument is not None:
+        return None
+    make_drafter("skip:0", target, DrafterOptions(1))  # a build that cannot skip says so now
+    assert isinstance(target, CpuTarget)  # the one backend whose drafter above was made
+    progress(f"[0/5] choosing the layers skip leaves out ({target.num_layers} layers)")
+    return choose_skipped(target, prompts, options.max_new_tokens, options.probe_depth, progress)
 
 
 def _calibrate_budget(manifest, target, spec, prompts, options, sampling, progress):

@@ -49,7 +49,11 @@ def _prompts(artifact_dir: Path, prompts_file: Path | None, builtin: bool) -> li
     help="JSONL prompts ({'prompt': text} or {'prompt_ids': [...]}) [default: 12 built-in "
     "code and text prompts, which need the artifact's tokenizer].",
 )
-@click.option("--drafter", help="ngram | draft-model:ARTIFACT [default: the artifact's head].")
+@click.option(
+    "--drafter",
+    help="ngram | suffix | skip (chooses the layers it leaves out) | skip:LAYERS | "
+    "draft-model:ARTIFACT [default: the artifact's head].",
+)
 @click.option("--max-prompts", type=POSITIVE, default=16, show_default=True)
 @click.option(
     "--max-new-tokens",

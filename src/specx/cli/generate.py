@@ -71,7 +71,7 @@ def _check_options(ctx: click.Context, drafter: str | None, temperature: float) 
     if drafter is None and speculative:
         raise GenerationError(
             only_applies(speculative, "speculative decoding")
-            + ": add --drafter (ngram, suffix, draft-model:ARTIFACT, or the artifact's head)"
+            + ": add --drafter (ngram, suffix, skip, draft-model:ARTIFACT, or the artifact's head)"
         )
     ngram = passed(ctx, *_NGRAM_OPTIONS)
     if drafter is not None and not drafter.startswith("ngram") and ngram:
@@ -118,8 +118,10 @@ def _check_options(ctx: click.Context, drafter: str | None, temperature: float) 
 @click.option("--ignore-eos", is_flag=True, help="Do not stop at the end-of-sequence token.")
 @click.option(
     "--drafter",
-    help="Decode speculatively: ngram | suffix | draft-model:ARTIFACT | eagle3 | eagle | mtp "
-    "| medusa (the last four use the head exported into ARTIFACT_DIR).",
+    help="Decode speculatively: ngram | suffix | skip[:LAYERS] | draft-model:ARTIFACT | eagle3 "
+    "| eagle | mtp | medusa (the last four use the head exported into ARTIFACT_DIR; skip: the "
+    "target with some layers left out drafts for itself, on a cpu build; LAYERS e.g. 4,6,8-11, "
+    "default the calibrated ones).",
 )
 @click.option(
     "--num-draft-tokens",

@@ -43,7 +43,8 @@ __all__ = ["COMMANDS", "serve"]
     "--drafter",
     default=None,
     help="Default drafting for requests that name none (a request's 'drafter' overrides "
-    "it; null decodes plainly): ngram | suffix | draft-model:ARTIFACT | the artifact's head.",
+    "it; null decodes plainly): ngram | suffix | skip[:LAYERS] | draft-model:ARTIFACT | the "
+    "artifact's head.",
 )
 @click.option(
     "--chat-template",

@@ -13,6 +13,7 @@ run while the target computes.
 
 from __future__ import annotations
 
+import copy
 import ctypes
 import json
 import os
@@ -94,13 +95,32 @@ class CpuTarget(DecoderBackend):
         self._tensors = self._mapped.tensors
         self._embedded = self._tensors["embed"].shape[0]  # token ids the graph reads
         self._head = graph != "target"
-        self._model = self._describe(self._mapped.constants, threads or os.cpu_count() or 1)
+        self._threads = threads or os.cpu_count() or 1
+        self._kept = tuple(range(self._mapped.constants["layers"]))
+        self._model = self._describe(self._mapped.constants, self._threads)
         self._workspace = np.empty(0, dtype=np.uint8)
+
+    def skipping(self, layers: frozenset[int]) -> CpuTarget:
+        """This target with `layers` skipped: a self-drafting view (`drafters.layer_skip`).
+
+        The view's `spx_model` lists the kept layers' structures, which point into the same
+        mapped weights (one copy of them in memory, the file's read-only pages); its cache
+        holds the kept layers only, and it reads no taps.
+        """
+        if self._head or len(self._kept) != self.num_layers:
+            raise GenerationError("only a whole target can skip layers")
+        view = copy.copy(self)
+        view._kept = tuple(i for i in self._kept if i not in layers)
+        view.num_layers = len(view._kept)
+        view.taps, view.tap_width, view.has_taps = "none", 0, False
+        view._model = view._describe(self._mapped.constants, self._threads)
+        view._workspace = np.empty(0, dtype=np.uint8)
+        return view
 
     def _describe(self, constants: dict, threads: int) -> kernels.Model:
         """The kernels' `spx_model` over the mapped tensors (kept alive by `self._tensors`)."""
         t, linear = self._tensors, self._mapped.linear
-        layers = constants["layers"]
+        layers = len(self._kept)
         self._layers = (kernels.Layer * layers)(
             *(
                 kernels.Layer(
@@ -111,12 +131,14 @@ class CpuTarget(DecoderBackend):
                     linear(f"gate_up.{i}"),
                     linear(f"down.{i}"),
                 )
-                for i in range(layers)
+                for i in self._kept
             )
         )
         tap_kind, tap_layers = "hidden", tuple[int, ...]()
-        if not self._head:
-            tap_kind, tap_layers = self.manifest.model.taps.kind, self.manifest.model.taps.layers
+        if not self._head and self.has_taps:
+            tap_kind, tap_layers = self.taps, self.manifest.model.taps.layers
+        elif not self._head:
+            tap_kind = "none"  # a target without taps, or a view skipping layers
         return kernels.Model(
             hidden=constants["hidden"],
             layers=layers,

@@ -25,7 +25,8 @@ __all__ = ["Speculation", "plan_for"]
 class Speculation:
     """How a request drafts. Fields left None take the calibration's choice, else defaults.
 
-    drafter: ngram | suffix | draft-model:ARTIFACT | eagle3 | eagle | mtp | medusa.
+    drafter: ngram | suffix | skip[:LAYERS] | draft-model:ARTIFACT | eagle3 | eagle | mtp |
+    medusa.
     tree: chain:K, dynamic:TOTAL,DEPTH,TOPK, static:FILE or a JSON choice list (or a
     parsed `TreeShape`). adaptive: the per-round controller (`specx.runtime.controller`);
     False drafts the whole tree every round.

@@ -13,6 +13,7 @@ from specx.runtime.decoder_backend import DecoderBackend
 from specx.runtime.drafters.base import Drafter
 from specx.runtime.drafters.draft_model import DraftModelDrafter, check_same_vocabulary
 from specx.runtime.drafters.feature_head import FeatureHeadDrafter
+from specx.runtime.drafters.layer_skip import LayerSkipDrafter, default_skipped, parse_layers
 from specx.runtime.drafters.medusa import MedusaDrafter
 from specx.runtime.drafters.ngram import NGramDrafter
 from specx.runtime.drafters.suffix import SuffixDrafter, SuffixOptions
@@ -56,6 +57,19 @@ def _draft_model(target: DecoderBackend, argument: str | None, options: DrafterO
     return DraftModelDrafter(draft, options.tree or StaticTree.chain(_chain_length(options)))
 
 
+def _skip(target: DecoderBackend, argument: str | None, options: DrafterOptions) -> Drafter:
+    """`skip:LAYERS`, or `skip`: the layers calibration chose, else `default_skipped`."""
+    layers = target.num_layers
+    if argument:
+        skipped = parse_layers(argument, layers)
+    elif "skip" in target.manifest.calibration_keys:
+        skipped = frozenset(target.manifest.calibration("skip").skipped_layers)
+    else:
+        skipped = default_skipped(layers)
+    shape = options.tree or StaticTree.chain(_chain_length(options))
+    return LayerSkipDrafter(target, skipped, shape)
+
+
 def _head(kind: str):
     def build(target: DecoderBackend, argument: str | None, options: DrafterOptions) -> Drafter:
         if argument:
@@ -92,6 +106,7 @@ DRAFTERS: dict[str, Callable[[DecoderBackend, str | None, DrafterOptions], Draft
     "ngram": _ngram,
     "suffix": _suffix,
     "draft-model": _draft_model,
+    "skip": _skip,
     **{kind: _head(kind) for kind in ("eagle3", "eagle", "mtp", "medusa")},
 }
 
