@@ -3,7 +3,8 @@
 `SHARED` is the `shared/` folder beside the checkout (pyref-7m and the eval prompt sets);
 a benchmark that needs it skips cleanly without it. Prompts are pyref-7m's token ids:
 `prompts_for` is the suite's mix (HumanEval stubs, then stdlib files pyref-7m's split
-holds out), `load_prompts` the first prompts of one eval set.
+holds out), `load_prompts` the first prompts of one eval set, `copy_heavy_prompts` requests
+to write a held-out function again.
 """
 
 from __future__ import annotations
@@ -40,6 +41,38 @@ def prompts_for(tokenizer, count: int) -> list[list[int]]:
     _, held = stdlib_split()
     texts += [p.read_text(errors="replace")[:1200] for p in held[: count // 2]]
     return [tokenizer.encode(t)[-320:] for t in texts]
+
+
+def copy_heavy_prompts(tokenizer, count: int) -> list[list[int]]:
+    """`count` rewrite requests: a held-out stdlib function (600-1,600 characters; one a
+    file, in the split's order), a comment asking for it again, and its first third.
+
+    What a code assistant is asked when editing: the answer copies most of the source,
+    which lookup drafting (n-gram, suffix) can take from the prompt. 200-600 tokens each.
+    """
+    import ast
+    import textwrap
+
+    _, held = stdlib_split()
+    prompts: list[list[int]] = []
+    for path in held:
+        source = path.read_text(errors="replace")
+        try:
+            functions = [n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.FunctionDef)]
+        except SyntaxError:
+            continue
+        lines = source.splitlines()
+        for node in functions:
+            text = textwrap.dedent("\n".join(lines[node.lineno - 1 : node.end_lineno]))
+            if 600 <= len(text) <= 1600:
+                body = text.splitlines()
+                start = "\n".join(body[: max(2, len(body) // 3)])
+                request = f"{text}\n\n\n# {node.name}, written again:\n{start}\n"
+                prompts.append(tokenizer.encode(request))
+                break
+        if len(prompts) == count:
+            break
+    return prompts
 
 
 def prompt_sets(count: int) -> list[str]:

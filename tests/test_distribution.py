@@ -21,6 +21,7 @@ from no_replay import NoReplay
 from specx.artifact import load_manifest
 from specx.runtime import rounds
 from specx.runtime.controller import ConfidenceController, FixedSizes, Schedule
+from specx.runtime.drafters.combined import CombinedDrafter
 from specx.runtime.drafters.draft_model import DraftModelDrafter
 from specx.runtime.drafters.ngram import NGramDrafter
 from specx.runtime.drafters.suffix import SuffixDrafter, SuffixOptions
@@ -70,6 +71,10 @@ DRAFTERS = {
     ),
     "draft-dynamic": lambda draft: DraftModelDrafter(draft, DynamicTree.of_nodes(6, 3, 2)),
     "ngram": lambda draft: NGramDrafter(3, max_matches=2),
+    # The n-gram where the prompt repeats, the draft model's samples elsewhere, per row.
+    "ngram+draft": lambda draft: CombinedDrafter(
+        NGramDrafter(3, min_n=2), DraftModelDrafter(draft, StaticTree.chain(3))
+    ),
     "suffix": lambda draft: SuffixDrafter(SuffixOptions(max_nodes=4, min_prob=0.0)),
 }
 SAMPLING = [
@@ -99,7 +104,9 @@ def run(pair, drafter_name, sampling, verifier, seed, controller=None):
 # for every drafter, so a full grid would test the same verification 24 times.
 GRID = [
     (name, SAMPLING[i])
-    for name, pair in zip(DRAFTERS, [(0, 1), (2, 3), (0, 2), (1, 3), (0, 2), (1, 3)], strict=True)
+    for name, pair in zip(
+        DRAFTERS, [(0, 1), (2, 3), (0, 2), (1, 3), (0, 2), (0, 3), (1, 3)], strict=True
+    )
     for i in pair
 ]
 
@@ -118,7 +125,7 @@ def test_speculative_sampling_matches_plain(pair, drafter_name, sampling):
 
 
 @pytest.mark.parametrize(
-    "drafter_name", ["draft-chain", "draft-tree-topk", "draft-tree-iid", "suffix"]
+    "drafter_name", ["draft-chain", "draft-tree-topk", "draft-tree-iid", "ngram+draft", "suffix"]
 )
 def test_broken_verifier_is_detected(pair, drafter_name):
     plain, spec = run(pair, drafter_name, SAMPLING[0], broken_verify, seed=11)

@@ -12,10 +12,13 @@ from dataclasses import dataclass
 
 from specx.errors import SpecxError
 
-__all__ = ["KINDS", "DrafterName"]
+__all__ = ["KINDS", "LOOKUPS", "DrafterName"]
 
 # Every drafter specx builds (`specx.runtime.drafters.DRAFTERS` builds each of these).
 KINDS = ("ngram", "suffix", "draft-model", "skip", "eagle3", "eagle", "mtp", "medusa")
+# The model-free ones, which draft only where the text repeats: `LOOKUP+KIND` combines one
+# with another kind (`specx.runtime.drafters.combined`), e.g. ngram+eagle3.
+LOOKUPS = ("ngram", "suffix")
 
 
 @dataclass(frozen=True)
@@ -46,9 +49,22 @@ class DrafterName:
     def known(cls, text: str | DrafterName) -> DrafterName:
         """`parse`, refusing a kind specx does not build (export and training know fewer)."""
         name = cls.parse(text)
-        if name.kind not in KINDS:
+        if name.combined is not None:
+            lookup, model = name.combined
+            if lookup not in LOOKUPS or model not in KINDS or model in LOOKUPS:
+                raise SpecxError(
+                    f"drafter {name.kind!r}: a combined drafter is LOOKUP+KIND, LOOKUP one of "
+                    f"{', '.join(LOOKUPS)} and KIND a model's ({', '.join(KINDS[2:])})"
+                )
+        elif name.kind not in KINDS:
             raise SpecxError(f"unknown drafter {name.kind!r}; choose one of {', '.join(KINDS)}")
         return name
+
+    @property
+    def combined(self) -> tuple[str, str] | None:
+        """(lookup, model) kinds of a `LOOKUP+KIND` name, else None."""
+        lookup, plus, model = self.kind.partition("+")
+        return (lookup, model) if plus else None
 
     def __str__(self) -> str:
         return self.kind if self.argument is None else f"{self.kind}:{self.argument}"

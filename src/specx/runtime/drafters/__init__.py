@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from specx.drafter_name import DrafterName
@@ -11,6 +11,7 @@ from specx.errors import SpecxError
 from specx.runtime.backends import open_decoder
 from specx.runtime.decoder_backend import DecoderBackend
 from specx.runtime.drafters.base import Drafter
+from specx.runtime.drafters.combined import CombinedDrafter
 from specx.runtime.drafters.draft_model import DraftModelDrafter, check_same_vocabulary
 from specx.runtime.drafters.feature_head import FeatureHeadDrafter
 from specx.runtime.drafters.layer_skip import LayerSkipDrafter, default_skipped, parse_layers
@@ -116,6 +117,19 @@ def make_drafter(
 ) -> Drafter:
     """Builds a drafter from `NAME` or `NAME:ARGUMENT` (e.g. `draft-model:artifacts/small`)."""
     parsed = DrafterName.known(spec)
+    if parsed.combined is not None:
+        lookup, model = parsed.combined
+        built = DRAFTERS[model](target, parsed.argument, options)
+        # The lookup drafts chains as long as the model's; an n-gram takes a round only on a
+        # match of 2 tokens or more, where it beat the model (docs/decisions.md#ngram-plus).
+        looked = replace(
+            options,
+            tree=None,
+            num_draft_tokens=built.max_nodes,
+            ngram_min=max(options.ngram_min, 2),
+            ngram_max=max(options.ngram_max, 2),
+        )
+        return CombinedDrafter(DRAFTERS[lookup](target, None, looked), built)
     return DRAFTERS[parsed.kind](target, parsed.argument, options)
 
 
