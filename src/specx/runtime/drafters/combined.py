@@ -1,12 +1,11 @@
 """`LOOKUP+KIND` drafting: a model-free continuation where the text has one, a model elsewhere.
 
 `ngram+eagle3`, `suffix+eagle3`, `ngram+skip`, ...: the seed's section 7.1 (n-gram with
-EAGLE). Copied text (RAG answers, edits, summaries,
-code rewritten) is drafted by looking it up, for free and often many tokens deep; free text
-by the model. Each round and row the lookup drafts first; a row it drafts for verifies that
-draft, the rest the model's. The model still follows every row (its `accept` gets the
-target's taps of whatever was accepted, whoever drafted it), so it drafts from the right
-features when the lookup falls silent again.
+EAGLE). Copied text (RAG answers, edits, summaries, code rewritten) is drafted by looking it
+up, for free and often many tokens deep; free text by the model. Each round and row the
+lookup drafts first; a row it drafts for verifies that draft, the rest the model's. The
+model still follows every row (its `accept` gets the target's taps of whatever was accepted,
+whoever drafted it), so it drafts from the right features when the lookup falls silent.
 """
 
 from __future__ import annotations
