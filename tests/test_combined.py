@@ -1,5 +1,5 @@
 """`LOOKUP+KIND` drafters (`ngram+eagle3`, `suffix+eagle3`): names, greedy identity with both
-drafters taking rounds, and the model following rows it did not draft. (The sampled rule's
+drafters taking rounds, calibration. (The sampled rule's
 distribution: tests/test_distribution.py, `ngram+draft`.)"""
 
 from __future__ import annotations
@@ -44,3 +44,22 @@ def test_greedy_combined_drafting_equals_plain_with_both_drafting(head_artifacts
     speculative = generate_speculative(target, drafter, PROMPTS, 24)
     assert speculative.tokens == plain.tokens
     assert drafter.looked_up > 0 and drafter.modelled > 0  # each drafted some rows' rounds
+
+
+def test_a_combined_drafter_calibrates_end_to_end(head_artifacts, tmp_path):
+    """Its head's probe tree counted, its candidates timed whole, its entry under its name."""
+    import shutil
+
+    from specx.artifact import load_manifest
+    from specx.calibration.calibrate import CalibrationOptions, calibrate_artifact
+
+    artifact = shutil.copytree(head_artifacts["eagle3"], tmp_path / "eagle3")
+    options = CalibrationOptions(
+        drafter="ngram+eagle3", probe_top_k=2, probe_depth=3, max_new_tokens=12, batches=(1,),
+        repeats=1,
+    )  # fmt: skip
+    entry = calibrate_artifact(artifact, PROMPTS, options)
+    assert entry.report["drafter"] == "ngram+eagle3"
+    acceptance = entry.report["acceptance"]
+    assert acceptance["top_k"] == 2 and acceptance["rounds_reaching_depth"][0] > 0
+    assert "ngram+eagle3" in load_manifest(artifact).calibration_keys

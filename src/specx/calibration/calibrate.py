@@ -226,9 +226,12 @@ def calibrate_artifact(
         spec = f"skip:{','.join(map(str, skip.best.skipped))}"
     if spec == "suffix":
         return _calibrate_budget(manifest, target, spec, prompts, options, sampling, progress)
-    top_k = 1 if spec == "ngram" else options.probe_top_k
+    # A LOOKUP+KIND drafter's probe and draft costs are its model's (the lookup's rows would
+    # count n-gram chains as probe ranks); its candidates are timed whole.
+    probed = _modelled(spec)
+    top_k = 1 if probed == "ngram" else options.probe_top_k
     heads = None if head is None else head.medusa_heads
-    depth = _probe_depth(heads, spec, options.probe_depth, top_k, target)
+    depth = _probe_depth(heads, probed, options.probe_depth, top_k, target)
     for index, prompt in enumerate(prompts):
         try:
             check_prompts(
@@ -262,12 +265,12 @@ def calibrate_artifact(
         (
             depth,
             probe.max_nodes,
-            _run(target, _drafter(spec, target, probe, options), prompts, options, observe),
+            _run(target, _drafter(probed, target, probe, options), prompts, options, observe),
         )
     ]
     progress("[3/5] draft-cost runs and the verify curve")
     for length in sorted({1, depth}):
-        drafter = _drafter(spec, target, StaticTree.chain(length), options)
+        drafter = _drafter(probed, target, StaticTree.chain(length), options)
         runs.append((length, length, _run(target, drafter, prompts, options)))
     samples = [(d, n, r.draft_s_per_round) for d, n, r in runs]
     cost, chain_cost = fit_draft_cost(samples), fit_draft_cost(samples[1:])
@@ -292,7 +295,7 @@ def calibrate_artifact(
         (predicted_speedup(chain_expected(p, n), round_seconds(n, n, chain=True), plain_s), n)
         for n in range(1, depth + 1)
     ]
-    candidates = _candidates(scored, chains, p, spec)
+    candidates = _candidates(scored, chains, p, probed)
     progress(f"[5/5] measuring {len(candidates)} candidates, then the batch curve")
     relative = tuple(s / curve.seconds[0] for s in curve.seconds)
     verify = VerifyShape(build_name(manifest), curve.tokens, relative)
@@ -350,6 +353,12 @@ def calibrate_artifact(
         f"{batch_summary(entry.max_batch_spec)}, in {seconds:.0f}s"
     )
     return entry
+
+
+def _modelled(spec: str) -> str:
+    """The model part of a `LOOKUP+KIND` spec (with its argument); any other spec as it is."""
+    name = DrafterName.parse(spec)
+    return spec if name.combined is None else str(DrafterName(name.combined[1], name.argument))
 
 
 def _skipped_layers(target, spec: str, prompts, options, progress) -> SkipChoice | None:
