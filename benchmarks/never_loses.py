@@ -1,7 +1,7 @@
 """Speculation that never loses: the per-round controller vs fixed drafts vs plain decoding.
 
 For each target (pyref-7m; pyref-deep when `benchmarks/models/pyref_deep.py` wrote it), drafter
-(ngram, suffix, and every trained drafter under --heads, the committed
+(ngram, suffix, ngram+eagle3, and every trained drafter under --heads, the committed
 benchmarks/heads/pyref-7m: EAGLE-1/3, Medusa, MTP and the draft model, all trained against
 pyref-7m, whose residual stream and tokens pyref-deep shares; what a head's layout names by
 layer is renumbered for pyref-deep, `pyref_heads.for_deep`), temperature (0, 0.7, 1.0;
@@ -308,6 +308,8 @@ def main() -> None:
             kinds = [kind]
             if kind == "none":
                 kinds = ["ngram", "suffix", *([draft] if draft else [])]
+            elif kind == "eagle3":  # the head alone, and with the n-gram where text repeats
+                kinds = ["eagle3", "ngram+eagle3"]
             kinds = [d for d in kinds if only is None or _name(d) in only]
             if not kinds:
                 continue

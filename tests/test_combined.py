@@ -1,6 +1,6 @@
 """`LOOKUP+KIND` drafters (`ngram+eagle3`, `suffix+eagle3`): names, greedy identity with both
-drafters taking rounds, calibration. (The sampled rule's
-distribution: tests/test_distribution.py, `ngram+draft`.)"""
+drafters taking rounds, calibration. (The sampled rule's distribution:
+tests/test_distribution.py, `ngram+draft`.)"""
 
 from __future__ import annotations
 
