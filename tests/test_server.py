@@ -194,6 +194,8 @@ def test_chat_completions_with_the_openai_client(chat_artifact):
         ({"prompt": "x", "n": 2}, 400, "n must be 1"),
         ({"prompt": "x", "logprobs": 5}, 400, "logprobs is not supported"),
         ({"prompt": "x", "presence_penalty": 0.5}, 400, "presence_penalty is not supported"),
+        ({"prompt": "x", "temprature": 0}, 400, "unrecognized request argument(s): temprature"),
+        ({"prompt": "x", "messages": []}, 400, "unrecognized request argument(s): messages"),
         ({"prompt": "x" * (2 << 20)}, 413, "over"),
     ],
 )
@@ -208,7 +210,8 @@ def test_bad_requests_get_a_4xx_json_error_and_the_server_keeps_serving(
     assert " --" not in response.json()["error"]["message"]  # request words, not CLI flags
     assert httpx.get(f"{url}/health").json()["status"] == "ok"
     # ignore_eos: at the default temperature (1) the model may sample its end token early.
-    done = complete(url, prompt=[1, 2], max_tokens=2, ignore_eos=True)
+    # OpenAI's fields that change nothing (IGNORED) pass.
+    done = complete(url, prompt=[1, 2], max_tokens=2, ignore_eos=True, user="u", metadata={})
     assert done["usage"]["completion_tokens"] == 2
 
 
@@ -438,7 +441,8 @@ def test_the_local_server_and_the_ray_gateway_serve_one_route_table(artifacts, m
     assert health[0] == health[1] == {"status": "ok", "model": replica.models()["data"][0]["id"]}
     assert counts[0] == counts[1]
     for row in ('endpoint="/health",status="200"} 3.0', 'endpoint="/v1/models",status="401"} 1.0',
-                'endpoint="other",status="401"} 1.0'):  # fmt: skip
+                'endpoint="other",status="404"} 1.0',
+                'endpoint="/health",status="405"} 1.0'):  # fmt: skip
         assert f"specx_requests_total{{{row}" in counts[0], counts[0]
 
 
@@ -540,10 +544,15 @@ def test_api_keys_guard_every_path_but_health(artifacts):
         ("GET", "/metrics", None),
         ("POST", "/v1/completions", {"prompt": [5, 9], "max_tokens": 2}),
         ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}),
-        ("GET", "/no-such-path", None),
     ]
     with serving(artifacts["llama"], slots=1, access=Access(("key-a", "key-b"))) as (url, _):
         assert httpx.get(f"{url}/health").status_code == 200
+        # What the route table makes public is answered before the key check, as OpenAI does.
+        missing = httpx.get(f"{url}/no-such-path")
+        assert missing.status_code == 404 and missing.json()["error"]["code"] == "unknown_url"
+        wrong = httpx.get(f"{url}/v1/completions")
+        assert wrong.status_code == 405 and wrong.headers["allow"] == "POST"
+        assert wrong.json()["error"]["message"] == "/v1/completions takes POST, not GET"
         for header in ({}, {"Authorization": "Bearer key-c"}, {"Authorization": "key-a"}):
             for method, path, body in calls:
                 refused = httpx.request(method, url + path, json=body, headers=header)
@@ -670,10 +679,66 @@ def test_sigterm_drains_running_streams_refuses_new_ones_and_exits_0(artifacts):
             results = [f.result() for f in futures]
         assert results == [(200, 110, 1)] * 16
         assert server.wait(timeout=60) == 0
+        assert "Traceback" not in server.stderr.read()
         assert time.monotonic() - signalled < 120
     finally:
         if server.poll() is None:
             server.kill()
+
+
+def test_a_drain_that_runs_out_answers_every_request_and_stops(artifacts, caplog):
+    """8 requests on 2 slots, each ~5 s, and a 1 s drain: past it, the running and queued
+    ones each get a 503 error (a stream: an error event, then [DONE]) and the server stops
+    at once, logging no error."""
+    import signal
+
+    from specx.server.app import ANSWER_S, DrainingServer
+
+    engine = specx.load(artifacts["llama"], threads=2)
+    engine.target.forward = _slowed(engine.target.forward, 0.05)
+    engine.target.decode_step = _slowed(engine.target.decode_step, 0.05)
+    app = create_app(engine, ServeOptions(slots=2))
+    port = _free_port()
+    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                            timeout_graceful_shutdown=ANSWER_S)  # as `serve` runs it  # fmt: skip
+    server = DrainingServer(config, app.state.service, drain_s=1.0)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    while not server.started:
+        time.sleep(0.05)
+    body = {"prompt": [5, 9], "max_tokens": 100, "ignore_eos": True}
+    started = threading.Event()
+
+    def run(i):
+        if i % 4 == 3:  # two non-streamed
+            return httpx.post(f"{url}/v1/completions", json=body, timeout=60).status_code
+        events = []
+        with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True},
+                          timeout=60) as r:  # fmt: skip
+            for line in r.iter_lines():
+                if line:
+                    events.append(line.removeprefix("data: "))
+                    started.set()
+        return events
+
+    with caplog.at_level("WARNING"), ThreadPoolExecutor(8) as pool:
+        futures = [pool.submit(run, i) for i in range(8)]
+        assert started.wait(30)
+        time.sleep(0.3)  # every request has reached the server: 2 run, 6 wait
+        server.handle_exit(signal.SIGTERM, None)
+        signalled = time.monotonic()
+        results = [f.result() for f in futures]
+        thread.join(timeout=30)
+    assert not thread.is_alive() and time.monotonic() - signalled < 1.0 + ANSWER_S + 1.5
+    for i, result in enumerate(results):
+        if i % 4 == 3:
+            assert result == 503
+            continue
+        assert result[-1] == "[DONE]" and result.count("[DONE]") == 1, result[-3:]
+        error = json.loads(result[-2])["error"]
+        assert error["type"] == "server_unavailable" and "drain" in error["message"]
+    assert not [r for r in caplog.records if r.levelname in ("ERROR", "CRITICAL")], caplog.text
 
 
 def test_prefix_cache_changes_no_output_under_concurrency_and_stays_bounded(artifacts):

@@ -95,7 +95,8 @@ __all__ = ["COMMANDS", "serve"]
     type=click.FloatRange(0),
     default=30.0,
     show_default=True,
-    help="On SIGTERM: new requests get 503 while running ones finish, for at most this long.",
+    help="On SIGTERM: new requests get 503 while running ones finish, for at most this "
+    "long; then each one left gets a 503 error and the server exits.",
 )
 @click.option(
     "--ray",

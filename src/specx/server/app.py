@@ -77,12 +77,17 @@ def serve(engine: Engine, options: ServeOptions, listening: socket.socket, drain
 
     On SIGTERM, what an orchestrator sends before it kills a container, new requests get
     503 with Retry-After (and /health 503) while the admitted ones run to their end, for
-    at most `drain_s` seconds; then the server stops and cancels whatever is left, and
-    `serve` returns (exit status 0).
+    at most `drain_s` seconds; then each one left gets an error (503; a stream: an error
+    event, then [DONE]), the server stops and `serve` returns (exit status 0).
     """
     app = create_app(engine, options)
-    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5)
+    # Past the drain every response has ended, so the connections close at once: the
+    # bound only covers a client that stops reading.
+    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=ANSWER_S)
     DrainingServer(config, app.state.service, drain_s).run(sockets=[listening])
+
+
+ANSWER_S = 2  # how long the requests cut at the drain's end have to get their answers
 
 
 class DrainingServer(uvicorn.Server):
@@ -99,5 +104,8 @@ class DrainingServer(uvicorn.Server):
         threading.Thread(target=self._exit_when_idle, daemon=True).start()
 
     def _exit_when_idle(self) -> None:
-        self.service.scheduler.wait_idle(self.drain_s)
+        scheduler = self.service.scheduler
+        if not scheduler.wait_idle(self.drain_s):
+            scheduler.abort()  # what is left ends at the round's end, each with its answer
+            scheduler.wait_idle(ANSWER_S)
         self.should_exit = True

@@ -4,7 +4,9 @@ Every refusal is an `ApiError` with the HTTP status and OpenAI's error object
 (`{"error": {"message", "type", "param", "code"}}`), raised before any decoding.
 specx's own fields ride along as extensions: `top_k`, `drafter` (a `--drafter` spec, or
 null for plain decoding; default: the server's) and `ignore_eos` in requests; each
-choice's `token_ids` and a `speculative` block in responses.
+choice's `token_ids` and a `speculative` block in responses. A field the endpoint does not
+know is refused (400 naming it, as OpenAI's API does), OpenAI's that specx does not
+implement too when set (`UNSUPPORTED`); `IGNORED`'s are accepted and have no effect.
 """
 
 from __future__ import annotations
@@ -26,6 +28,12 @@ _UNSET = object()
 UNSUPPORTED = ("logprobs", "top_logprobs", "echo", "best_of", "logit_bias", "suffix",
                "presence_penalty", "frequency_penalty", "repetition_penalty", "tools",
                "tool_choice", "functions", "function_call", "response_format")  # fmt: skip
+# OpenAI request fields that change neither the tokens nor who may call: accepted, ignored.
+IGNORED = ("user", "metadata", "store", "service_tier")
+_FIELDS = ("model", "n", "max_tokens", "temperature", "top_p", "top_k", "seed", "stream",
+           "stream_options", "stop", "drafter", "ignore_eos") + UNSUPPORTED + IGNORED  # fmt: skip
+_KNOWN = {False: frozenset(_FIELDS + ("prompt",)),
+          True: frozenset(_FIELDS + ("messages", "max_completion_tokens"))}  # fmt: skip
 
 
 class ApiError(Exception):
@@ -68,6 +76,10 @@ def parse_request(body: Any, chat: bool, model: str, default_drafter: str | None
     """The typed request, or ApiError(400/404) naming the field."""
     if not isinstance(body, Mapping):
         raise ApiError(400, "the request body must be a JSON object")
+    unknown = [name for name in body if name not in _KNOWN[chat]]
+    if unknown:  # as OpenAI's API does: a misspelt field must not pass as a default
+        raise ApiError(400, f"unrecognized request argument(s): {', '.join(map(str, unknown))}",
+                       str(unknown[0]))  # fmt: skip
     if body.get("model", model) != model:
         raise ApiError(
             404, f"model {body.get('model')!r} does not exist; this server serves {model!r}",

@@ -7,7 +7,9 @@ its own process (`specx.server.app`), the Ray gateway's from replicas behind a d
 handle (`specx.server.ray_serve`). So a route added here exists in both, with the same
 bodies, the same key check and the same counting: /metrics counts every response (401s,
 404s and GETs too) by its route's path, and a path that is no route as "other", so a scan
-of made-up paths cannot grow the label set.
+of made-up paths cannot grow the label set. A path that is no route gets 404, and a route
+asked with another method 405 (with Allow), both in OpenAI's error shape and before the key
+check: which paths exist is public (this table), whether a key is good is not.
 """
 
 from __future__ import annotations
@@ -105,7 +107,8 @@ def build_app(
     lifespan: Callable[[FastAPI], AbstractAsyncContextManager[None]] | None = None,
 ) -> FastAPI:
     """The table's routes over `backend`, behind the key check and the response counter."""
-    app = FastAPI(title=title, lifespan=lifespan)
+    # No /docs or /openapi.json: the table is the API, and OpenAI's clients are its docs.
+    app = FastAPI(title=title, lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     for route in ROUTES:
         app.add_api_route(route.path, _endpoint(route, backend), methods=[route.method])
     # Plain ASGI middlewares: Starlette's BaseHTTPMiddleware (`@app.middleware`) wraps the
@@ -113,6 +116,7 @@ def build_app(
     # leave, and a non-streamed request whose client left would run to its end.
     if backend.options.access.required:
         app.add_middleware(_RequireKeys, access=backend.options.access)
+    app.add_middleware(_KnownRoutes)  # outside the key check: a made-up path is 404 to all
     # Added last, so outermost: it sees the key check's 401s too.
     app.add_middleware(_CountResponses, metrics=backend.counts)
     return app
@@ -125,8 +129,32 @@ def _endpoint(route: Route, backend: Backend) -> Callable[[Request], Awaitable[R
     return endpoint
 
 
+class _KnownRoutes:
+    """Answers 404 for a path that is no route and 405 for a route's path asked another way."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http":
+            method, path = scope["method"], scope["path"]
+            route = _BY_PATH.get(path)
+            if route is None or route.method != method:
+                await _misrouted(method, path, route)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def _misrouted(method: str, path: str, route: Route | None) -> JSONResponse:
+    if route is None:
+        e = ApiError(404, f"no such endpoint: {method} {path}", code="unknown_url")
+        return JSONResponse(e.body(), status_code=404)
+    e = ApiError(405, f"{path} takes {route.method}, not {method}", code="method_not_allowed")
+    return JSONResponse(e.body(), status_code=405, headers={"Allow": route.method})
+
+
 class _RequireKeys:
-    """Answers 401 unless the request's route lets it in (`Guard`); a made-up path needs a key."""
+    """Answers 401 unless the request's route lets it in (`Guard`)."""
 
     def __init__(self, app, access: Access):
         self.app, self.access = app, access

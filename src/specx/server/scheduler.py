@@ -11,7 +11,8 @@ the engine's pool for its drafting plan and given back when it ends.
 A job may carry a deadline: past it, a waiting job ends at once and a running one at the
 next round, both with finish reason "timeout" (its slot freed). `drain` stops admitting
 new jobs (`submit` raises `Unavailable`) while the queued and running ones finish;
-`wait_idle` waits for that.
+`wait_idle` waits for that, and `abort` ends whatever is left (finish reason "shutdown")
+when the drain's time is up.
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ class Finished:
     tokens: list[int]
     text: str
     tail: str  # text held back until the end (not yet in any TokensEvent)
-    finish_reason: str  # "stop" | "length" | "cancelled" | "timeout" | "error"
+    finish_reason: str  # "stop" | "length" | "cancelled" | "timeout" | "shutdown" | "error"
     prompt_tokens: int
     rounds: int
     drafted: int
@@ -108,7 +109,7 @@ class Scheduler:
         self._waiting: deque[Job] = deque()
         self._running: dict[int, tuple[Job, BatchSequence, TextStream]] = {}
         self._cond = threading.Condition()
-        self._closing = self._draining = False
+        self._closing = self._draining = self._aborting = False
         self._thread = threading.Thread(target=self._run, name="specx-scheduler", daemon=True)
         metrics.slots = slots
 
@@ -131,6 +132,20 @@ class Scheduler:
         """Admits no new job from now on; queued and running ones go on to their end."""
         with self._cond:
             self._draining = True
+
+    def abort(self) -> None:
+        """Ends every queued and running job now (finish reason "shutdown"); admits no more.
+
+        Running jobs end between rounds, on the decoding thread, so each one's client gets
+        its answer (an error) rather than a cut connection; `wait_idle` sees them gone.
+        """
+        with self._cond:
+            self._draining = self._aborting = True
+            while self._waiting:
+                job = self._waiting.popleft()
+                self._finish(job, _ended(job, "shutdown"))
+            self.metrics.queue_depth = 0
+            self._cond.notify()
 
     def wait_idle(self, timeout_s: float) -> bool:
         """Waits until no job is queued or running; False if `timeout_s` passed first."""
@@ -173,6 +188,11 @@ class Scheduler:
                     self._cond.wait()
                 if self._closing:
                     break
+                if self._aborting:  # between rounds: each row is whole
+                    for slot in list(self._running):
+                        self.batch.rows[slot] = None
+                        self._end(slot, "shutdown")
+                    continue
                 self._expire(time.perf_counter())
                 self._drop_cancelled()
                 admit: list[Job] = []

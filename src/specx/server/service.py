@@ -33,6 +33,8 @@ from specx.server.scheduler import Finished, Job, QueueFull, Scheduler, TokensEv
 
 __all__ = ["Opened", "Reply", "ServeOptions", "Service"]
 
+FAILURES = ("error", "timeout", "shutdown")  # finish reasons answered with an error
+
 
 @dataclass(frozen=True)
 class ServeOptions:
@@ -153,7 +155,7 @@ class Service:
                         return Reply(499, {})
         finally:
             opened.job.cancelled.set()  # a no-op once it finished
-        if event.finish_reason in ("error", "timeout"):
+        if event.finish_reason in FAILURES:
             return self.error(self._failure(event))
         return Reply(200, response_body(opened.request, event, self.engine.name, opened.rid))
 
@@ -170,7 +172,7 @@ class Service:
                         first = False
                         yield f"data: {json.dumps(chunk)}\n\n"
                     continue
-                if event.finish_reason in ("error", "timeout"):
+                if event.finish_reason in FAILURES:
                     yield f"data: {json.dumps(self._failure(event).body())}\n\n"
                 else:
                     chunk = stream_chunk(request, name, rid, event.tail, [], event, first=first)
@@ -185,6 +187,10 @@ class Service:
             limit = self.options.request_timeout_s
             return ApiError(504, f"the request ran past the server's {limit:g} s limit",
                             kind="timeout")  # fmt: skip
+        if event.finish_reason == "shutdown":
+            message = ("the server shut down before this request finished (its drain time "
+                       "ran out); retry on another instance")  # fmt: skip
+            return ApiError(503, message, kind="server_unavailable")
         return ApiError(500, f"decoding failed: {event.error}")
 
     def _job(self, request: GenerateRequest) -> tuple[Job, asyncio.Queue]:
