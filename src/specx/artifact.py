@@ -37,6 +37,7 @@ from specx.manifest_types import (
     DrafterSpec,
     GraphEntry,
     ModelSpec,
+    SourceGrid,
 )
 
 __all__ = [
@@ -262,6 +263,7 @@ class Manifest:
     files: Mapping[str, str]  # every pinned file (relative path) -> sha256
     tokenizer: str | None  # relative paths, as `files` names them
     chat_template: str | None
+    source_grid: SourceGrid | None = None  # a quantized source file's grid (GGUF exports)
 
     @classmethod
     def from_json(cls, root: Path, data: dict[str, Any]) -> Manifest:
@@ -278,6 +280,7 @@ class Manifest:
             files=data["files"],
             tokenizer=data.get("tokenizer"),
             chat_template=data.get("chat_template"),
+            source_grid=_source_grid(data),
         )
 
     def path(self, relative: str) -> Path:
@@ -375,6 +378,12 @@ class Manifest:
     def tokenizer_file(self) -> Path | None:
         """The artifact's tokenizer.json, or None when it was exported without one."""
         return None if self.tokenizer is None else self.root / self.tokenizer
+
+
+def _source_grid(data: dict[str, Any]) -> SourceGrid | None:
+    source = data.get("source")
+    grid = source.get("grid") if isinstance(source, dict) else None
+    return SourceGrid.from_json(grid) if isinstance(grid, dict) else None
 
 
 def exported_body(

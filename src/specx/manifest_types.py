@@ -42,6 +42,7 @@ __all__ = [
     "GraphEntry",
     "GreedyIdentity",
     "ModelSpec",
+    "SourceGrid",
     "Quantization",
     "ShapeMeasures",
     "TapSpec",
@@ -113,6 +114,27 @@ class ModelSpec:
             "eos_token_ids": list(self.eos_token_ids),
             "taps": self.taps.to_json(),
         }
+
+
+@dataclass(frozen=True)
+class SourceGrid:
+    """The quantization grid a quantized source file's weights are on (`specx.export.gguf`).
+
+    A build at the matching width keeps those codes and scales rather than rounding the
+    de-quantized weights again (`specx.build.grid`).
+    """
+
+    format: str  # "gguf"
+    file: str  # the source file's name
+    linears: str | None  # every layer MatMul's tensor type (e.g. "Q4_0"); None when mixed
+    output: str | None  # the output projection's type; None when tied to the embeddings
+
+    @classmethod
+    def from_json(cls, data: Json) -> SourceGrid:  # noqa: D102
+        return cls(data["format"], data["file"], data.get("linears"), data.get("output"))
+
+    def to_json(self) -> dict[str, Any]:  # noqa: D102
+        return dataclasses.asdict(self)
 
 
 @dataclass(frozen=True)

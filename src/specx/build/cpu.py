@@ -27,6 +27,7 @@ import numpy as np
 
 from specx.artifact import Manifest
 from specx.build.cpu_read import HEAD_GRAPHS, DecoderWeights, read_head, read_target, refuse
+from specx.build.grid import NONE_KEPT, Grid, KeptGrids, kept_codes, kept_grids
 from specx.build.ort import STREAMED_WEIGHTS, build_drafts
 from specx.build.registry import BuildJob, BuildOptions
 from specx.errors import BuildError
@@ -75,10 +76,17 @@ class _Writer:
         self.file.write(np.ascontiguousarray(array).tobytes())
         self.index[name] = {"offset": offset, "dtype": array.dtype.str, "shape": list(array.shape)}
 
-    def add_linear(self, name: str, weight: np.ndarray, bits: int, block: int) -> None:
-        """`weight` [n, k] rounded and packed (`_packed`); the index records how."""
-        self.add(name, _packed(weight, bits, block))
+    def add_linear(
+        self, name: str, weight: np.ndarray, bits: int, block: int, grid: Grid | None = None
+    ) -> None:
+        """`weight` [n, k] rounded and packed, or kept on `grid`; the index records how."""
         shape = {"k": weight.shape[1], "n": weight.shape[0]}
+        if grid is not None:
+            codes, scales = kept_codes(weight, grid, name)
+            self.add(name, kernels.pack_codes(codes, scales, grid.bits))
+            self.index[name].update(bits=grid.bits, block=grid.block, zero_points=False, **shape)
+            return
+        self.add(name, _packed(weight, bits, block))
         self.index[name].update(bits=bits, block=block, zero_points=bits == 4, **shape)
 
     def __enter__(self) -> _Writer:
@@ -165,7 +173,8 @@ class Cpu:
         bits = 4 if job.options.precision == "int4" else 8
         job.progress("[cpu] reading the target's weights")
         weights = read_target(job.manifest)
-        block = block_size(weights)
+        kept = kept_grids(job.manifest.source_grid, bits, OUTPUT_BITS)
+        block = kept.linears.block if kept.linears else block_size(weights)
         head, projection, why = read_head(job.manifest)
         on_kernels = HEAD_GRAPHS if head is not None else ()
         graphs: dict[str, GraphEntry] = {}
@@ -176,13 +185,18 @@ class Cpu:
             options = dataclasses.replace(job.options, backend="ort", weight_only=config)
             drafts = build_drafts(dataclasses.replace(job, options=options), skip=on_kernels)
             graphs = {n: dataclasses.replace(e, runtime="ort") for n, e in drafts.graphs.items()}
-        graphs["target"] = self._write(job, "target", weights, bits, block)
+        graphs["target"] = self._write(job, "target", weights, bits, block, kept)
         details: dict[str, object] = {
             "bits": bits,
             "block": block,
-            "symmetric": bits == 8,
+            "symmetric": bits == 8 or kept.linears is not None,
             "output_bits": OUTPUT_BITS,
         }
+        if kept.linears or kept.output:  # the source file's codes, not rounded again
+            source = job.manifest.source_grid
+            assert source is not None  # kept_grids keeps none without one
+            details["kept_grid"] = {"file": source.file, "linears": _grid_name(kept.linears),
+                                    "output": _grid_name(kept.output)}  # fmt: skip
         if head is not None and projection is not None:
             job.progress("[cpu] the EAGLE-3 head, on the kernels")
             head_block = block if _blocks_of(head, block) else kernels.QBLOCK
@@ -200,7 +214,13 @@ class Cpu:
         )
 
     def _write(
-        self, job: BuildJob, graph: str, weights: DecoderWeights, bits: int, block: int
+        self,
+        job: BuildJob,
+        graph: str,
+        weights: DecoderWeights,
+        bits: int,
+        block: int,
+        kept: KeptGrids = NONE_KEPT,
     ) -> GraphEntry:
         """`<graph>.bin` + `<graph>.json`: the weights packed, the index and constants."""
         with _Writer(job, graph, weights.constants) as writer:
@@ -210,7 +230,9 @@ class Cpu:
                 writer.add(name, norm)
             total = len(weights.linears)
             for i, (name, weight) in enumerate(weights.linears.items()):
-                writer.add_linear(name, weight, OUTPUT_BITS if name == "lm_head" else bits, block)
+                output = name == "lm_head"
+                grid = kept.output if output else kept.linears
+                writer.add_linear(name, weight, OUTPUT_BITS if output else bits, block, grid)
                 if i % 8 == 7 or i == total - 1:
                     job.progress(f"[cpu] {graph}: packed {i + 1}/{total} weights")
         return writer.entry
@@ -221,6 +243,10 @@ class Cpu:
         with _Writer(job, "draft_projection", {}) as writer:
             writer.add_linear("projection", weight, bits, block)
         return writer.entry
+
+
+def _grid_name(grid: Grid | None) -> str | None:
+    return None if grid is None else grid.name
 
 
 BACKEND = Cpu()

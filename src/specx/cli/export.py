@@ -27,7 +27,7 @@ __all__ = ["COMMANDS", "demo", "export"]
 
 
 @click.command()
-@click.argument("target_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.argument("target_dir", type=click.Path(exists=True, path_type=Path))
 @click.option(
     "-o",
     "--output",
@@ -94,7 +94,11 @@ def export(
     chat_template: Path | None,
     no_build: bool,
 ) -> None:
-    """Export the HF checkpoint in TARGET_DIR to a specx artifact (ONNX + manifest).
+    """Export the HF checkpoint in TARGET_DIR (or a GGUF file) to a specx artifact.
+
+    TARGET_DIR is a Hugging Face checkpoint directory, or llama.cpp's GGUF file (or a
+    directory holding one): Llama, Mistral and Qwen families; a Q4_0 / Q8_0 file's codes and
+    scales are kept by `specx build --backend cpu` at int4 / int8.
 
     Then builds it for ONNX Runtime on the CPU (ort-fp32, the fastest CPU build of the
     exported precision), unless --no-build; the exported graphs stay in the artifact and
@@ -104,9 +108,11 @@ def export(
 
     template = ChatTemplate.from_file(chat_template) if chat_template else None
     require_extra("export")
-    from specx.export.target_export import export_target
+    from specx.export.gguf import find_gguf
+    from specx.export.target_export import export_gguf, export_target
 
-    artifact = export_target(
+    export_from = export_gguf if find_gguf(target_dir) else export_target
+    artifact = export_from(
         target_dir,
         output_dir,
         max_context=max_context,

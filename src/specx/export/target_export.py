@@ -25,13 +25,14 @@ from specx.errors import ExportError
 from specx.export.checkpoint import Checkpoint, load_checkpoint
 from specx.export.config import TargetConfig, load_target_config
 from specx.export.decoder import TargetDecoder
+from specx.export.gguf import GgufFile
 from specx.export.onnx_graph import export_streamed, save_graph_streamed
 from specx.export.weight_writer import WeightWriter, planned_weights
 from specx.graphs.signature import graph_entry
 from specx.manifest_types import ModelSpec, TapSpec
 from specx.progress import Progress, heartbeat
 
-__all__ = ["DEFAULT_MAX_CONTEXT", "export_target", "io_names"]
+__all__ = ["DEFAULT_MAX_CONTEXT", "export_gguf", "export_target", "io_names"]
 
 log = logging.getLogger(__name__)
 
@@ -202,8 +203,12 @@ def export_target(
     overwrite: bool = False,
     chat_template: ChatTemplate | None = None,
     progress: Progress = lambda message: None,
+    gguf: GgufFile | None = None,
 ) -> Path:
     """Exports an HF target checkpoint (and optionally a draft head) to an artifact directory.
+
+    `gguf`: the checkpoint was written from this GGUF file (`export_gguf`), which the
+    manifest's source then names, with its grid.
 
     `drafter` is `eagle3:DIR`, `eagle:DIR`, `medusa:DIR`, `mtp` or `mtp:DIR`; the target
     then exports the taps that head reads (`taps` None picks them). An existing
@@ -227,7 +232,7 @@ def export_target(
         max_tree_tokens = min(DEFAULT_MAX_TREE_TOKENS, max_context)
     sources = _check_request(
         checkpoint_dir, output_dir, max_context, max_tree_tokens, taps, drafter, overwrite
-    )
+    ) + ((gguf.path,) if gguf else ())
     steps = 5 if drafter is None else 6  # a head is traced and written as a step of its own
     progress(f"[1/{steps}] loading {checkpoint_dir}")
     checkpoint = load_checkpoint(checkpoint_dir)
@@ -235,7 +240,8 @@ def export_target(
     # Hashed while the graph is traced (hashlib releases the GIL), off the export's path: its
     # time on a 1.5B export in docs/decisions.md#checkpoint-hashed-while-tracing.
     hashing = ThreadPoolExecutor(1)
-    digests = hashing.submit(lambda: {p.name: sha256_file(p) for p in checkpoint.files})
+    hashed = [gguf.path] if gguf else checkpoint.files
+    digests = hashing.submit(lambda: {p.name: sha256_file(p) for p in hashed})
     hashing.shutdown(wait=False)
     head, layers = None, None
     if drafter is not None:
@@ -279,9 +285,9 @@ def export_target(
         chat = chat_template or read_checkpoint_template(checkpoint_dir)
         if chat is not None:  # for `Engine.chat` and the server's /v1/chat/completions
             (staging / CHAT_TEMPLATE_FILE).write_text(chat.to_json(), encoding="utf-8")
-        progress(f"[{steps - 1}/{steps}] hashing {len(checkpoint.files)} source weight files")
+        progress(f"[{steps - 1}/{steps}] hashing {len(hashed)} source weight files")
         body = exported_body(
-            _source(checkpoint, digests.result()),
+            _source(checkpoint, digests.result(), gguf),
             _model_spec(checkpoint.config, decoder, max_context, max_tree_tokens),
             graphs,
             head_spec,
@@ -294,9 +300,11 @@ def export_target(
     return output_dir
 
 
-def _source(checkpoint: Checkpoint, weights: dict[str, str]) -> dict[str, Any]:
+def _source(
+    checkpoint: Checkpoint, weights: dict[str, str], gguf: GgufFile | None
+) -> dict[str, Any]:
     """The manifest's record of the checkpoint exported (`weights`: file name -> sha256)."""
-    return {
+    source = {
         "path": str(checkpoint.directory.absolute()),
         "family": checkpoint.config.family,
         "architectures": checkpoint.raw_config.get("architectures"),
@@ -304,6 +312,32 @@ def _source(checkpoint: Checkpoint, weights: dict[str, str]) -> dict[str, Any]:
         "config_sha256": sha256_file(checkpoint.directory / "config.json"),
         "weights": weights,
     }
+    if gguf is not None:  # the scratch checkpoint is gone once the export ends
+        del source["config_sha256"]
+        source |= {"path": str(gguf.path.absolute()), "grid": gguf.grid.to_json()}
+    return source
+
+
+def export_gguf(source: Path, output_dir: str | Path, **options: Any) -> Path:
+    """Exports a GGUF file (`source`, or a directory's only one) via an HF checkpoint.
+
+    As `export_target` would export the checkpoint it converts to (`specx.export.gguf`);
+    `options` are `export_target`'s. The file is checked, and the output directory, before
+    it is read.
+    """
+    from specx.export.gguf import find_gguf, inspect_gguf, write_checkpoint
+
+    path = find_gguf(source)
+    if path is None:
+        raise ExportError(f"{source}: neither a .gguf file nor a directory holding one")
+    gguf = inspect_gguf(path)
+    output_dir = Path(output_dir)
+    check_output_dir(output_dir, options.get("overwrite", False), (path,))
+    parent = output_dir.absolute().parent
+    parent.mkdir(parents=True, exist_ok=True)
+    progress = options.get("progress", lambda message: None)
+    with write_checkpoint(gguf, parent, progress) as checkpoint:
+        return export_target(checkpoint, output_dir, gguf=gguf, **options)
 
 
 def _model_spec(
