@@ -269,14 +269,15 @@ class OpenvinoGenai:
 class LlamaServer:
     """llama.cpp's `llama-server` on 127.0.0.1, a process of its own (a context manager).
 
-    One slot, the prompt cache off (`--cache-ram 0`, and `cache_prompt: false` on every
+    `slots` sequences decoded together (continuous batching; 1,024 tokens of context each),
+    the prompt cache off (`--cache-ram 0`, and `cache_prompt: false` on every
     request: a repeated prompt would time a cached prefill); `draft` and `args` start it
     with a draft model or head (`-md`, `--spec-type ...`). A server that dies (SIGILL in a
     kernel its build cannot run) raises RuntimeError naming its exit status.
     """
 
     def __init__(self, bin_dir: Path, model: Path, threads: int, draft: Path | None = None,
-                 args: Sequence[str] = ()):  # fmt: skip
+                 args: Sequence[str] = (), slots: int = 1):  # fmt: skip
         import socket
 
         with socket.socket() as probe:  # a free port, released for the server to take
@@ -284,8 +285,8 @@ class LlamaServer:
             self.port = probe.getsockname()[1]
         self.command = [
             str(bin_dir / "llama-server"), "-m", str(model), "--host", "127.0.0.1",
-            "--port", str(self.port), "-t", str(threads), "-tb", str(threads), "-c", "1024",
-            "-np", "1", "--cache-ram", "0", "--no-webui", *args,
+            "--port", str(self.port), "-t", str(threads), "-tb", str(threads),
+            "-c", str(1024 * slots), "-np", str(slots), "--cache-ram", "0", "--no-webui", *args,
         ]  # fmt: skip
         if draft is not None:
             self.command += ["-md", str(draft), "-td", str(threads), "-tbd", str(threads)]

@@ -27,6 +27,9 @@ Writes benchmarks/results/prefix_cache.json.
 
     python -m benchmarks.serving --prefix-cache [--artifact DIR] [--prefix 700] [--suffix 20]
         [--requests 8] [--new-tokens 8] [--threads 2]
+
+`--llama-cpp`: pyref-1b int4 under 1-16 clients against llama-server on the same checkpoint
+(benchmarks/serving_llama_cpp.py says how).
 """
 
 from __future__ import annotations
@@ -158,10 +161,12 @@ def plot(report: dict, path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prefix-cache", action="store_true", help="TTFT, prefix cache on/off")
+    parser.add_argument("--llama-cpp", action="store_true", help="pyref-1b vs llama-server")
+    parser.add_argument("--drafter-head", default="eagle3", help="--llama-cpp: specx's drafter")
     parser.add_argument("--requests", type=int, default=None, help="default 24; 8 for TTFT")
     parser.add_argument("--new-tokens", type=int, default=None, help="default 96; 8 for TTFT")
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--concurrency", default="1,4,16")
+    parser.add_argument("--concurrency", default=None, help="default 1,4,16 (1,2,4,8,16)")
     parser.add_argument("--drafter", default="suffix")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--slots", type=int, default=16)
@@ -174,7 +179,12 @@ def main() -> None:
     if not (PYREF_7M / "config.json").is_file():
         log(f"{SHARED} has no pyref-7m; nothing measured")
         return
-    if args.prefix_cache:
+    if args.llama_cpp:
+        from benchmarks.serving_llama_cpp import against_llama_cpp
+
+        args.concurrency = args.concurrency or "1,2,4,8,16"
+        against_llama_cpp(args, Server)
+    elif args.prefix_cache:
         prefix_cache(args)
     else:
         under_load(args)
@@ -185,7 +195,7 @@ def under_load(args: argparse.Namespace) -> None:
     args.requests = args.requests or 24
     args.new_tokens = args.new_tokens or 96
     args.out = args.out or RESULTS / "serving.json"
-    levels = [int(c) for c in args.concurrency.split(",")]
+    levels = [int(c) for c in (args.concurrency or "1,4,16").split(",")]
     prompts = load_prompts("humaneval.jsonl", args.requests // 2) + load_prompts(
         "mt_bench.jsonl", args.requests - args.requests // 2
     )

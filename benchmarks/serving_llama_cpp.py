@@ -1,0 +1,196 @@
+"""`python -m benchmarks.serving --llama-cpp`: `specx serve` against llama-server under load.
+
+pyref-1b int4 on both sides: specx serves its EAGLE-3 artifact's default build (`--artifact`,
+edge.py's, `--drafter eagle3`: the artifact's head), llama.cpp its own Q4_0 file of the same
+checkpoint with continuous batching (`-np C`, a 1,024-token context a slot). For each
+concurrency C in `--concurrency` both servers start fresh with C slots (prompt caching off on
+both: `--no-prefix-cache`; `--cache-ram 0` and `cache_prompt: false`) and C client threads
+on 127.0.0.1 send `--requests` greedy streamed completions (HumanEval prompts, `--new-tokens`
+each, end of text ignored), each thread starting its next request when its last one ends;
+the servers take turns level by level (llama.cpp first at odd levels).
+
+Reported per server and level: output tokens/s over the wall time, time to first token p50 /
+p99, inter-token latency p50 / p99 (a chunk's wait spread over its tokens), and whether every
+specx output equals specx's own plain decoding of the prompt (computed in this process
+first); llama.cpp's outputs are compared with specx's (other arithmetic: agreement, not
+identity). Then specx's engine in this process (`specx.load(...).generate` with the same
+drafter, one request at a time) against the server at one client, tokens/s alike.
+Writes benchmarks/results/serving_llama_cpp.json.
+
+    python -m benchmarks.serving --llama-cpp [--concurrency 1,2,4,8,16] [--requests 16]
+        [--new-tokens 64]
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import subprocess
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from benchmarks.inputs import RESULTS, load_prompts, log
+from benchmarks.runners import LlamaServer
+
+CACHE = Path.home() / ".cache" / "specx"
+ARTIFACT = CACHE / "edge" / "specx" / "eagle3"
+GGUF = CACHE / "llama.cpp" / "models" / "pyref-1b-q4_0.gguf"
+LLAMA_BIN = CACHE / "llama.cpp" / "build" / "bin"
+
+
+@dataclass
+class Streamed:
+    """One streamed request: when it started and when each chunk's tokens came."""
+
+    started: float
+    arrivals: list[tuple[float, int]] = field(default_factory=list)  # (time, tokens in chunk)
+    tokens: list[int] = field(default_factory=list)
+
+    def take(self, ids: list[int]) -> None:  # noqa: D102
+        if ids:
+            self.arrivals.append((time.perf_counter(), len(ids)))
+            self.tokens += ids
+
+
+def specx_request(url: str, prompt: list[int], new_tokens: int) -> Streamed:
+    """A greedy completion from `specx serve` (its default drafter), streamed."""
+    import httpx
+
+    body = {"prompt": prompt, "max_tokens": new_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True}  # fmt: skip
+    out = Streamed(time.perf_counter())
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=600) as response:
+        response.raise_for_status()
+        for line in response.iter_lines():
+            payload = line.removeprefix("data: ")
+            if line and payload != "[DONE]":
+                out.take(json.loads(payload)["choices"][0]["token_ids"])
+    return out
+
+
+def llama_request(url: str, prompt: list[int], new_tokens: int) -> Streamed:
+    """A greedy completion from llama-server's /completion, streamed, token ids returned."""
+    import httpx
+
+    body = {"prompt": prompt, "n_predict": new_tokens, "ignore_eos": True, "temperature": 0.0,
+            "cache_prompt": False, "return_tokens": True, "stream": True}  # fmt: skip
+    out = Streamed(time.perf_counter())
+    with httpx.stream("POST", f"{url}/completion", json=body, timeout=600) as response:
+        response.raise_for_status()
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                out.take([int(t) for t in json.loads(line[6:]).get("tokens", [])])
+    return out
+
+
+def percentile(values: list[float], q: float) -> float:  # noqa: D103
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def load(request, url: str, prompts: list[list[int]], clients: int, new_tokens: int) -> dict:
+    """`prompts` sent by `clients` threads; throughput, TTFT and inter-token latency."""
+    started = time.perf_counter()
+    with ThreadPoolExecutor(clients) as pool:
+        results = list(pool.map(lambda p: request(url, p, new_tokens), prompts))
+    wall = time.perf_counter() - started
+    ttft = [r.arrivals[0][0] - r.started for r in results]
+    gaps = [
+        (t - before) / n
+        for r in results
+        for (before, _), (t, n) in zip(r.arrivals, r.arrivals[1:], strict=False)
+        for _ in range(n)
+    ]
+    return {
+        "tokens_per_s": sum(len(r.tokens) for r in results) / wall,
+        "ttft_p50_s": statistics.median(ttft),
+        "ttft_p99_s": percentile(ttft, 0.99),
+        "itl_p50_ms": 1e3 * statistics.median(gaps),
+        "itl_p99_ms": 1e3 * percentile(gaps, 0.99),
+        "wall_s": wall,
+        "tokens": [r.tokens for r in results],
+    }
+
+
+def engine_alone(artifact: Path, prompts, new_tokens: int, threads: int, drafter: str):
+    """specx's engine in this process: plain outputs, and its own speed with `drafter`."""
+    import specx
+
+    engine = specx.load(artifact, threads=threads)
+    plain = [engine.generate(p, max_new_tokens=new_tokens, ignore_eos=True).tokens
+             for p in prompts]  # fmt: skip
+    started = time.perf_counter()
+    fast = [engine.generate(p, max_new_tokens=new_tokens, ignore_eos=True, speculation=drafter)
+            for p in prompts]  # fmt: skip
+    wall = time.perf_counter() - started
+    assert [f.tokens for f in fast] == plain, "the engine's speculative outputs left plain's"
+    return plain, {"tokens_per_s": sum(len(f.tokens) for f in fast) / wall, "wall_s": wall}
+
+
+def against_llama_cpp(args, specx_server) -> None:
+    """The module docstring's run; `specx_server` starts `specx serve` (serving.Server)."""
+    artifact, levels = args.artifact or ARTIFACT, [int(c) for c in args.concurrency.split(",")]
+    requests, new_tokens = args.requests or 16, args.new_tokens or 64
+    for needed in (artifact, GGUF, LLAMA_BIN / "llama-server"):
+        if not needed.exists():
+            raise SystemExit(f"{needed} is missing: benchmarks.edge and benchmarks.llama_cpp")
+    prompts = load_prompts("humaneval.jsonl", requests)
+    log(f"{len(prompts)} prompts x {new_tokens} tokens: specx's plain outputs and engine speed")
+    plain, engine = engine_alone(artifact, prompts, new_tokens, args.threads, args.drafter_head)
+    report = {
+        "benchmark": "serving_llama_cpp",
+        "specx_commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"],
+                                       capture_output=True, text=True).stdout.strip(),
+        "machine": {"platform": platform.platform(), "threads": args.threads},
+        "artifact": str(artifact), "gguf": str(GGUF), "drafter": args.drafter_head,
+        "requests": len(prompts), "new_tokens": new_tokens, "engine_alone": engine,
+        "levels": {},
+    }  # fmt: skip
+    for i, clients in enumerate(levels):
+        row = {}
+        order = ("specx", "llama.cpp") if i % 2 == 0 else ("llama.cpp", "specx")
+        for side in order:
+            if side == "specx":
+                server = specx_server(artifact, args.threads, clients, "--drafter",
+                                      args.drafter_head, "--no-prefix-cache")  # fmt: skip
+                try:
+                    row[side] = load(specx_request, server.url, prompts, clients, new_tokens)
+                finally:
+                    server.close()
+            else:
+                with LlamaServer(LLAMA_BIN, GGUF, args.threads, slots=clients) as llama:
+                    url = f"http://127.0.0.1:{llama.port}"
+                    row[side] = load(llama_request, url, prompts, clients, new_tokens)
+        outputs = {side: row[side].pop("tokens") for side in row}
+        row["specx_equal_to_plain"] = outputs["specx"] == plain
+        agree = [a == b for a, b in zip(outputs["llama.cpp"], plain, strict=True)]
+        row["llama_cpp_equal_to_specx_plain"] = sum(agree)
+        specx_rate, llama_rate = row["specx"]["tokens_per_s"], row["llama.cpp"]["tokens_per_s"]
+        row["ratio_tokens_per_s"] = specx_rate / llama_rate
+        report["levels"][str(clients)] = row
+        log(f"c={clients}: specx {specx_rate:.1f} tok/s, llama.cpp {llama_rate:.1f} "
+            f"({row['ratio_tokens_per_s']:.2f}x)")  # fmt: skip
+    one = report["levels"].get("1")
+    if one:
+        report["server_vs_engine_at_one_client"] = (
+            one["specx"]["tokens_per_s"] / engine["tokens_per_s"]
+        )
+    out = args.out or RESULTS / "serving_llama_cpp.json"
+    out.write_text(json.dumps(report, indent=1) + "\n")
+    print("| clients | specx tok/s | llama.cpp tok/s | ratio | TTFT p50/p99 s, specx vs llama.cpp "
+          "| ITL p50/p99 ms, specx vs llama.cpp | specx == plain |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|")
+    for c, row in report["levels"].items():
+        s, p = row["specx"], row["llama.cpp"]
+        print(f"| {c} | {s['tokens_per_s']:.1f} | {p['tokens_per_s']:.1f} | "
+              f"{row['ratio_tokens_per_s']:.2f}x | {s['ttft_p50_s']:.2f}/{s['ttft_p99_s']:.2f} vs "
+              f"{p['ttft_p50_s']:.2f}/{p['ttft_p99_s']:.2f} | {s['itl_p50_ms']:.0f}/"
+              f"{s['itl_p99_ms']:.0f} vs {p['itl_p50_ms']:.0f}/{p['itl_p99_ms']:.0f} | "
+              f"{row['specx_equal_to_plain']} |")  # fmt: skip
+    print(
+        f"engine alone {engine['tokens_per_s']:.1f} tok/s; server at one client "
+        f"{report.get('server_vs_engine_at_one_client', float('nan')):.2f}x of it"
+    )
