@@ -7,7 +7,8 @@ concurrency C in `--concurrency` both servers start fresh with C slots (prompt c
 both: `--no-prefix-cache`; `--cache-ram 0` and `cache_prompt: false`) and C client threads
 on 127.0.0.1 send `--requests` greedy streamed completions (HumanEval prompts, `--new-tokens`
 each, end of text ignored), each thread starting its next request when its last one ends;
-the servers take turns level by level (llama.cpp first at odd levels).
+the servers take turns level by level (llama.cpp first at odd levels), each warmed by one
+short request a client first.
 
 Reported per server and level: output tokens/s over the wall time, time to first token p50 /
 p99, inter-token latency p50 / p99 (a chunk's wait spread over its tokens), and whether every
@@ -92,7 +93,14 @@ def percentile(values: list[float], q: float) -> float:  # noqa: D103
 
 
 def load(request, url: str, prompts: list[list[int]], clients: int, new_tokens: int) -> dict:
-    """`prompts` sent by `clients` threads; throughput, TTFT and inter-token latency."""
+    """`prompts` sent by `clients` threads; throughput, TTFT and inter-token latency.
+
+    The server is warmed first by `clients` short requests at once (its weights paged in,
+    each slot used, a speculative server's round costs timed), untimed, as a server that
+    has run a while is.
+    """
+    with ThreadPoolExecutor(clients) as pool:
+        list(pool.map(lambda p: request(url, p, 8), prompts[:clients]))
     started = time.perf_counter()
     with ThreadPoolExecutor(clients) as pool:
         results = list(pool.map(lambda p: request(url, p, new_tokens), prompts))
