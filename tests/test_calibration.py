@@ -351,7 +351,7 @@ def test_on_an_int8_build_trees_are_candidates_and_verified_through_their_spine(
     )
     assert entry.report["spine_only"] and entry.report["trees_by_budget"]
     # the build's verify curve, for the controller's prices (`RoundCosts`)
-    assert entry.verify_shape is not None and entry.verify_shape.build == "ort-int8"
+    assert entry.verify_shape is not None and entry.verify_shape.build == "ort-int8-static"
     assert entry.verify_shape.tokens[0] == 1 and entry.verify_shape.relative[0] == 1.0
     labels = [c.label for c in entry.choice.measured.candidates]
     assert any(not label.startswith("chain") for label in labels), labels
@@ -364,7 +364,7 @@ def test_on_an_int8_build_trees_are_candidates_and_verified_through_their_spine(
         return json.loads(result.stdout)["stats"], result.stderr
 
     stats, warning = generate("--max-batch-spec", "1")
-    assert stats["build"] == "ort-int8" and stats["compare"]["identical_tokens"]
+    assert stats["build"] == "ort-int8-static" and stats["compare"]["identical_tokens"]
     assert "warning" not in warning
     label = entry.choice.label  # the calibrated shape, as --tree spells it
     named = label.replace(" ", ":") if entry.choice.tree in ("chain", "dynamic") else "static ("

@@ -8,8 +8,11 @@ target's prefill of each calibration prompt. Only MatMul inputs are quantized; t
 `specx::TreeAttention` nodes (and the model-local function behind them), RMSNormalization,
 RoPE and the MatMul outputs (the logits among them) stay float32, and so does the KV cache.
 
-The result is a build like any backend's (`specx.build.staging`): `builds/ort-int8.<id>/`,
-recorded in the manifest under `builds["ort-int8"]` (with a `quantization` record: method,
+The result is a build like any backend's (`specx.build.staging`):
+`builds/ort-int8-static.<id>/`, recorded in the manifest under `builds["ort-int8-static"]`
+(named apart from `specx build --precision int8`'s weight-only `ort-int8`, which it once
+shared a name with, each replacing the other; an older manifest's static `ort-int8` still
+opens under that name) (with a `quantization` record: method,
 calibration size, and the accuracy against the float32 graph) and made the
 `default_build`; a failed quantization leaves the manifest untouched.
 
@@ -63,7 +66,7 @@ __all__ = [
 
 MODES = ("int8", "fp8", "trt-int8")
 _MODELOPT_MODES = ("fp8", "trt-int8")
-BUILD_NAME = "ort-int8"
+BUILD_NAME = "ort-int8-static"
 METHOD = (
     "static QDQ (ONNX Runtime quantize_static, MinMax calibration): per-channel symmetric "
     "int8 weights, per-tensor symmetric int8 activations, MatMul inputs only; TreeAttention, "
@@ -160,7 +163,7 @@ class Int8Static:
         self.mode, self.eval_prompts, self.threads = mode, eval_prompts, threads
 
     def build_name(self, options: BuildOptions) -> str:
-        """Always `ort-int8`."""
+        """Always `ort-int8-static`."""
         return BUILD_NAME
 
     def check(self, manifest: Manifest, options: BuildOptions, prompts: Sequence) -> None:

@@ -168,7 +168,7 @@ def quantize(
     threads: int | None,
     as_json: bool,
 ) -> None:
-    """Quantize the target graph of ARTIFACT_DIR and make it the default build (`ort-int8`).
+    """Quantize the target graph of ARTIFACT_DIR and make it the default build (`ort-int8-static`).
 
     Weights per channel and activations per tensor, both symmetric int8, in QDQ form
     around every MatMul; activation ranges come from a prefill of each prompt. Attention,
