@@ -264,9 +264,13 @@ class Manifest:
     tokenizer: str | None  # relative paths, as `files` names them
     chat_template: str | None
     source_grid: SourceGrid | None = None  # a quantized source file's grid (GGUF exports)
+    # Builds whose files fail their pins (build name -> what failed): each blocks only itself.
+    damaged: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     @classmethod
-    def from_json(cls, root: Path, data: dict[str, Any]) -> Manifest:
+    def from_json(
+        cls, root: Path, data: dict[str, Any], damaged: Mapping[str, str] | None = None
+    ) -> Manifest:
         """The manifest of a body `parse_manifest` checked (which this cannot fail on)."""
         drafter = data.get("drafter")
         return cls(
@@ -281,6 +285,7 @@ class Manifest:
             tokenizer=data.get("tokenizer"),
             chat_template=data.get("chat_template"),
             source_grid=_source_grid(data),
+            damaged=dict(damaged or {}),
         )
 
     def path(self, relative: str) -> Path:
@@ -302,7 +307,16 @@ class Manifest:
         `builds` maps a build name to its backend, precision and graphs; `default_build`
         names the one `specx generate` runs unless told otherwise.
         """
-        return None if self.default_build is None else self.builds[self.default_build]
+        name = self.default_build
+        if name is not None and name in self.damaged:
+            healthy = [b for b in self.builds if b not in self.damaged]
+            raise ArtifactError(
+                f"build {name!r} of {self.root} is damaged: "
+                f"{self.damaged[name]}. `specx build` with its --backend and "
+                f"--precision replaces it; the artifact's other builds run (--build NAME: "
+                f"{healthy + ['exported']})"
+            )
+        return None if name is None else self.builds[name]
 
     def with_build(self, name: str | None) -> Manifest:
         """This artifact with build `name` as the default (None: the exported graphs)."""
@@ -321,7 +335,8 @@ class Manifest:
         data = {**self.data, "builds": {**self.data.get("builds", {}), name: entry.to_json()}}
         data.pop("build_choice", None)
         builds = {**self.builds, name: entry}
-        return dataclasses.replace(self, data=data, builds=builds).with_build(name)
+        damaged = {b: why for b, why in self.damaged.items() if b != name}
+        return dataclasses.replace(self, data=data, builds=builds, damaged=damaged).with_build(name)
 
     def runtime_graph(self, name: str) -> GraphEntry:
         """The entry of graph `name` in the default build, else the exported graph's."""
@@ -428,14 +443,16 @@ def write_manifest(
 
     Files under the directories in `exclude` (relative paths) are left out: a build being
     replaced, which is deleted once the new manifest is in place. `known` gives digests
-    computed while the files were written (relative path -> sha256), not read again.
+    computed while the files were written (relative path -> sha256), not read again. A file
+    the manifest already pins keeps its pin: specx rewrites the manifest, never a file it
+    pinned, so a file damaged since keeps failing its check rather than being pinned anew.
 
     Returns:
         The full manifest as written.
     """
     root = Path(root)
     excluded = tuple(root / e for e in exclude)
-    known = known or {}
+    known = {**_pinned(root), **(known or {})}
     files = {
         p.relative_to(root).as_posix(): known.get(p.relative_to(root).as_posix()) or sha256_file(p)
         for p in sorted(root.rglob("*"))
@@ -456,6 +473,15 @@ def write_manifest(
     return manifest
 
 
+def _pinned(root: Path) -> dict[str, str]:
+    """The files the manifest at `root` pins (none where there is no readable one)."""
+    try:
+        files = json.loads((root / MANIFEST_NAME).read_text(encoding="utf-8")).get("files")
+    except (OSError, ValueError, AttributeError):
+        return {}
+    return dict(files) if isinstance(files, dict) else {}
+
+
 def load_manifest(root: str | os.PathLike[str], verify_hashes: bool = True) -> Manifest:
     """Reads and verifies an artifact's manifest.
 
@@ -468,18 +494,44 @@ def load_manifest(root: str | os.PathLike[str], verify_hashes: bool = True) -> M
     if not manifest_path.is_file():
         raise ArtifactError(f"{root} is not a specx artifact: {MANIFEST_NAME} is missing")
     data = parse_manifest(manifest_path.read_bytes(), str(manifest_path))
+    damaged: dict[str, str] = {}
     if verify_hashes:
+        owners = _build_files(data)
         for name, expected in data["files"].items():
-            path = root / name
-            if not path.is_file():
-                raise ArtifactError(f"{path} is listed in {manifest_path} but missing")
-            actual = sha256_file(path)
-            if actual != expected:
-                raise ArtifactError(
-                    f"{path} does not match {manifest_path}: sha256 {actual} != {expected} "
-                    "(the file was modified or truncated after export)"
-                )
-    return Manifest.from_json(root, data)
+            problem = _pin_problem(root / name, expected, manifest_path)
+            if problem is None:
+                continue
+            if name not in owners:  # shared by every build (exported graphs, tokenizer)
+                raise ArtifactError(problem)
+            for build in owners[name]:
+                damaged.setdefault(build, problem)
+    return Manifest.from_json(root, data, damaged)
+
+
+def _pin_problem(path: Path, expected: str, manifest_path: Path) -> str | None:
+    """What is wrong with a pinned file, or None where it matches its sha256."""
+    if not path.is_file():
+        return f"{path} is listed in {manifest_path} but missing"
+    actual = sha256_file(path)
+    if actual != expected:
+        return (
+            f"{path} does not match {manifest_path}: sha256 {actual} != {expected} "
+            "(the file was modified or truncated after it was written)"
+        )
+    return None
+
+
+def _build_files(data: dict[str, Any]) -> dict[str, list[str]]:
+    """Each file only builds use -> those builds (the rest every build may read)."""
+    shared = {g["file"] for g in data["graphs"].values()}
+    shared |= {d for g in data["graphs"].values() for d in g.get("data_files", [])}
+    owners: dict[str, list[str]] = {}
+    for build, entry in data.get("builds", {}).items():
+        for graph in entry.get("graphs", {}).values():
+            for name in [graph["file"], *graph.get("data_files", []), graph.get("engine")]:
+                if name and name not in shared:
+                    owners.setdefault(name, []).append(build)
+    return owners
 
 
 def parse_manifest(raw: bytes, where: str) -> dict[str, Any]:

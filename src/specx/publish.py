@@ -125,6 +125,10 @@ def verify_artifact(source: str | os.PathLike[str]) -> VerifyReport:
     source = Path(source)
     if source.is_dir():
         manifest = load_manifest(source)
+        if manifest.damaged:  # the runtime opens the others; a verify fails on any
+            raise ArtifactError(
+                "; ".join(f"build {b!r}: {why}" for b, why in sorted(manifest.damaged.items()))
+            )
     elif source.is_file():
         manifest = _verify_tar(source)
     else:
