@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numpy as np
+
 from specx.artifact import load_manifest
 from specx.runtime.continuous import BatchSequence, ContinuousBatch
 from specx.runtime.controller import controller_for
@@ -55,3 +57,31 @@ def test_a_wide_draft_never_pushes_a_full_row_past_its_cache(artifacts):
         batch.step()  # before the cap: "overflows the KV cache"
     assert full.emitted == generate_plain(target, [prompt], tokens).tokens[0]
     assert wide.emitted == generate_plain(target, [[5, 9] * 8], 20).tokens[0]
+
+
+def test_a_prompt_prefilled_in_chunks_joins_between_rounds_and_decodes_as_alone(artifacts):
+    """A 40-token prompt fed 8 tokens between rounds, in the lowest slot: the rows above it
+    keep emitting while it is fed (their rounds ride over its slot without spoiling what it
+    has fed), and every sequence decodes what it decodes alone."""
+    target = OrtTarget(load_manifest(artifacts["llama"]), threads=2)
+    long = np.random.default_rng(5).integers(1, 400, 40).tolist()
+    prompts = [long, [5, 9, 5, 9, 5, 9, 13], [7, 3, 11, 7, 3]]
+    expected = [generate_plain(target, [p], 24).tokens[0] for p in prompts]
+    batch = ContinuousBatch(target, 3)
+    late = _sequence(long, 24, make_drafter("ngram", target, DrafterOptions()))
+    first = _sequence(prompts[1], 24)  # plain: one token a round
+    second = _sequence(prompts[2], 24, make_drafter("suffix", target, DrafterOptions()))
+    assert batch.admit(late, chunked=True) == 0
+    assert batch.prefilling == 1 and batch.free == 2 and not late.emitted
+    batch.admit(first)
+    batch.admit(second, chunked=True)  # waits for the long one: prompts go in arrival order
+    emitted_while_fed = []
+    while batch.prefilling:
+        before = len(first.emitted)
+        assert batch.prefill(8) == []
+        batch.step()
+        emitted_while_fed.append(len(first.emitted) - before)
+    assert emitted_while_fed == [1] * 6  # 5 chunks of the long prompt, then the short one
+    while batch.running:
+        batch.step()
+    assert [s.emitted for s in (late, first, second)] == expected

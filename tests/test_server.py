@@ -84,7 +84,9 @@ def serving(artifact, step_s: float = 0.0, **options):
 
 @pytest.fixture(scope="module")
 def server(artifacts):
-    with serving(artifacts["llama"], slots=4, queue_size=64, drafter="ngram") as running:
+    # Prompts prefilled 4 tokens between rounds: requests join mid-prefill under load.
+    with serving(artifacts["llama"], slots=4, queue_size=64, drafter="ngram",
+                 prefill_chunk=4) as running:  # fmt: skip
         yield running
 
 

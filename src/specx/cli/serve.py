@@ -85,6 +85,14 @@ __all__ = ["COMMANDS", "serve"]
 )
 @click.option("--no-prefix-cache", is_flag=True, help="Prefill every prompt whole.")
 @click.option(
+    "--prefill-chunk",
+    type=click.IntRange(0),
+    default=64,
+    show_default=True,
+    help="Prompt tokens prefilled between two decoding rounds, so running streams wait for "
+    "one chunk at most while a new prompt goes in (0: whole prompts).",
+)
+@click.option(
     "--request-timeout",
     type=click.FloatRange(0, min_open=True),
     default=None,
@@ -133,6 +141,7 @@ def serve(
     insecure_no_api_key: bool,
     prefix_cache_mb: int,
     no_prefix_cache: bool,
+    prefill_chunk: int,
     request_timeout: float | None,
     drain_timeout: float,
     on_ray: bool,
@@ -170,6 +179,7 @@ def serve(
         slots, queue_size, drafter, max_body_bytes, chat_template=template, access=access,
         request_timeout_s=request_timeout,
         prefix_cache_bytes=0 if no_prefix_cache else prefix_cache_mb << 20, build=build_name,
+        prefill_chunk=prefill_chunk,
     )  # fmt: skip
     if on_ray:
         _serve_on_ray(artifact_dir, threads, options, replicas, address, cpus_per_replica,

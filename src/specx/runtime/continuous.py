@@ -18,6 +18,15 @@ than one per batch. Verification, the expensive part, stays batched.
 With a `PrefixCache`, `admit` copies the longest cached prefix of the prompt into the slot
 and prefills only the rest (`specx.runtime.prefix_cache`).
 
+Chunked prefill (`admit(..., chunked=True)`): the slot is taken and the prompt waits;
+`prefill(budget)` then feeds pending prompts `budget` tokens at a time, in arrival order,
+and a prompt fully fed joins the batch with its first token. The server calls it between
+rounds with a budget while sequences run, so a new request's prefill delays each running
+stream's next tokens by one chunk at most rather than by whole prompts (measured:
+benchmarks/README.md#servingpy). A prompt's chunks are what a prefix-cache hit already
+does (its cache filled in pieces), and on builds whose rows are exact alone (the CPU
+kernels) the same bits as one prefill.
+
 The forward covers slots [0, highest running slot]; free slots below it ride along at
 length 0 (their rows are overwritten at the next admit), so new requests take the lowest
 free slot.
@@ -46,6 +55,16 @@ from specx.runtime.trees import DraftTree, depth_of
 from specx.runtime.verification import RandomCoin, verify
 
 __all__ = ["BatchSequence", "ContinuousBatch"]
+
+
+@dataclass
+class Pending:
+    """A prompt being prefilled in chunks: its sequence, tokens fed, taps gathered."""
+
+    sequence: BatchSequence
+    needed: int  # the slots its drafter's start is told (`check`)
+    fed: int  # prompt tokens in its cache so far
+    taps: list[np.ndarray] | None = field(default_factory=list)  # None: a cached prefix had none
 
 
 @dataclass(eq=False)  # compared by identity: the batch's rows are these objects
@@ -96,6 +115,7 @@ class ContinuousBatch:
         self.target, self.prefix_cache = target, prefix_cache
         self.cache: KVCache = target.allocate_cache(slots)
         self.rows: list[BatchSequence | None] = [None] * slots
+        self.pending: dict[int, Pending] = {}  # slot -> a prompt prefilled in chunks
         self._views: dict[int, KVCache] = {}
         self.draft_s = self.verify_s = 0.0
         self.draft_prefill_s = 0.0  # drafters' deferred prompt prefills, apart from rounds
@@ -111,7 +131,7 @@ class ContinuousBatch:
     @property
     def free(self) -> int:
         """Slots a request could take now."""
-        return len(self.rows) - self.running
+        return len(self.rows) - self.running - len(self.pending)
 
     def check(self, prompt: list[int], max_new_tokens: int, scratch: int = 0) -> int:
         """Refuses a request that cannot fit a slot (GenerationError), before any work.
@@ -122,21 +142,97 @@ class ContinuousBatch:
         capacity, vocab = self.cache.capacity, self.target.vocab_size
         return check_prompts([prompt], max_new_tokens, capacity, vocab, scratch)
 
-    def admit(self, sequence: BatchSequence) -> int:
-        """Prefills `sequence` into the lowest free slot, emits its first token; its slot.
+    def admit(self, sequence: BatchSequence, chunked: bool = False) -> int:
+        """Takes the lowest free slot for `sequence`; returns it.
 
-        If anything fails, the slot stays free.
+        Prefills the prompt now and emits its first token, or with `chunked` leaves the
+        prompt to `prefill`. If anything fails, the slot stays free.
         """
         needed = self.check(sequence.prompt, sequence.max_new_tokens, scratch_of(sequence.drafter))
-        slot = self.rows.index(None)
+        slot = next(i for i, r in enumerate(self.rows) if r is None and i not in self.pending)
         view = self.cache.row(slot)
-        logits, taps = self._prefill(view, sequence.prompt)
+        hit = self.prefix_cache.lookup(sequence.prompt) if self.prefix_cache is not None else None
+        pending = Pending(sequence, needed, 0 if hit is None else hit.tokens)
+        if hit is not None:
+            PrefixCache.write(view, hit)
+            pending.taps = None if hit.taps is None else [hit.taps]
+        self.cache.lengths[slot] = pending.fed
+        if chunked:
+            self.pending[slot] = pending
+            return slot
+        self._start(slot, pending, *self._feed(view, pending, len(sequence.prompt)))
+        return slot
+
+    def prefill(self, budget: int | None = None) -> list[tuple[BatchSequence, Exception]]:
+        """Feeds pending prompts up to `budget` tokens (None: all), in arrival order.
+
+        A prompt fully fed joins the batch with its first token. Returns the sequences that
+        failed, each with its error; their slots are free again.
+        """
+        failed = []
+        for slot, pending in list(self.pending.items()):
+            if budget is not None and budget <= 0:
+                break
+            left = len(pending.sequence.prompt) - pending.fed
+            take = left if budget is None else min(left, budget)
+            try:
+                logits, taps = self._feed(self.cache.row(slot), pending, take)
+                if pending.fed == len(pending.sequence.prompt):
+                    del self.pending[slot]
+                    self._start(slot, pending, logits, taps)
+            except Exception as e:  # noqa: BLE001 - one bad request must not stop the others
+                self.evict(slot)
+                failed.append((pending.sequence, e))
+            if budget is not None:
+                budget -= take
+        return failed
+
+    @property
+    def prefilling(self) -> int:
+        """Prompts waiting for `prefill`."""
+        return len(self.pending)
+
+    def evict(self, slot: int) -> None:
+        """Frees `slot` now, whatever it holds (the server's shutdown, a failed round)."""
+        self.pending.pop(slot, None)
+        self.rows[slot] = None
+        self.cache.lengths[slot] = 0
+
+    def _feed(
+        self, view: KVCache, pending: Pending, count: int
+    ) -> tuple[np.ndarray, np.ndarray | None]:
+        """The next `count` prompt tokens into `view`: last logits [1, V], the prompt's taps.
+
+        Taps are returned once the prompt is whole, and it is then stored in the prefix
+        cache.
+        """
+        prompt = pending.sequence.prompt
+        start = np.array([pending.fed], dtype=np.int64)
+        logits, output = prefill(self.target, view, [prompt[pending.fed : pending.fed + count]],
+                                 start)  # fmt: skip
+        pending.fed += count
+        if output.taps is None:
+            pending.taps = None
+        elif pending.taps is not None:
+            pending.taps.append(output.taps[0, :count])
+        if pending.fed < len(prompt):
+            return logits, None
+        taps = None if pending.taps is None else np.concatenate(pending.taps)
+        if self.prefix_cache is not None:
+            self.prefix_cache.store(prompt, view, taps)
+        return logits, taps
+
+    def _start(
+        self, slot: int, pending: Pending, logits: np.ndarray, taps: np.ndarray | None
+    ) -> None:
+        """`pending`'s sequence joins the batch in `slot` and emits its first token."""
+        sequence = pending.sequence
         if sequence.drafter is not None:
             row_taps = None
             if sequence.drafter.taps != "none":
                 assert taps is not None  # such a drafter is only paired with a tapped target
                 row_taps = [taps]
-            sequence.drafter.start([sequence.prompt], needed, row_taps)
+            sequence.drafter.start([sequence.prompt], pending.needed, row_taps)
         if sequence.drafter is None:
             sequence.controller = None  # nothing to size
         elif sequence.controller is not None:
@@ -149,22 +245,6 @@ class ContinuousBatch:
             self.rows[slot] = None
             self.cache.lengths[slot] = 0
             raise
-        return slot
-
-    def _prefill(self, view: KVCache, prompt: list[int]) -> tuple[np.ndarray, np.ndarray | None]:
-        """The prompt into `view` (reusing a cached prefix): last logits [1, V], taps [n, w]."""
-        hit = self.prefix_cache.lookup(prompt) if self.prefix_cache is not None else None
-        reused = 0 if hit is None else hit.tokens
-        if hit is not None:
-            PrefixCache.write(view, hit)
-        start = np.array([reused], dtype=np.int64)
-        logits, output = prefill(self.target, view, [prompt[reused:]], start)
-        taps = None if output.taps is None else output.taps[0, : len(prompt) - reused]
-        if taps is not None and hit is not None and reused:
-            taps = np.concatenate([hit.taps, taps]) if hit.taps is not None else None
-        if self.prefix_cache is not None:
-            self.prefix_cache.store(prompt, view, taps)
-        return logits, taps
 
     def step(self) -> list[BatchSequence]:
         """One round for every running sequence; returns those that finished (slots freed)."""
@@ -180,7 +260,10 @@ class ContinuousBatch:
         tick += prepare_s  # a drafter's deferred prefill is not this round's drafting cost
         cache = self._view(high)
         roots = np.array([r.history[-1] if r else 0 for r in rows], dtype=np.int64)
-        lengths = np.array([cache.lengths[i] if r else 0 for i, r in enumerate(rows)])
+        # A prompt being prefilled rides along past what it has fed (the next chunk
+        # overwrites what the round writes there); a free slot at 0.
+        lengths = np.array([cache.lengths[i] if r or i in self.pending else 0
+                            for i, r in enumerate(rows)])  # fmt: skip
         output, width = self._forward(cache, roots, [t.tree for t in trees], lengths)
         for b, row in enumerate(rows):
             if row is not None:
@@ -226,7 +309,8 @@ class ContinuousBatch:
         kept = [EMPTY_DRAFT] * len(rows)
         trees = [Arranged.as_drafted(EMPTY_DRAFT)] * len(rows)
         running = self.running
-        lengths = [int(self.cache.lengths[b]) for b, row in enumerate(rows) if row is not None]
+        lengths = [int(self.cache.lengths[b]) for b, row in enumerate(rows)
+                   if row is not None or b in self.pending]  # fmt: skip
         room = self.cache.capacity - max(lengths) - 1  # nodes past the root that fit every row
         prepare_s = 0.0
         for b, row in enumerate(rows):

@@ -102,8 +102,10 @@ class Scheduler:
         queue_size: int,
         metrics: Metrics,
         prefix_cache: PrefixCache | None = None,
+        prefill_chunk: int = 0,
     ):
         self.engine, self.queue_size, self.metrics = engine, queue_size, metrics
+        self.prefill_chunk = prefill_chunk  # prompt tokens prefilled between rounds (0: whole)
         self.batch = ContinuousBatch(engine.target, slots, prefix_cache)
         metrics.prefix_cache = prefix_cache
         self._waiting: deque[Job] = deque()
@@ -184,13 +186,14 @@ class Scheduler:
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not (self._waiting or self.batch.running or self._closing):
+                while not (self._waiting or self.batch.running or self.batch.prefilling
+                           or self._closing):  # fmt: skip
                     self._cond.wait()
                 if self._closing:
                     break
                 if self._aborting:  # between rounds: each row is whole
                     for slot in list(self._running):
-                        self.batch.rows[slot] = None
+                        self.batch.evict(slot)
                         self._end(slot, "shutdown")
                     continue
                 self._expire(time.perf_counter())
@@ -202,6 +205,7 @@ class Scheduler:
             with self.engine.lock:
                 for job in admit:
                     self._admit(job)
+                self._prefill()
                 try:
                     self._round()
                 except Exception as e:  # noqa: BLE001 - the server must keep serving
@@ -268,8 +272,8 @@ class Scheduler:
             controller,
             None if job.plan is None else job.plan.max_batch_spec,
         )
-        try:
-            slot = self.batch.admit(sequence)  # a failure leaves the slot free
+        try:  # a failure leaves the slot free
+            slot = self.batch.admit(sequence, chunked=self.prefill_chunk > 0)
         except Exception as e:  # noqa: BLE001 - one bad request must not stop the others
             if not isinstance(e, SpecxError):
                 logger.exception("admitting a request failed")
@@ -279,7 +283,21 @@ class Scheduler:
         self._running[slot] = (job, sequence, text)
         self.metrics.admitted(time.perf_counter() - job.submitted)
 
+    def _prefill(self) -> None:
+        """One chunk of the waiting prompts (`prefill_chunk` tokens), between two rounds."""
+        if not self.batch.prefilling:
+            return
+        for sequence, error in self.batch.prefill(self.prefill_chunk):
+            slot = next(s for s, (_, seq, _) in self._running.items() if seq is sequence)
+            job, _, _ = self._running.pop(slot)
+            if not isinstance(error, SpecxError):
+                logger.error("prefilling a request failed: %s", error)
+            self._give_back(job.plan, sequence.drafter)
+            self._finish(job, _failed(job, str(error)))
+
     def _round(self) -> None:
+        if not self.batch.running:  # only prompts being prefilled
+            return
         started = time.perf_counter()
         batch = self.batch
         draft_s, prefill_s, verify_s = batch.draft_s, batch.draft_prefill_s, batch.verify_s
@@ -301,7 +319,7 @@ class Scheduler:
     def _end(self, slot: int, reason: str | None, error: str | None = None) -> None:
         job, sequence, text = self._running.pop(slot)
         if error is not None:  # the batch is in an unknown state for this row: free it
-            self.batch.rows[slot] = None
+            self.batch.evict(slot)
         tokens = sequence.emitted[: len(text.tokens)] if text.stopped else sequence.emitted
         if reason is None:
             stopped = text.stopped or (tokens and tokens[-1] in job.eos)

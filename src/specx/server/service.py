@@ -49,6 +49,9 @@ class ServeOptions:
     access: Access = Access()  # API keys (none: open)
     request_timeout_s: float | None = None  # a request's deadline from its arrival
     prefix_cache_bytes: int = 512 << 20  # KV of earlier prompts kept for reuse (0: none)
+    # Prompt tokens prefilled between two rounds while requests run (0: a whole prompt at
+    # once); see specx.runtime.continuous on chunked prefill.
+    prefill_chunk: int = 64
     build: str | None = None  # the artifact's build every replica runs (None: its default)
 
 
@@ -81,7 +84,8 @@ class Service:
             engine.use_chat_template(options.chat_template)
         self.metrics = Metrics()
         prefix = PrefixCache(options.prefix_cache_bytes) if options.prefix_cache_bytes else None
-        self.scheduler = Scheduler(engine, options.slots, options.queue_size, self.metrics, prefix)
+        self.scheduler = Scheduler(engine, options.slots, options.queue_size, self.metrics, prefix,
+                                   options.prefill_chunk)  # fmt: skip
         self.draining = False
 
     def start(self) -> None:  # noqa: D102
