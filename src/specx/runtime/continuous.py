@@ -22,7 +22,8 @@ Chunked prefill (`admit(..., chunked=True)`): the slot is taken and the prompt w
 `prefill(budget)` then feeds pending prompts `budget` tokens at a time, in arrival order,
 and a prompt fully fed joins the batch with its first token. The server calls it between
 rounds with a budget while sequences run, so a new request's prefill delays each running
-stream's next tokens by one chunk at most rather than by whole prompts (measured:
+stream's next tokens by one chunk at most rather than by whole prompts, and with none
+while nothing runs (the oldest prompt whole: chunks only cost there; measured:
 benchmarks/README.md#servingpy). A prompt's chunks are what a prefix-cache hit already
 does (its cache filled in pieces), and on builds whose rows are exact alone (the CPU
 kernels) the same bits as one prefill.
@@ -164,15 +165,14 @@ class ContinuousBatch:
         return slot
 
     def prefill(self, budget: int | None = None) -> list[tuple[BatchSequence, Exception]]:
-        """Feeds pending prompts up to `budget` tokens (None: all), in arrival order.
+        """Feeds pending prompts up to `budget` tokens, in arrival order.
 
-        A prompt fully fed joins the batch with its first token. Returns the sequences that
-        failed, each with its error; their slots are free again.
+        `budget` None: the oldest prompt whole, in one forward (nothing runs that it would
+        hold up). A prompt fully fed joins the batch with its first token. Returns the
+        sequences that failed, each with its error; their slots are free again.
         """
         failed = []
         for slot, pending in list(self.pending.items()):
-            if budget is not None and budget <= 0:
-                break
             left = len(pending.sequence.prompt) - pending.fed
             take = left if budget is None else min(left, budget)
             try:
@@ -183,8 +183,11 @@ class ContinuousBatch:
             except Exception as e:  # noqa: BLE001 - one bad request must not stop the others
                 self.evict(slot)
                 failed.append((pending.sequence, e))
-            if budget is not None:
-                budget -= take
+            if budget is None:
+                break
+            budget -= take
+            if budget <= 0:
+                break
         return failed
 
     @property

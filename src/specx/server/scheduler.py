@@ -284,10 +284,14 @@ class Scheduler:
         self.metrics.admitted(time.perf_counter() - job.submitted)
 
     def _prefill(self) -> None:
-        """One chunk of the waiting prompts (`prefill_chunk` tokens), between two rounds."""
+        """One chunk of the waiting prompts (`prefill_chunk` tokens) between two rounds.
+
+        Where no sequence runs, the oldest prompt whole: chunks would only cost there.
+        """
         if not self.batch.prefilling:
             return
-        for sequence, error in self.batch.prefill(self.prefill_chunk):
+        budget = self.prefill_chunk if self.batch.running else None
+        for sequence, error in self.batch.prefill(budget):
             slot = next(s for s, (_, seq, _) in self._running.items() if seq is sequence)
             job, _, _ = self._running.pop(slot)
             if not isinstance(error, SpecxError):
