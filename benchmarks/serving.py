@@ -163,6 +163,8 @@ def main() -> None:
     parser.add_argument("--prefix-cache", action="store_true", help="TTFT, prefix cache on/off")
     parser.add_argument("--llama-cpp", action="store_true", help="pyref-1b vs llama-server")
     parser.add_argument("--drafter-head", default="eagle3", help="--llama-cpp: specx's drafter")
+    parser.add_argument("--prefill-chunk", type=int, default=None,
+                        help="--llama-cpp: specx serve's --prefill-chunk")  # fmt: skip
     parser.add_argument("--requests", type=int, default=None, help="default 24; 8 for TTFT")
     parser.add_argument("--new-tokens", type=int, default=None, help="default 96; 8 for TTFT")
     parser.add_argument("--repeats", type=int, default=2)

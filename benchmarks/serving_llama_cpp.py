@@ -155,6 +155,7 @@ def against_llama_cpp(args, specx_server) -> None:
         "machine": {"platform": platform.platform(), "threads": args.threads},
         "artifact": str(artifact), "gguf": str(GGUF), "drafter": args.drafter_head,
         "requests": len(prompts), "new_tokens": new_tokens, "engine_alone": engine,
+        "prefill_chunk": args.prefill_chunk,
         "levels": {},
     }  # fmt: skip
     for i, clients in enumerate(levels):
@@ -162,8 +163,10 @@ def against_llama_cpp(args, specx_server) -> None:
         order = ("specx", "llama.cpp") if i % 2 == 0 else ("llama.cpp", "specx")
         for side in order:
             if side == "specx":
+                chunk = () if args.prefill_chunk is None else ("--prefill-chunk",
+                                                               str(args.prefill_chunk))  # fmt: skip
                 server = specx_server(artifact, args.threads, clients, "--drafter",
-                                      args.drafter_head, "--no-prefix-cache")  # fmt: skip
+                                      args.drafter_head, "--no-prefix-cache", *chunk)  # fmt: skip
                 try:
                     row[side] = load(specx_request, server.url, prompts, clients, new_tokens)
                 finally:

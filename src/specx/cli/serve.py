@@ -87,7 +87,7 @@ __all__ = ["COMMANDS", "serve"]
 @click.option(
     "--prefill-chunk",
     type=click.IntRange(0),
-    default=64,
+    default=256,
     show_default=True,
     help="Prompt tokens prefilled between two decoding rounds, so running streams wait for "
     "one chunk at most while a new prompt goes in (0: whole prompts).",

@@ -50,8 +50,9 @@ class ServeOptions:
     request_timeout_s: float | None = None  # a request's deadline from its arrival
     prefix_cache_bytes: int = 512 << 20  # KV of earlier prompts kept for reuse (0: none)
     # Prompt tokens prefilled between two rounds while requests run (0: a whole prompt at
-    # once); see specx.runtime.continuous on chunked prefill.
-    prefill_chunk: int = 64
+    # once); see specx.runtime.continuous on chunked prefill. 256 measured best on pyref-1b:
+    # benchmarks/README.md#servingpy (64 cut the inter-token p99 more and the throughput too).
+    prefill_chunk: int = 256
     build: str | None = None  # the artifact's build every replica runs (None: its default)
 
 
