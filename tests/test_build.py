@@ -86,12 +86,12 @@ def test_an_interrupted_build_leaves_the_manifest_untouched(artifact, monkeypatc
 
 def test_a_damaged_build_blocks_only_itself_and_specx_build_replaces_it(artifact):
     """A build whose file fails its pin refuses to run, naming the file and the builds that
-    do run; the others run; another build written meanwhile does not pin the damage anew;
+    do run; the exported graphs still run; a manifest rewrite does not pin the damage anew;
     `specx verify` names it; building it again replaces it."""
     import specx
+    from specx.artifact import manifest_body, write_manifest
     from specx.publish import verify_artifact
 
-    build_artifact(artifact, BuildOptions("ort", "fp32"))
     build_artifact(artifact, BuildOptions("ort", "fp16"))
     graph = artifact / load_manifest(artifact).build.graphs["target"].file
     graph.write_bytes(graph.read_bytes()[:-10])
@@ -100,16 +100,16 @@ def test_a_damaged_build_blocks_only_itself_and_specx_build_replaces_it(artifact
     with pytest.raises(ArtifactError, match=r"'ort-fp16' .* damaged: .*modified or truncated"):
         specx.load(artifact)
     prompt = [5, 9, 5, 9, 13]
-    fp32 = specx.load(artifact, build="ort-fp32").generate(prompt, max_new_tokens=6)
-    build_artifact(artifact, BuildOptions("ort", "int8"))  # rewrites the manifest
+    exported = specx.load(artifact, build="exported").generate(prompt, max_new_tokens=6)
+    write_manifest(artifact, manifest_body(manifest))  # as another build or a calibration does
     assert set(load_manifest(artifact).damaged) == {"ort-fp16"}  # its old pin kept
     with pytest.raises(ArtifactError, match="build 'ort-fp16'"):
         verify_artifact(artifact)
     build_artifact(artifact, BuildOptions("ort", "fp16"))
     assert not load_manifest(artifact).damaged
     verify_artifact(artifact)
-    fp16 = specx.load(artifact).generate(prompt, max_new_tokens=6)
-    assert len(fp16.tokens) == len(fp32.tokens) == 6
+    fp16 = specx.load(artifact).generate(prompt, max_new_tokens=6, ignore_eos=True)
+    assert len(fp16.tokens) == 6 and exported.tokens
 
 
 def test_bad_build_requests_are_refused(artifact):

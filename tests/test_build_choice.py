@@ -186,10 +186,30 @@ def test_auto_times_builds_over_the_context_it_is_told_and_only_auto_takes_one(
     root = shutil.copytree(artifacts["llama"], tmp_path / "llama")
     told: list[int] = []
     monkeypatch.setattr(specx.build, "build_each", lambda *a, **k: ["ort-int8"])
-    monkeypatch.setattr(build_choice, "choose_build", lambda r, b, c, **k: told.append(c))
+    monkeypatch.setattr(build_choice, "choose_build", lambda r, b, c, *a, **k: told.append(c))
     command = ["build", str(root), "--precision", "int8", "--context", "512"]
     done = CliRunner().invoke(main, [*command, "--backend", "auto"])
     assert done.exit_code == 0, done.output
     assert told == [512]
     refused = CliRunner().invoke(main, [*command, "--backend", "ort"])
     assert refused.exit_code != 0 and "--context applies only to --backend auto" in refused.output
+
+
+def test_an_interrupted_auto_build_leaves_the_default_as_it_was(artifacts, tmp_path):
+    """Ctrl-C while the builds are timed: the builds made stay, none of them untimed
+    becomes the default."""
+    from specx.build import BuildOptions, build_artifact
+    from specx.calibration.build_choice import build_fastest
+
+    root = shutil.copytree(artifacts["llama"], tmp_path / "llama")
+    build_artifact(root, BuildOptions("ort", "fp32"))
+
+    def interrupted(root, build, context):
+        raise KeyboardInterrupt
+
+    said = []
+    with pytest.raises(KeyboardInterrupt):
+        build_fastest(root, BuildOptions("auto", "int8"), measure=interrupted, progress=said.append)
+    manifest = load_manifest(root)
+    assert manifest.default_build == "ort-fp32" and "ort-int8" in manifest.builds
+    assert manifest.build_choice is None and "the default stays ort-fp32" in said[-1]

@@ -1,8 +1,10 @@
 """Which build runs fastest on this machine: measured per build, recorded, made the default.
 
 Calibration's other half: `specx calibrate` measures which draft pays on a build, this which
-build pays on the machine. `specx build --backend auto` builds (`specx.build.build_each`)
-and then calls `choose_build` here.
+build pays on the machine. `specx build --backend auto` is `build_fastest` here: it builds
+(`specx.build.build_each`), then `choose_build` times them. A default is made only from a
+timing of every build: where building or timing stops (an error, Ctrl-C), the default goes
+back to what it was, as the builds made so far each became it.
 
 Which CPU backend wins depends on the machine, not only the model: on pyref-1b at int4 one
 2-core host ran ONNX Runtime's plain step faster and OpenVINO's verify flatter, so with an
@@ -42,7 +44,7 @@ from specx.artifact import Manifest, load_manifest, manifest_body, write_manifes
 from specx.errors import CalibrationError
 from specx.manifest_types import BuildChoice, BuildTiming
 
-__all__ = ["PRIOR_REACH", "choose_build", "measure_build", "predict"]
+__all__ = ["PRIOR_REACH", "build_fastest", "choose_build", "measure_build", "predict"]
 
 # Shares of rounds accepting at least 1, 2, 3, 4 tokens of an EAGLE-3 chain of 4 on pyref-1b
 # at int4 (docs/decisions.md#build-choice: the OpenVINO build's run, tau 3.47).
@@ -143,6 +145,34 @@ def choose_build(
     write_manifest(root, manifest_body(manifest.with_build_choice(choice)))
     progress(f"default build: {choice.picked}, {choice.reason}")
     return choice
+
+
+def build_fastest(
+    root: Path,
+    options,
+    context: int = 256,
+    measure: Measure = measure_isolated,
+    progress: Callable[[str], None] = lambda message: None,
+) -> BuildChoice:
+    """`options` built on every CPU backend installed, each timed, the fastest the default.
+
+    Where building or timing does not finish, the default is put back as it was (the
+    builds made stay), so no untimed build is left the default.
+    """
+    from specx.build import build_each, cpu_backends
+
+    manifest = load_manifest(root, verify_hashes=False)
+    before = manifest.default_build
+    backends = cpu_backends(manifest, options, progress)
+    try:
+        names = build_each(root, options, backends, progress)
+        return choose_build(root, names, context, measure, progress)
+    except BaseException:
+        now = load_manifest(root, verify_hashes=False)
+        if now.default_build != before and (before is None or before in now.builds):
+            write_manifest(root, manifest_body(now.with_build(before)))
+            progress(f"not every build was timed: the default stays {before or 'exported'}")
+        raise
 
 
 def _main() -> None:

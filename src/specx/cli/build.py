@@ -262,14 +262,9 @@ def build(
         backend, precision, max_batch, optimization_level, timing_cache, weight_only, lowering
     )
     if backend == "auto":
-        from specx.artifact import load_manifest
-        from specx.build import build_each, cpu_backends
-        from specx.calibration.build_choice import choose_build
+        from specx.calibration.build_choice import build_fastest
 
-        manifest = load_manifest(artifact_dir, verify_hashes=False)
-        backends = cpu_backends(manifest, options, progress)
-        names = build_each(artifact_dir, options, backends, progress)
-        choose_build(artifact_dir, names, context, progress=progress)
+        build_fastest(artifact_dir, options, context, progress=progress)
         return
     prompts = _calibration_prompts(artifact_dir, prompts_file) if prompts_file else ()
     build_artifact(artifact_dir, options, progress=progress, prompts=prompts)
