@@ -2,9 +2,10 @@
 
 Calibration's other half: `specx calibrate` measures which draft pays on a build, this which
 build pays on the machine. `specx build --backend auto` is `build_fastest` here: it builds
-(`specx.build.build_each`), then `choose_build` times them. A default is made only from a
-timing of every build: where building or timing stops (an error, Ctrl-C), the default goes
-back to what it was, as the builds made so far each became it.
+(with `specx.build.build_each`, which it is handed), then `choose_build` times them. A
+default is made only from a timing of every build: where building or timing stops (an
+error, Ctrl-C), the default goes back to what it was, as the builds made so far each
+became it.
 
 Which CPU backend wins depends on the machine, not only the model: on pyref-1b at int4 one
 2-core host ran ONNX Runtime's plain step faster and OpenVINO's verify flatter, so with an
@@ -149,24 +150,19 @@ def choose_build(
 
 def build_fastest(
     root: Path,
-    options,
+    build: Callable[[], Sequence[str]],
     context: int = 256,
     measure: Measure = measure_isolated,
     progress: Callable[[str], None] = lambda message: None,
 ) -> BuildChoice:
-    """`options` built on every CPU backend installed, each timed, the fastest the default.
+    """Runs `build()` (`specx.build.build_each`), times each build, makes the fastest default.
 
     Where building or timing does not finish, the default is put back as it was (the
     builds made stay), so no untimed build is left the default.
     """
-    from specx.build import build_each, cpu_backends
-
-    manifest = load_manifest(root, verify_hashes=False)
-    before = manifest.default_build
-    backends = cpu_backends(manifest, options, progress)
+    before = load_manifest(root, verify_hashes=False).default_build
     try:
-        names = build_each(root, options, backends, progress)
-        return choose_build(root, names, context, measure, progress)
+        return choose_build(root, build(), context, measure, progress)
     except BaseException:
         now = load_manifest(root, verify_hashes=False)
         if now.default_build != before and (before is None or before in now.builds):

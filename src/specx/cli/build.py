@@ -262,9 +262,13 @@ def build(
         backend, precision, max_batch, optimization_level, timing_cache, weight_only, lowering
     )
     if backend == "auto":
+        from specx.artifact import load_manifest
+        from specx.build import build_each, cpu_backends
         from specx.calibration.build_choice import build_fastest
 
-        build_fastest(artifact_dir, options, context, progress=progress)
+        backends = cpu_backends(load_manifest(artifact_dir, verify_hashes=False), options, progress)
+        build = lambda: build_each(artifact_dir, options, backends, progress)  # noqa: E731
+        build_fastest(artifact_dir, build, context, progress=progress)
         return
     prompts = _calibration_prompts(artifact_dir, prompts_file) if prompts_file else ()
     build_artifact(artifact_dir, options, progress=progress, prompts=prompts)
