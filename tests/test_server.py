@@ -84,9 +84,7 @@ def serving(artifact, step_s: float = 0.0, **options):
 
 @pytest.fixture(scope="module")
 def server(artifacts):
-    # Prompts prefilled 4 tokens between rounds: requests join mid-prefill under load.
-    with serving(artifacts["llama"], slots=4, queue_size=64, drafter="ngram",
-                 prefill_chunk=4) as running:  # fmt: skip
+    with serving(artifacts["llama"], slots=4, queue_size=64, drafter="ngram") as running:
         yield running
 
 
@@ -754,7 +752,9 @@ def test_prefix_cache_changes_no_output_under_concurrency_and_stays_bounded(arti
     outputs, texts = {}, {}
     block = 16 * 1024  # 16 tokens x 4 layers x 2 KV heads x 16 dims x (key, value) x 4 bytes
     for name, size in (("off", 0), ("on", 64 << 20), ("evicting", 3 * block)):
-        with serving(artifacts["llama"], slots=4, prefix_cache_bytes=size) as (url, _):
+        # 68-token prompts prefilled 16 tokens between rounds: requests join mid-prefill.
+        with serving(artifacts["llama"], slots=4, prefix_cache_bytes=size,
+                     prefill_chunk=16) as (url, _):  # fmt: skip
             with ThreadPoolExecutor(16) as pool:
                 answers = list(
                     pool.map(
