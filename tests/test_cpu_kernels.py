@@ -5,6 +5,7 @@ do not run. Skipped where they were not compiled or this CPU runs neither of the
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import numpy as np
@@ -291,6 +292,49 @@ def test_a_head_the_kernels_do_not_run_drafts_on_onnx_runtime_losslessly(head_ar
     plain = generate_plain(target, PROMPTS, 16)
     drafter = make_drafter("eagle", target, DrafterOptions(3))
     assert generate_speculative(target, drafter, PROMPTS, 16).tokens == plain.tokens
+
+
+def test_a_symmetric_build_packs_without_zero_points_and_decodes_exactly(artifacts, tmp_path):
+    """--symmetric --block-size 64: the index says so, the bytes hold no zero points (the
+    int4 tile's 16 zero-point bytes per block gone), and speculation equals plain decoding."""
+    from specx.graphs.weight_only import WeightOnlyConfig
+
+    artifact = shutil.copytree(artifacts["llama"], tmp_path / "llama")
+    told = WeightOnlyConfig(bits=4, block_size=64, symmetric=True)
+    build_artifact(artifact, BuildOptions(backend="cpu", precision="int4", weight_only=told))
+    manifest = load_manifest(artifact)
+    details = manifest.builds["cpu-int4"].quantization.details
+    assert (details["block"], details["symmetric"]) == (64, True)
+    index = json.loads(manifest.path(manifest.builds["cpu-int4"].graphs["target"].file).read_text())
+    layer = index["tensors"]["down.0"]
+    assert (layer["block"], layer["zero_points"]) == (64, False)
+    k, n = layer["k"], layer["n"]
+    tiles, blocks = -(-n // kernels.TILE), k // 64
+    assert layer["shape"] == [tiles * blocks * kernels.TILE * (64 // 2 + 2)]  # codes + fp16 scales
+    target = open_decoder(select_build(manifest, "cpu-int4"), threads=2)
+    plain = generate_plain(target, PROMPTS, 16)
+    drafter = make_drafter("ngram", target, DrafterOptions(4, ngram_matches=3))
+    assert generate_speculative(target, drafter, PROMPTS, 16).tokens == plain.tokens
+
+
+@pytest.mark.parametrize(
+    "told, refusal",
+    [
+        ({"bits": 4, "method": "gptq"}, "--block-size and --symmetric/--asymmetric only"),
+        ({"bits": 4, "block_size": 16}, "--block-size 32, 64, 128, 256"),
+        ({"bits": 8, "symmetric": False}, "drop --asymmetric"),
+    ],
+)
+def test_settings_the_kernels_do_not_take_are_refused_before_any_work(
+    artifacts, tmp_path, told, refusal
+):
+    from specx.graphs.weight_only import WeightOnlyConfig
+
+    artifact = shutil.copytree(artifacts["llama"], tmp_path / "llama")
+    options = BuildOptions("cpu", f"int{told['bits']}", weight_only=WeightOnlyConfig(**told))
+    with pytest.raises(BuildError, match=refusal):
+        build_artifact(artifact, options)
+    assert not load_manifest(artifact).builds and not (artifact / "builds").exists()
 
 
 def test_a_target_of_another_form_is_refused_before_any_work(artifacts, tmp_path):

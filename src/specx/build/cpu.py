@@ -8,13 +8,14 @@ and no spine rule (`greedy_identity: all`).
 
 The build reads the exported target's weights and constants (specx.build.cpu_read), rounds
 every MatMul weight to nearest at the build's width in blocks of 128 inputs (32 on a small
-target; int4 asymmetric, int8 symmetric; the output projection at 8 bits, as the OpenVINO
-build keeps it) and writes them in the kernels' layout to one file, `target.bin`, indexed by
-`target.json`. Only a Llama-form target is built (pre-norm, SwiGLU, RoPE on every layer, no
-biases, q/k norms, sliding windows or soft caps); anything else is refused before any work,
-naming what differs. An EAGLE-3 head is written the same way (`draft_head.bin`,
-`draft_projection.bin`) and drafts on the kernels too; other draft graphs are built as the
-ONNX Runtime backend builds them and run there, as an OpenVINO build's do.
+target; int4 asymmetric, int8 symmetric; `--block-size` and `--symmetric` change those; the
+output projection at 8 bits, as the OpenVINO build keeps it) and writes them in the kernels'
+layout to one file, `target.bin`, indexed by `target.json`. Only a Llama-form target is
+built (pre-norm, SwiGLU, RoPE on every layer, no biases, q/k norms, sliding windows or soft
+caps); anything else is refused before any work, naming what differs. An EAGLE-3 head is
+written the same way (`draft_head.bin`, `draft_projection.bin`) and drafts on the kernels
+too; other draft graphs are built as the ONNX Runtime backend builds them and run there, as
+an OpenVINO build's do.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -77,7 +79,7 @@ class _Writer:
         self.index[name] = {"offset": offset, "dtype": array.dtype.str, "shape": list(array.shape)}
 
     def add_linear(
-        self, name: str, weight: np.ndarray, bits: int, block: int, grid: Grid | None = None
+        self, name: str, weight: np.ndarray, rounding: Rounding, grid: Grid | None = None
     ) -> None:
         """`weight` [n, k] rounded and packed, or kept on `grid`; the index records how."""
         shape = {"k": weight.shape[1], "n": weight.shape[0]}
@@ -86,8 +88,10 @@ class _Writer:
             self.add(name, kernels.pack_codes(codes, scales, grid.bits))
             self.index[name].update(bits=grid.bits, block=grid.block, zero_points=False, **shape)
             return
-        self.add(name, _packed(weight, bits, block))
-        self.index[name].update(bits=bits, block=block, zero_points=bits == 4, **shape)
+        self.add(name, rounding.packed(weight))
+        zero_points = not rounding.symmetric
+        self.index[name].update(bits=rounding.bits, block=rounding.block,
+                                zero_points=zero_points, **shape)  # fmt: skip
 
     def __enter__(self) -> _Writer:
         return self
@@ -125,19 +129,27 @@ def _blocks_of(weights: DecoderWeights, block: int) -> bool:
     return all(w.shape[1] % block == 0 for w in weights.linears.values())
 
 
-def _packed(weight: np.ndarray, bits: int, block: int) -> np.ndarray:
-    """`weight` [n, k] rounded to nearest in blocks, in the kernels' layout.
+@dataclass(frozen=True)
+class Rounding:
+    """How a build rounds MatMul weights to nearest: width, block of inputs, zero points.
 
-    int4 blocks are asymmetric (a zero point per column and block), as ONNX Runtime's and
-    OpenVINO's int4 builds round: symmetric ones cost pyref-1b's EAGLE-3 chain of 4 a tenth of
-    its acceptance (docs/decisions.md#kernels-zero-points); int8 blocks are symmetric.
+    int4 blocks default to asymmetric (a zero point per column and block), as ONNX Runtime's
+    and OpenVINO's int4 builds round: symmetric blocks of 128 cost pyref-1b's EAGLE-3 chain of
+    4 a tenth of its acceptance (docs/decisions.md#kernels-zero-points); int8 blocks are
+    symmetric (the kernels' int8 path has no zero points).
     """
-    quantized = quantize_rtn(weight.T, bits, block, symmetric=bits == 8)
-    n = weight.shape[0]
-    codes = quantized.codes.reshape(n, -1)
-    if bits == 8:  # the kernels' int8 paths take codes 1..255 (|q| <= 127)
-        codes = np.maximum(codes, 1)
-    return kernels.pack_codes(codes, quantized.scales, bits, quantized.zero_points)
+
+    bits: int
+    block: int
+    symmetric: bool
+
+    def packed(self, weight: np.ndarray) -> np.ndarray:
+        """`weight` [n, k] rounded in blocks, in the kernels' layout."""
+        quantized = quantize_rtn(weight.T, self.bits, self.block, symmetric=self.symmetric)
+        codes = quantized.codes.reshape(weight.shape[0], -1)
+        if self.bits == 8:  # the kernels' int8 paths take codes 1..255 (|q| <= 127)
+            codes = np.maximum(codes, 1)
+        return kernels.pack_codes(codes, quantized.scales, self.bits, quantized.zero_points)
 
 
 class Cpu:
@@ -156,11 +168,8 @@ class Cpu:
         if options.precision not in PRECISIONS:
             raise BuildError(f"--precision must be one of {list(PRECISIONS)} for --backend cpu")
         config = options.weight_only
-        if config is not None and config != WeightOnlyConfig(bits=config.bits):
-            raise BuildError(
-                "--backend cpu rounds every weight to nearest in blocks of 32 (lm_head at 8 "
-                "bits): leave the weight-only settings at their defaults"
-            )
+        if config is not None:
+            _check_rounding(config)
         reason = kernels.unavailable()
         if reason is not None:
             raise BuildError(reason)
@@ -174,7 +183,7 @@ class Cpu:
         job.progress("[cpu] reading the target's weights")
         weights = read_target(job.manifest)
         kept = kept_grids(job.manifest.source_grid, bits, OUTPUT_BITS)
-        block = kept.linears.block if kept.linears else block_size(weights)
+        rounding = _rounding(job.options.weight_only, bits, weights, kept)
         head, projection, why = read_head(job.manifest)
         on_kernels = HEAD_GRAPHS if head is not None else ()
         graphs: dict[str, GraphEntry] = {}
@@ -185,11 +194,11 @@ class Cpu:
             options = dataclasses.replace(job.options, backend="ort", weight_only=config)
             drafts = build_drafts(dataclasses.replace(job, options=options), skip=on_kernels)
             graphs = {n: dataclasses.replace(e, runtime="ort") for n, e in drafts.graphs.items()}
-        graphs["target"] = self._write(job, "target", weights, bits, block, kept)
+        graphs["target"] = self._write(job, "target", weights, rounding, kept)
         details: dict[str, object] = {
             "bits": bits,
-            "block": block,
-            "symmetric": bits == 8 or kept.linears is not None,
+            "block": rounding.block,
+            "symmetric": rounding.symmetric,
             "output_bits": OUTPUT_BITS,
         }
         if kept.linears or kept.output:  # the source file's codes, not rounded again
@@ -199,10 +208,11 @@ class Cpu:
                                     "output": _grid_name(kept.output)}  # fmt: skip
         if head is not None and projection is not None:
             job.progress("[cpu] the EAGLE-3 head, on the kernels")
-            head_block = block if _blocks_of(head, block) else kernels.QBLOCK
-            graphs["draft_head"] = self._write(job, "draft_head", head, bits, head_block)
-            graphs["draft_projection"] = self._write_projection(job, projection, bits, head_block)
-            details["head_block"] = head_block
+            block = rounding.block if _blocks_of(head, rounding.block) else kernels.QBLOCK
+            head_rounding = dataclasses.replace(rounding, block=block)
+            graphs["draft_head"] = self._write(job, "draft_head", head, head_rounding)
+            graphs["draft_projection"] = self._write_projection(job, projection, head_rounding)
+            details["head_block"] = block
         if drafts is not None:
             details["drafts"] = drafts.quantization.to_json()
         return BuildEntry(
@@ -218,8 +228,7 @@ class Cpu:
         job: BuildJob,
         graph: str,
         weights: DecoderWeights,
-        bits: int,
-        block: int,
+        rounding: Rounding,
         kept: KeptGrids = NONE_KEPT,
     ) -> GraphEntry:
         """`<graph>.bin` + `<graph>.json`: the weights packed, the index and constants."""
@@ -229,20 +238,53 @@ class Cpu:
             for name, norm in weights.norms.items():
                 writer.add(name, norm)
             total = len(weights.linears)
+            output = dataclasses.replace(rounding, bits=OUTPUT_BITS, symmetric=True)
             for i, (name, weight) in enumerate(weights.linears.items()):
-                output = name == "lm_head"
-                grid = kept.output if output else kept.linears
-                writer.add_linear(name, weight, OUTPUT_BITS if output else bits, block, grid)
+                if name == "lm_head":
+                    writer.add_linear(name, weight, output, kept.output)
+                else:
+                    writer.add_linear(name, weight, rounding, kept.linears)
                 if i % 8 == 7 or i == total - 1:
                     job.progress(f"[cpu] {graph}: packed {i + 1}/{total} weights")
         return writer.entry
 
     def _write_projection(
-        self, job: BuildJob, weight: np.ndarray, bits: int, block: int
+        self, job: BuildJob, weight: np.ndarray, rounding: Rounding
     ) -> GraphEntry:
         with _Writer(job, "draft_projection", {}) as writer:
-            writer.add_linear("projection", weight, bits, block)
+            writer.add_linear("projection", weight, rounding)
         return writer.entry
+
+
+def _check_rounding(config: WeightOnlyConfig) -> None:
+    """Refuses weight-only settings the kernels do not take, naming them."""
+    defaults = WeightOnlyConfig(bits=config.bits)
+    fixed = dataclasses.replace(config, block_size=None, symmetric=defaults.symmetric)
+    if fixed != defaults:
+        raise BuildError(
+            "--backend cpu rounds to nearest (lm_head at 8 bits): of the weight-only settings "
+            "it takes --block-size and --symmetric/--asymmetric only"
+        )
+    if config.block_size is not None and config.block_size not in kernels.BLOCKS:
+        raise BuildError(
+            f"--backend cpu takes --block-size {', '.join(map(str, kernels.BLOCKS))}; "
+            f"got {config.block_size}"
+        )
+    if config.bits == 8 and not config.symmetric:
+        raise BuildError("--backend cpu rounds int8 symmetrically: drop --asymmetric")
+
+
+def _rounding(
+    config: WeightOnlyConfig | None, bits: int, weights: DecoderWeights, kept: KeptGrids
+) -> Rounding:
+    """The layer MatMuls' rounding: the kept grid's, else the settings' over the defaults."""
+    if kept.linears is not None:
+        return Rounding(bits, kept.linears.block, symmetric=True)
+    block = config.block_size if config and config.block_size else block_size(weights)
+    if not _blocks_of(weights, block):
+        raise BuildError(f"--block-size {block}: not every MatMul's inputs are whole blocks")
+    symmetric = config.symmetric if config is not None else bits == 8
+    return Rounding(bits, block, bool(symmetric))
 
 
 def _grid_name(grid: Grid | None) -> str | None:
