@@ -15,7 +15,8 @@ p99, inter-token latency p50 / p99 (a chunk's wait spread over its tokens), and 
 specx output equals specx's own plain decoding of the prompt (computed in this process
 first); llama.cpp's outputs are compared with specx's (other arithmetic: agreement, not
 identity). Then specx's engine in this process (`specx.load(...).generate` with the same
-drafter, one request at a time) against the server at one client, tokens/s alike.
+drafter) against a one-slot server, taking turns prompt by prompt, fastest of `--repeats`
+each: tokens/s alike, prefill included.
 Writes benchmarks/results/serving_llama_cpp.json.
 
     python -m benchmarks.serving --llama-cpp [--concurrency 1,2,4,8,16] [--requests 16]
@@ -123,19 +124,32 @@ def load(request, url: str, prompts: list[list[int]], clients: int, new_tokens: 
     }
 
 
-def engine_alone(artifact: Path, prompts, new_tokens: int, threads: int, drafter: str):
-    """specx's engine in this process: plain outputs, and its own speed with `drafter`."""
-    import specx
-
-    engine = specx.load(artifact, threads=threads)
-    plain = [engine.generate(p, max_new_tokens=new_tokens, ignore_eos=True).tokens
-             for p in prompts]  # fmt: skip
-    started = time.perf_counter()
-    fast = [engine.generate(p, max_new_tokens=new_tokens, ignore_eos=True, speculation=drafter)
+def plain_outputs(engine, prompts, new_tokens: int) -> list[list[int]]:
+    """specx's own plain decoding of each prompt: what every server output must equal."""
+    return [engine.generate(p, max_new_tokens=new_tokens, ignore_eos=True).tokens
             for p in prompts]  # fmt: skip
-    wall = time.perf_counter() - started
-    assert [f.tokens for f in fast] == plain, "the engine's speculative outputs left plain's"
-    return plain, {"tokens_per_s": sum(len(f.tokens) for f in fast) / wall, "wall_s": wall}
+
+
+def engine_vs_server(engine, url: str, prompts, new_tokens: int, drafter: str, repeats: int,
+                     plain: list[list[int]]) -> dict:  # fmt: skip
+    """The engine in this process and a one-slot server, prompt by prompt, taking turns
+    (which goes first alternates), each prompt's fastest of `repeats`: tokens/s of each,
+    request to last token, prefill included on both sides."""
+    best = {"engine": [float("inf")] * len(prompts), "server": [float("inf")] * len(prompts)}
+    for r in range(repeats):
+        for i, prompt in enumerate(prompts):
+            for side in ("engine", "server") if (r + i) % 2 == 0 else ("server", "engine"):
+                started = time.perf_counter()
+                if side == "engine":
+                    tokens = engine.generate(prompt, max_new_tokens=new_tokens, ignore_eos=True,
+                                             speculation=drafter).tokens  # fmt: skip
+                else:
+                    tokens = specx_request(url, prompt, new_tokens).tokens
+                best[side][i] = min(best[side][i], time.perf_counter() - started)
+                assert tokens == plain[i], f"{side}'s output left plain decoding's on prompt {i}"
+    rates = {side: len(prompts) * new_tokens / sum(times) for side, times in best.items()}
+    return {"engine_tokens_per_s": rates["engine"], "server_tokens_per_s": rates["server"],
+            "server_vs_engine": rates["server"] / rates["engine"], "repeats": repeats}  # fmt: skip
 
 
 def against_llama_cpp(args, specx_server) -> None:
@@ -146,15 +160,18 @@ def against_llama_cpp(args, specx_server) -> None:
         if not needed.exists():
             raise SystemExit(f"{needed} is missing: benchmarks.edge and benchmarks.llama_cpp")
     prompts = load_prompts("humaneval.jsonl", requests)
-    log(f"{len(prompts)} prompts x {new_tokens} tokens: specx's plain outputs and engine speed")
-    plain, engine = engine_alone(artifact, prompts, new_tokens, args.threads, args.drafter_head)
+    import specx
+
+    log(f"{len(prompts)} prompts x {new_tokens} tokens: specx's plain outputs")
+    engine = specx.load(artifact, threads=args.threads)
+    plain = plain_outputs(engine, prompts, new_tokens)
     report = {
         "benchmark": "serving_llama_cpp",
         "specx_commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"],
                                        capture_output=True, text=True).stdout.strip(),
         "machine": {"platform": platform.platform(), "threads": args.threads},
         "artifact": str(artifact), "gguf": str(GGUF), "drafter": args.drafter_head,
-        "requests": len(prompts), "new_tokens": new_tokens, "engine_alone": engine,
+        "requests": len(prompts), "new_tokens": new_tokens,
         "prefill_chunk": args.prefill_chunk,
         "levels": {},
     }  # fmt: skip
@@ -184,11 +201,15 @@ def against_llama_cpp(args, specx_server) -> None:
         report["levels"][str(clients)] = row
         log(f"c={clients}: specx {specx_rate:.1f} tok/s, llama.cpp {llama_rate:.1f} "
             f"({row['ratio_tokens_per_s']:.2f}x)")  # fmt: skip
-    one = report["levels"].get("1")
-    if one:
-        report["server_vs_engine_at_one_client"] = (
-            one["specx"]["tokens_per_s"] / engine["tokens_per_s"]
-        )
+    log("the engine against a one-slot server, prompt by prompt")
+    server = specx_server(artifact, args.threads, 1, "--drafter", args.drafter_head,
+                          "--no-prefix-cache")  # fmt: skip
+    try:
+        specx_request(server.url, prompts[0], 8)  # warmed, as the levels' servers are
+        report["one_client"] = engine_vs_server(engine, server.url, prompts, new_tokens,
+                                                args.drafter_head, args.repeats, plain)  # fmt: skip
+    finally:
+        server.close()
     out = args.out or RESULTS / "serving_llama_cpp.json"
     out.write_text(json.dumps(report, indent=1) + "\n")
     print("| clients | specx tok/s | llama.cpp tok/s | ratio | TTFT p50/p99 s, specx vs llama.cpp "
@@ -201,7 +222,6 @@ def against_llama_cpp(args, specx_server) -> None:
               f"{p['ttft_p50_s']:.2f}/{p['ttft_p99_s']:.2f} | {s['itl_p50_ms']:.0f}/"
               f"{s['itl_p99_ms']:.0f} vs {p['itl_p50_ms']:.0f}/{p['itl_p99_ms']:.0f} | "
               f"{row['specx_equal_to_plain']} |")  # fmt: skip
-    print(
-        f"engine alone {engine['tokens_per_s']:.1f} tok/s; server at one client "
-        f"{report.get('server_vs_engine_at_one_client', float('nan')):.2f}x of it"
-    )
+    one = report["one_client"]
+    print(f"one client, interleaved: engine {one['engine_tokens_per_s']:.1f} tok/s, server "
+          f"{one['server_tokens_per_s']:.1f} ({one['server_vs_engine']:.3f}x)")  # fmt: skip

@@ -109,6 +109,43 @@ def test_a_row_of_the_gemm_is_bit_identical_whatever_rows_threads_and_path_run(
                 np.testing.assert_array_equal(out[rows - 1], alone[0])
 
 
+def test_calls_from_many_threads_share_one_team_of_threads():
+    """Every call runs on the library's one team thread: a thread that calls the kernels adds
+    no OpenMP team of its own (libgomp keeps one per calling thread, and once teams' threads
+    outnumber the CPUs its barriers sleep, ~6 ms a verify: docs/decisions.md#kernels-one-team).
+    Counted as the process's threads while three long-lived callers are alive."""
+    import os
+    import threading
+
+    rng = np.random.default_rng(3)
+    _, weight, _, _, _ = _weight(rng, 32, 256, 8, 32, True)
+    x = rng.standard_normal((2, 256)).astype(np.float32)
+    lib = kernels.library()
+    want = kernels.linear_forward(lib, weight, x, threads=2)  # the team, made here if not yet
+
+    def threads_now() -> int:
+        return len(os.listdir("/proc/self/task"))
+
+    before, called, release, outs = threads_now(), threading.Barrier(4), threading.Event(), []
+
+    def caller() -> None:
+        outs.append(kernels.linear_forward(lib, weight, x, threads=2))
+        called.wait()
+        release.wait()
+
+    callers = [threading.Thread(target=caller) for _ in range(3)]
+    for thread in callers:
+        thread.start()
+    called.wait()
+    grown = threads_now() - before
+    release.set()
+    for thread in callers:
+        thread.join()
+    assert grown == 3, f"{grown - 3} threads more than the callers"
+    for out in outs:
+        np.testing.assert_array_equal(out, want)
+
+
 def _with_cpu_builds(source, directory):
     """A copy of the artifact `source` with cpu-int8 and cpu-int4 builds (int4 the default)."""
     artifact = shutil.copytree(source, directory)

@@ -30,6 +30,7 @@
 #include <immintrin.h>
 #include <math.h>
 #include <omp.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -821,7 +822,7 @@ static void quantize_rows(const float *x, int rows, int ld, const spx_linear *l,
                      a->sum + (size_t)r * nb);
 }
 
-int spx_forward(const spx_model *m, int batch, int n, const int64_t *ids, const int64_t *pos,
+static int forward_here(const spx_model *m, int batch, int n, const int64_t *ids, const int64_t *pos,
                 const uint8_t *mask, int slots, const int64_t *write_pos, float *kv,
                 int64_t layer_stride, int64_t batch_stride, int cap, const float *features,
                 float *logits, float *taps, void *workspace) {
@@ -926,9 +927,9 @@ int spx_forward(const spx_model *m, int batch, int n, const int64_t *ids, const 
     return 0;
 }
 
-/* The GEMM alone (tests, the kernel benchmark): out [rows][n] = x [rows][k] . w. */
-int spx_linear_forward(const spx_linear *l, int rows, const float *x, float *out, void *workspace,
-                       int threads) {
+/* The GEMM alone, on the calling thread: out [rows][n] = x [rows][k] . w. */
+static int linear_forward_here(const spx_linear *l, int rows, const float *x, float *out,
+                               void *workspace, int threads) {
     float *scale = workspace;
     int32_t *zero = (int32_t *)(scale + (size_t)rows * (l->k / QBLOCK));
     spx_acts acts = {(int8_t *)(zero + (size_t)rows * (l->k / QBLOCK)), scale, zero, l->k, l->block};
@@ -940,6 +941,138 @@ int spx_linear_forward(const spx_linear *l, int rows, const float *x, float *out
         linear(l, &acts, rows, out, l->n, t, T);
     }
     return 0;
+}
+
+/* ---- one OpenMP team per process ------------------------------------------------------
+ *
+ * libgomp keeps a team of threads for every thread that starts a parallel region, and once
+ * the teams' threads outnumber the CPUs it stops spinning at barriers: each thread sleeps and
+ * is woken at every one, and a forward passes ~400. A process that drafts or times on one
+ * thread and decodes on another (`specx serve`: a drafter checked on the main thread, rounds
+ * on the scheduler's) paid ~6 ms a verify for it: 31,000 futex sleeps per thread over 8
+ * requests, the server at 0.85x the engine's speed (docs/decisions.md#kernels-one-team). So
+ * every forward runs on one thread of this library's, started at the first call; the caller
+ * (its GIL released by ctypes) waits for it, one call at a time. */
+typedef struct {
+    int (*run)(void *);
+    void *args;
+    int pending, result;
+} team_call;
+
+static pthread_mutex_t calls = PTHREAD_MUTEX_INITIALIZER; /* one call at a time */
+static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t posted = PTHREAD_COND_INITIALIZER, finished = PTHREAD_COND_INITIALIZER;
+static team_call current;
+static int team_thread_started;
+
+static void *team_thread(void *unused) {
+    (void)unused;
+    pthread_mutex_lock(&lock);
+    for (;;) {
+        while (!current.pending) pthread_cond_wait(&posted, &lock);
+        pthread_mutex_unlock(&lock);
+        const int result = current.run(current.args);
+        pthread_mutex_lock(&lock);
+        current.result = result;
+        current.pending = 0;
+        pthread_cond_signal(&finished);
+    }
+    return NULL;
+}
+
+/* A forked child has no team thread (only the forking thread survives): start another. */
+static void forked_child(void) {
+    pthread_mutex_init(&calls, NULL);
+    pthread_mutex_init(&lock, NULL);
+    pthread_cond_init(&posted, NULL);
+    pthread_cond_init(&finished, NULL);
+    current.pending = 0;
+    team_thread_started = 0;
+}
+
+static int on_team_thread(int (*run)(void *), void *args) {
+    pthread_mutex_lock(&calls);
+    pthread_mutex_lock(&lock);
+    if (!team_thread_started) {
+        pthread_t thread;
+        pthread_attr_t attr;
+        pthread_attr_init(&attr);
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        const int failed = pthread_create(&thread, &attr, team_thread, NULL);
+        pthread_attr_destroy(&attr);
+        if (failed) { /* no thread to be had: run here, as before */
+            pthread_mutex_unlock(&lock);
+            const int result = run(args);
+            pthread_mutex_unlock(&calls);
+            return result;
+        }
+        team_thread_started = 1;
+    }
+    current.run = run;
+    current.args = args;
+    current.pending = 1;
+    pthread_cond_signal(&posted);
+    while (current.pending) pthread_cond_wait(&finished, &lock);
+    const int result = current.result;
+    pthread_mutex_unlock(&lock);
+    pthread_mutex_unlock(&calls);
+    return result;
+}
+
+typedef struct {
+    const spx_model *m;
+    int batch, n;
+    const int64_t *ids, *pos;
+    const uint8_t *mask;
+    int slots;
+    const int64_t *write_pos;
+    float *kv;
+    int64_t layer_stride, batch_stride;
+    int cap;
+    const float *features;
+    float *logits, *taps;
+    void *workspace;
+} forward_args;
+
+static int run_forward(void *p) {
+    const forward_args *a = p;
+    return forward_here(a->m, a->batch, a->n, a->ids, a->pos, a->mask, a->slots, a->write_pos, a->kv,
+                        a->layer_stride, a->batch_stride, a->cap, a->features, a->logits, a->taps,
+                        a->workspace);
+}
+
+int spx_forward(const spx_model *m, int batch, int n, const int64_t *ids, const int64_t *pos,
+                const uint8_t *mask, int slots, const int64_t *write_pos, float *kv,
+                int64_t layer_stride, int64_t batch_stride, int cap, const float *features,
+                float *logits, float *taps, void *workspace) {
+    forward_args a = {m, batch, n, ids, pos, mask, slots, write_pos, kv, layer_stride,
+                      batch_stride, cap, features, logits, taps, workspace};
+    return on_team_thread(run_forward, &a);
+}
+
+typedef struct {
+    const spx_linear *l;
+    int rows;
+    const float *x;
+    float *out;
+    void *workspace;
+    int threads;
+} linear_args;
+
+static int run_linear(void *p) {
+    const linear_args *a = p;
+    return linear_forward_here(a->l, a->rows, a->x, a->out, a->workspace, a->threads);
+}
+
+/* The GEMM alone (tests, the kernel benchmark, a head's projection): out = x . w. */
+int spx_linear_forward(const spx_linear *l, int rows, const float *x, float *out, void *workspace,
+                       int threads) {
+    linear_args a = {l, rows, x, out, workspace, threads};
+    return on_team_thread(run_linear, &a);
+}
+
+__attribute__((constructor)) static void register_fork_handler(void) {
+    pthread_atfork(NULL, NULL, forked_child);
 }
 
 /* exp of n floats in place (tests: a value's exp is the same wherever it sits). */
