@@ -1,4 +1,4 @@
-"""`specx pack` / `specx verify`: deterministic tars; tampering, truncation, foreign engines."""
+"""`specx pack` / `verify` / `unpack`: deterministic tars; tampering, truncation, engines."""
 
 from __future__ import annotations
 
@@ -156,3 +156,67 @@ def test_cli_pack_and_verify(artifact, tmp_path):
     out.write_bytes(out.read_bytes()[:2000])
     result = runner.invoke(main, ["verify", str(out)])
     assert result.exit_code == 2 and result.output.startswith("error:")
+
+
+def test_unpack_writes_the_artifact_back_and_it_runs(packed, artifact, tmp_path):
+    """Every pinned file and the manifest, byte for byte; it loads with its hashes checked
+    and generates what the original does."""
+    import specx
+    from specx.publish import unpack_artifact
+
+    said: list[str] = []
+    out = unpack_artifact(packed, tmp_path / "unpacked", progress=said.append)
+    original = load_manifest(artifact)
+    assert load_manifest(out).files == original.files  # every pin checked on load
+    for name in [*original.files, "manifest.json"]:
+        assert (out / name).read_bytes() == (artifact / name).read_bytes(), name
+    assert said[0].startswith("unpacking") and said[-1].startswith(f"{len(original.files)}/")
+    prompt = [1, 2, 3, 4]
+    want = specx.load(artifact).generate(prompt, max_new_tokens=6, ignore_eos=True).tokens
+    assert specx.load(out).generate(prompt, max_new_tokens=6, ignore_eos=True).tokens == want
+
+
+def test_unpack_checks_each_file_and_leaves_nothing_when_one_is_off(packed, tmp_path):
+    from specx.publish import unpack_artifact
+
+    def flip(name, data):
+        if name.endswith("tokenizer.json"):
+            data = data[:-1] + bytes([data[-1] ^ 1])
+        return name, data
+
+    edited = _rewrite(packed, tmp_path, flip)
+    with pytest.raises(ArtifactError, match="tokenizer.json does not match the manifest"):
+        unpack_artifact(edited, tmp_path / "out")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["edited.tar", "qwen2-artifact",
+                                                          "qwen2.tar"]  # fmt: skip
+
+
+def test_unpack_replaces_only_an_artifact_and_only_when_told(packed, artifact, tmp_path):
+    """Named as in the tar, beside it, by default; an artifact there is replaced only with
+    overwrite, and a directory of other data never."""
+    from specx.publish import unpack_artifact
+
+    with pytest.raises(ArtifactError, match="already exists; pass --overwrite"):
+        unpack_artifact(packed)  # the fixture packed `artifact`, which sits beside the tar
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    moved = shutil.copy(packed, elsewhere / "qwen2.tar")
+    assert unpack_artifact(moved) == elsewhere / "qwen2-artifact"
+    assert unpack_artifact(moved, overwrite=True) == elsewhere / "qwen2-artifact"
+    other = tmp_path / "data"
+    other.mkdir()
+    (other / "notes.txt").write_text("mine")
+    with pytest.raises(ArtifactError, match="not replaceable|does not pin|not a specx artifact"):
+        unpack_artifact(packed, other, overwrite=True)
+    assert (other / "notes.txt").read_text() == "mine"
+
+
+def test_cli_unpack(packed, tmp_path):
+    out = tmp_path / "cli-unpacked"
+    result = CliRunner().invoke(main, ["unpack", str(packed), "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    assert load_manifest(out).files
+    again = CliRunner().invoke(main, ["unpack", str(packed), "-o", str(out)])
+    assert again.exit_code == 2 and "already exists; pass --overwrite" in again.output
+    replaced = CliRunner().invoke(main, ["unpack", str(packed), "-o", str(out), "--overwrite"])
+    assert replaced.exit_code == 0, replaced.output

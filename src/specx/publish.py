@@ -1,4 +1,6 @@
-"""Publishing artifacts: `specx pack` writes one tar, `specx verify` checks a tar or directory.
+"""Publishing artifacts: `specx pack` writes one tar; `verify` checks a tar; `unpack` opens it.
+
+`specx verify` also checks an artifact directory; `specx unpack` writes a tar out as one again.
 
 A packed artifact is a plain, deterministic tar (sorted members, zeroed owners and times)
 holding `<name>/manifest.json` and every file the manifest pins, nothing else. Verifying
@@ -12,11 +14,12 @@ Standard library only (plus `tensorrt`/`torch` when present, for the engine chec
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import tarfile
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
@@ -25,6 +28,7 @@ from specx.artifact import (
     MANIFEST_NAME,
     Manifest,
     apply_umask,
+    atomic_output_dir,
     check_parents,
     load_manifest,
     parse_manifest,
@@ -32,7 +36,7 @@ from specx.artifact import (
 from specx.errors import ArtifactError
 from specx.manifest_types import BuildEntry
 
-__all__ = ["VerifyReport", "pack_artifact", "verify_artifact"]
+__all__ = ["VerifyReport", "pack_artifact", "unpack_artifact", "verify_artifact"]
 
 _CHUNK = 1 << 20
 
@@ -141,6 +145,66 @@ def verify_artifact(source: str | os.PathLike[str]) -> VerifyReport:
 
 def _verify_tar(path: Path) -> Manifest:
     """The manifest of a packed artifact whose every file matched it (its root: the tar)."""
+    with _open_pack(path) as pack:
+        for name, expected in pack.data["files"].items():
+            actual = _sha256_member(pack.tar, pack.members[name], path)
+            _check_digest(pack, name, actual, expected)
+    return Manifest.from_json(path, pack.data)
+
+
+def unpack_artifact(
+    archive: str | os.PathLike[str],
+    output_dir: str | os.PathLike[str] | None = None,
+    overwrite: bool = False,
+    progress: Callable[[str], None] = lambda message: None,
+) -> Path:
+    """Writes a packed artifact out as a directory, every file checked as it is written.
+
+    `output_dir` defaults to the tar's artifact directory name beside the tar. The tar's
+    layout is checked before anything is written (one artifact directory, no unsafe or
+    unlisted member); each file's sha256 is computed as it is extracted into a staging
+    directory, which becomes `output_dir` only when every file matched. An existing
+    `output_dir` is replaced only with `overwrite`, and only if it is a specx artifact.
+
+    Raises:
+        ArtifactError: the tar is not a verifiable specx pack, or `output_dir` may not be
+            written.
+    """
+    archive = Path(archive)
+    if not archive.is_file():
+        raise ArtifactError(f"{archive} is not a file: give a tar written by specx pack")
+    with _open_pack(archive) as pack:
+        target = Path(output_dir) if output_dir is not None else archive.parent / pack.top
+        total = sum(pack.members[n].size for n in pack.data["files"])
+        with atomic_output_dir(target, overwrite) as staging:  # checks `target` first
+            progress(f"unpacking {len(pack.data['files'])} files ({total / 1e6:.1f} MB)")
+            for i, (name, expected) in enumerate(sorted(pack.data["files"].items())):
+                actual = _extract_member(pack, name, staging / name)
+                _check_digest(pack, name, actual, expected)
+                if pack.members[name].size >= _CHUNK * 64 or i == len(pack.data["files"]) - 1:
+                    progress(f"{i + 1}/{len(pack.data['files'])} files: {name}")
+            manifest = pack.members[MANIFEST_NAME]
+            (staging / MANIFEST_NAME).write_bytes(_read(pack.tar, manifest, archive))
+    return target
+
+
+@dataclass
+class _Pack:
+    """An open packed artifact whose layout was checked (not yet its files' hashes)."""
+
+    path: Path
+    tar: tarfile.TarFile
+    top: str  # the artifact directory's name in the tar
+    members: dict[str, tarfile.TarInfo]  # relative path -> its member
+    data: dict  # the parsed manifest
+
+
+@contextlib.contextmanager
+def _open_pack(path: Path) -> Iterator[_Pack]:
+    """The tar at `path`, its layout checked.
+
+    One artifact directory with its manifest; no unsafe, unlisted or missing member.
+    """
     try:
         tar = tarfile.open(path, mode="r:*")
     except (tarfile.TarError, OSError) as e:
@@ -169,16 +233,35 @@ def _verify_tar(path: Path) -> Manifest:
         unlisted = sorted(set(by_name) - set(data["files"]) - {MANIFEST_NAME})
         if unlisted:
             raise ArtifactError(f"{path} holds files the manifest does not pin: {unlisted}")
-        for name, expected in data["files"].items():
-            if name not in by_name:
-                raise ArtifactError(f"{path}: {top}/{name} is listed in the manifest but missing")
-            actual = _sha256_member(tar, by_name[name], path)
-            if actual != expected:
-                raise ArtifactError(
-                    f"{path}: {top}/{name} does not match the manifest: sha256 {actual} != "
-                    f"{expected} (modified or truncated after packing)"
-                )
-    return Manifest.from_json(path, data)
+        missing = sorted(set(data["files"]) - set(by_name))
+        if missing:
+            raise ArtifactError(f"{path}: {top}/{missing[0]} is listed in the manifest but missing")
+        yield _Pack(path, tar, top, by_name, data)
+
+
+def _check_digest(pack: _Pack, name: str, actual: str, expected: str) -> None:
+    if actual != expected:
+        raise ArtifactError(
+            f"{pack.path}: {pack.top}/{name} does not match the manifest: sha256 {actual} != "
+            f"{expected} (modified or truncated after packing)"
+        )
+
+
+def _extract_member(pack: _Pack, name: str, out: Path) -> str:
+    """The member `name` written to `out` (parents made); returns the bytes' sha256."""
+    digest = hashlib.sha256()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        f = pack.tar.extractfile(pack.members[name])
+        if f is None:  # _open_pack keeps regular files only
+            raise ArtifactError(f"{pack.path}: {name} is not a regular file")
+        with open(out, "xb") as sink:
+            while chunk := f.read(_CHUNK):
+                digest.update(chunk)
+                sink.write(chunk)
+    except (tarfile.TarError, EOFError) as e:
+        raise ArtifactError(f"{pack.path}: cannot read {name} ({e}); truncated?") from e
+    return digest.hexdigest()
 
 
 def _read(tar: tarfile.TarFile, member: tarfile.TarInfo, path: Path) -> bytes:

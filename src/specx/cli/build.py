@@ -1,4 +1,4 @@
-"""`specx lint`, `build`, `pack` and `verify`: the commands between export and a registry."""
+"""`specx lint`, `build`, `pack`, `verify` and `unpack`: between export and a registry."""
 
 from __future__ import annotations
 
@@ -315,4 +315,23 @@ def verify(source: Path, as_json: bool) -> None:
         click.echo(f"note: {note}")
 
 
-COMMANDS = (lint, build, pack, verify)
+@click.command()
+@click.argument("archive", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option(
+    "-o",
+    "--output",
+    type=click.Path(path_type=Path),
+    help="The artifact directory to write. Default: the tar's, beside the tar.",
+)
+@click.option(
+    "--overwrite", is_flag=True, help="Replace an existing artifact directory (only that)."
+)
+def unpack(archive: Path, output: Path | None, overwrite: bool) -> None:
+    """Write a tar from `specx pack` out as an artifact directory, every file checked."""
+    from specx.publish import unpack_artifact
+
+    path = unpack_artifact(archive, output, overwrite, progress)
+    progress(f"unpacked {archive} -> {path}")
+
+
+COMMANDS = (lint, build, pack, verify, unpack)
