@@ -364,6 +364,19 @@ def test_a_runtime_only_install_names_the_extra(command, checkpoint_copy, artifa
     assert "pip install 'specx[export]'" in done.stderr and "Traceback" not in done.stderr
 
 
+def test_the_command_list_says_each_command_whole():
+    """`specx --help` gives every command a whole summary, none cut short with '...'."""
+    from click.testing import CliRunner
+
+    from specx.cli import main
+
+    listed = CliRunner().invoke(main, ["--help"], terminal_width=80).output
+    commands = listed[listed.index("Commands:") :]
+    assert "..." not in commands, commands
+    for name in main.commands:
+        assert f"  {name} " in commands
+
+
 def test_python_m_runs_every_command():
     for command in ("quantize", "lint", "build", "pack", "verify", "calibrate", "generate"):
         done = subprocess.run(

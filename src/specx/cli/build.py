@@ -25,7 +25,7 @@ _WEIGHT_OPTIONS = (
 )
 
 
-@click.command()
+@click.command(short_help="Check every graph against TensorRT's ONNX rules.")
 @click.argument("artifact_dir", type=_ARTIFACT)
 @click.option(
     "--target", "lint_target", type=click.Choice(["trt"]), default="trt", show_default=True
@@ -68,7 +68,7 @@ def lint(artifact_dir: Path, lint_target: str, precision: str, as_json: bool) ->
         raise SystemExit(1)
 
 
-@click.command()
+@click.command(short_help="Build an artifact for a backend (ort, openvino, cpu, trt or auto).")
 @click.argument("artifact_dir", type=_ARTIFACT)
 @click.option(
     "--backend",
@@ -284,7 +284,7 @@ def _calibration_prompts(artifact_dir: Path, prompts_file: Path) -> list[list[in
     return read_prompts(None, None, prompts_file, tokenizer.encode if tokenizer else None)
 
 
-@click.command()
+@click.command(short_help="Verify an artifact and write it as one tar.")
 @click.argument("artifact_dir", type=_ARTIFACT)
 @click.option("-o", "--output", required=True, type=click.Path(path_type=Path))
 @click.option(
@@ -298,7 +298,7 @@ def pack(artifact_dir: Path, output: Path, overwrite: bool) -> None:
     progress(f"packed {artifact_dir} -> {path} ({path.stat().st_size / 1e6:.1f} MB)")
 
 
-@click.command()
+@click.command(short_help="Check a tar or an artifact directory: hashes, format, engines.")
 @click.argument("source", type=click.Path(exists=True, path_type=Path))
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 def verify(source: Path, as_json: bool) -> None:
@@ -315,7 +315,7 @@ def verify(source: Path, as_json: bool) -> None:
         click.echo(f"note: {note}")
 
 
-@click.command()
+@click.command(short_help="Write a tar from specx pack out as an artifact directory.")
 @click.argument("archive", type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @click.option(
     "-o",

@@ -40,7 +40,7 @@ def _prompts(artifact_dir: Path, prompts_file: Path | None, builtin: bool) -> li
         return read_prompts(None, None, f, encode)
 
 
-@click.command()
+@click.command(short_help="Time the drafter on prompts and record what pays.")
 @click.argument("artifact_dir", type=_ARTIFACT)
 @click.option(
     "--prompts",
@@ -134,7 +134,7 @@ def calibrate(
         click.echo(json.dumps(entry.to_json(), indent=2))
 
 
-@click.command()
+@click.command(short_help="Quantize the target to static INT8 (build ort-int8-static).")
 @click.argument("artifact_dir", type=_ARTIFACT)
 @click.option(
     "--prompts",

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 __all__ = ["COMMANDS", "demo", "export"]
 
 
-@click.command()
+@click.command(short_help="Export an HF checkpoint or a GGUF file to an artifact.")
 @click.argument("target_dir", type=click.Path(exists=True, path_type=Path))
 @click.option(
     "-o",
@@ -135,7 +135,7 @@ def _build_default(artifact: Path) -> str:
     return build_artifact(artifact, BuildOptions(), progress=progress)
 
 
-@click.command()
+@click.command(short_help="Export, build and run a tiny model end to end (no downloads).")
 @click.option(
     "--target",
     "target_dir",

@@ -91,7 +91,7 @@ def _check_options(ctx: click.Context, drafter: str | None, temperature: float) 
         warn("--seed has no effect: --temperature 0 decodes greedily, which is deterministic")
 
 
-@click.command()
+@click.command(short_help="Generate from an artifact, plainly or speculatively.")
 @click.argument("artifact_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.option("--prompt", help="Prompt text (needs the artifact's tokenizer).")
 @click.option("--prompt-ids", help="Prompt as comma-separated token ids, e.g. 1,2,3.")

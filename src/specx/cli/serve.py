@@ -21,7 +21,7 @@ from specx.errors import SpecxError
 __all__ = ["COMMANDS", "serve"]
 
 
-@click.command()
+@click.command(short_help="Serve an artifact over an OpenAI-compatible HTTP API.")
 @click.argument("artifact_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind.")
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)

@@ -31,7 +31,7 @@ def _temperatures(text: str) -> tuple[float, ...]:
         raise SpecxError(f"--temperatures must be comma-separated numbers, got {text!r}") from None
 
 
-@click.command()
+@click.command(short_help="Write a target's own continuations of prompts (training data).")
 @click.argument("target_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.option("--corpus", multiple=True, required=True, help=_CORPUS_HELP)
 @click.option(
@@ -113,7 +113,7 @@ def _tap_layers(text: str | None) -> tuple[int, ...] | None:
     return tuple(int(t) for t in items)
 
 
-@click.command()
+@click.command(short_help="Train a drafter for a target: EAGLE-3, EAGLE, Medusa, MTP, draft model.")
 @click.argument("kind")
 @click.argument("target_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.option("--corpus", multiple=True, help=_CORPUS_HELP)
