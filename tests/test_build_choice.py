@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import shutil
@@ -71,6 +72,45 @@ def test_the_build_timed_fastest_becomes_the_default_never_a_slower_one(two_buil
     assert stats.build == faster and stats.build_reason == choice.reason
     named = specx.load(two_builds, build=slower).generate([1, 2, 3], max_new_tokens=2).stats
     assert named.build_reason == f"named; the build timed fastest here was {faster}"
+
+
+def _loaded(build: str, step: float, batch_ms: dict[int, float]) -> BuildTiming:
+    return dataclasses.replace(_timing(build, step), batch_step_ms=batch_ms)
+
+
+def test_the_build_for_a_load_is_the_one_fastest_per_token_at_that_many_rows():
+    """One row: the batch-1 pick; more: the plain step of the largest timed batch up to the
+    rows, per token; a record without batch timings keeps its pick at any load."""
+    fast_alone = _loaded("cpu-int4", 20.0, {4: 60.0, 16: 200.0})  # 15.0 / 12.5 ms a token
+    flat = _loaded("openvino-int4", 30.0, {4: 40.0, 16: 96.0})  # 10.0 / 6.0
+    choice = BuildChoice("cpu-int4", "plain decoding", 64, (fast_alone, flat))
+    assert choice.for_load(1) == ("cpu-int4", choice.reason)
+    build, reason = choice.for_load(8)  # batch 4's step
+    assert build == "openvino-int4" and reason.startswith("fastest measured here at 8 rows")
+    assert "openvino-int4 10.00, cpu-int4 15.00" in reason
+    assert choice.for_load(2)[0] == "openvino-int4"  # below every timed batch: the smallest
+    again = BuildChoice.from_json("here", json.loads(json.dumps(choice.to_json())))
+    assert again == choice
+    older = BuildChoice("cpu-int4", "plain decoding", 64, (_timing("cpu-int4", 20.0), flat))
+    assert older.for_load(16) == ("cpu-int4", older.reason)
+
+
+def test_a_server_s_slots_load_the_build_timed_fastest_at_that_load(two_builds, tmp_path):
+    """`specx.load(rows=N)` (what `specx serve --slots N` calls) runs the build timed
+    fastest at N rows and says why; a named build still wins; one row keeps the default."""
+    import specx
+
+    root = shutil.copytree(two_builds, tmp_path / "load")
+    timings = {"ort-fp32": _loaded("ort-fp32", 30.0, {4: 40.0, 16: 96.0}),
+               "ort-int8": _loaded("ort-int8", 10.0, {4: 60.0, 16: 200.0})}  # fmt: skip
+    choose_build(root, ["ort-fp32", "ort-int8"], 32, lambda r, b, c: timings[b])
+    assert load_manifest(root).default_build == "ort-int8"
+    assert specx.load(root).build == "ort-int8"
+    served = specx.load(root, rows=4)
+    assert served.build == "ort-fp32" and "at 4 rows" in served.build_reason
+    stats = served.generate([1, 2, 3], max_new_tokens=2).stats
+    assert stats.build == "ort-fp32" and stats.build_reason == served.build_reason
+    assert specx.load(root, build="ort-int8", rows=4).build == "ort-int8"
 
 
 @pytest.mark.parametrize(
@@ -148,6 +188,8 @@ def test_auto_times_each_build_in_its_own_process_and_records_the_fastest(artifa
     fastest = min(choice.timings, key=lambda t: t.decode_ms_per_token)
     assert manifest.default_build == choice.picked == fastest.build
     assert all(t.step_ms == t.verify_ms[0] > 0 and t.ttft_ms > 0 for t in choice.timings)
+    assert all(set(t.batch_step_ms) == {4, 16} and min(t.batch_step_ms.values()) > 0
+               for t in choice.timings)  # fmt: skip
 
 
 def test_auto_refuses_onnx_runtime_only_options_before_building(artifacts, tmp_path):

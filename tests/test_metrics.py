@@ -39,11 +39,13 @@ FAMILIES = [
         ]
     ),
     ("specx_acceptance_by_position", "gauge", ("position",)),
+    ("specx_build_info", "gauge", ("build", "reason")),  # which build serves, and why
 ]
 
 
 def _busy() -> Metrics:
     metrics = Metrics()
+    metrics.build, metrics.build_reason = "cpu-int4", "fastest measured here at 4 rows"
     metrics.request("/v1/completions", 200)
     metrics.request("/v1/completions", 200)
     metrics.request("/v1/chat/completions", 400)
@@ -114,6 +116,7 @@ def test_the_exposition_keeps_every_family_name_label_and_type():
         "specx_prefix_cache_max_bytes": 4096,
         'specx_acceptance_by_position{position="1"}': 0.5,
         'specx_acceptance_by_position{position="2"}': 0.5,
+        'specx_build_info{build="cpu-int4",reason="fastest measured here at 4 rows"}': 1,
     }
 
 

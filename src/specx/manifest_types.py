@@ -641,7 +641,8 @@ class BuildTiming:
     """One build as `specx build --backend auto` measured it on the machine that built it.
 
     Milliseconds at batch 1 over `BuildChoice.context` cached tokens; `decode_ms_per_token`
-    is the decode rate predicted from them for `BuildChoice.basis`.
+    is the decode rate predicted from them for `BuildChoice.basis`. `batch_step_ms`: a plain
+    step of B sequences at once, by B, for a server's load (empty in older records).
     """
 
     build: str
@@ -650,6 +651,7 @@ class BuildTiming:
     draft_step_ms: float | None  # one step of the artifact's head (None: it has none)
     ttft_ms: float  # the prompt's forward
     decode_ms_per_token: float
+    batch_step_ms: Mapping[int, float] = field(default_factory=dict)  # rows -> ms a step
 
     @classmethod
     def from_json(cls, data: Json) -> BuildTiming:  # noqa: D102
@@ -661,7 +663,19 @@ class BuildTiming:
             None if draft is None else float(draft),
             float(data["ttft_ms"]),
             float(data["decode_ms_per_token"]),
+            {int(b): float(ms) for b, ms in data.get("batch_step_ms", {}).items()},
         )
+
+    def ms_per_token_at(self, rows: int) -> float:
+        """Decode ms per token with `rows` sequences running.
+
+        One row: the predicted batch-1 rate; more: the plain step of the largest timed batch
+        up to `rows` (the smallest where none is) over its rows.
+        """
+        if rows <= 1 or not self.batch_step_ms:
+            return self.decode_ms_per_token
+        batch = max((b for b in self.batch_step_ms if b <= rows), default=min(self.batch_step_ms))
+        return self.batch_step_ms[batch] / batch
 
     def to_json(self) -> dict[str, Any]:  # noqa: D102
         return {
@@ -671,7 +685,9 @@ class BuildTiming:
             **_present(draft_step_ms=self.draft_step_ms),
             "ttft_ms": self.ttft_ms,
             "decode_ms_per_token": self.decode_ms_per_token,
-        }
+            **({"batch_step_ms": {str(b): ms for b, ms in self.batch_step_ms.items()}}
+               if self.batch_step_ms else {}),
+        }  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -716,6 +732,17 @@ class BuildChoice:
         ranked = sorted(self.timings, key=lambda t: t.decode_ms_per_token)
         rates = ", ".join(f"{t.build} {t.decode_ms_per_token:.1f}" for t in ranked)
         return f"fastest measured here for {self.basis} (decode ms/token: {rates})"
+
+    def for_load(self, rows: int) -> tuple[str, str]:
+        """The build fastest per token with `rows` sequences decoding together, and why.
+
+        One row, or a record without batch timings: the picked build and `reason`.
+        """
+        if rows <= 1 or not all(t.batch_step_ms for t in self.timings):
+            return self.picked, self.reason
+        ranked = sorted(self.timings, key=lambda t: t.ms_per_token_at(rows))
+        rates = ", ".join(f"{t.build} {t.ms_per_token_at(rows):.2f}" for t in ranked)
+        return ranked[0].build, f"fastest measured here at {rows} rows (plain ms/token: {rates})"
 
 
 def _present(**fields: Any) -> dict[str, Any]:

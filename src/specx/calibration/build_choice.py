@@ -51,6 +51,7 @@ __all__ = ["PRIOR_REACH", "build_fastest", "choose_build", "measure_build", "pre
 # at int4 (docs/decisions.md#build-choice: the OpenVINO build's run, tau 3.47).
 PRIOR_REACH = (0.80, 0.65, 0.57, 0.45)
 WIDTHS = (1, 2, 3, 4, 5)
+BATCHES = (4, 16)  # a plain step of this many sequences at once: a server's load (`for_load`)
 HEADS = ("eagle3", "eagle", "mtp")  # heads that draft step by step (Medusa drafts at once)
 
 Measure = Callable[[Path, str, int], BuildTiming]
@@ -92,7 +93,10 @@ def measure_build(manifest: Manifest, context: int, threads: int | None = None) 
     if spec is not None and spec.kind in HEADS:
         head = _head_step_ms(open_decoder(manifest, threads, graph="draft_head"), context)
     decode, _ = predict(verify_ms, head)
-    return BuildTiming(build_name(manifest), verify_ms[0], verify_ms, head, 1e3 * min(ttft), decode)
+    batches = {b: 1e3 * measure_verify_curve(target, (1,), context, batch=b).seconds[0]
+               for b in BATCHES}  # fmt: skip
+    return BuildTiming(build_name(manifest), verify_ms[0], verify_ms, head, 1e3 * min(ttft),
+                       decode, batches)  # fmt: skip
 
 
 def _head_step_ms(head, context: int, repeats: int = 15) -> float:

@@ -172,7 +172,7 @@ def serve(
 
     template = ChatTemplate.from_file(chat_template) if chat_template else None
 
-    engine = load(artifact_dir, threads, build_name)  # checked here, before any replica starts
+    engine = load(artifact_dir, threads, build_name, rows=slots)  # before any replica starts
     if drafter is not None:  # a bad default is refused now, not on the first request
         engine.plans.check(engine.plan(Speculation(drafter), SamplingParams()))
     options = ServeOptions(
@@ -191,6 +191,7 @@ def serve(
     default = f"default drafter {drafter}" if drafter else "no default drafter"
     keys = f"{len(access.keys)} API keys" if access.required else "no API key"
     progress(f"serving {engine.name} on http://{host}:{port} ({slots} slots, {default}, {keys})")
+    progress(f"build {engine.build}: {engine.build_reason}")
     serve_http(engine, options, listening, drain_timeout)
     progress("stopped")
 

@@ -128,8 +128,11 @@ def select_build(manifest: Manifest, name: str | None) -> Manifest:
     return manifest.with_build(None if name == EXPORTED else name)
 
 
-def build_reason(manifest: Manifest, named: bool = False) -> str:
-    """Why the default build is the one that runs, for the stats (`named`: the caller chose it)."""
+def build_reason(manifest: Manifest, named: bool = False, rows: int = 1) -> str:
+    """Why the default build is the one that runs, for the stats.
+
+    `named`: the caller chose it; `rows`: the sequences it decodes together (`build_for_load`).
+    """
     try:
         choice = manifest.build_choice
     except ArtifactError as e:  # a broken record costs the reason, not the run
@@ -139,7 +142,25 @@ def build_reason(manifest: Manifest, named: bool = False) -> str:
         return f"named{fastest}"
     if choice is None:
         return "the artifact's default build, the newest (none timed: specx build --backend auto)"
-    return choice.reason
+    name, why = choice.for_load(rows)
+    return why if name == manifest.default_build else choice.reason
+
+
+def build_for_load(manifest: Manifest, rows: int) -> str | None:
+    """The build timed fastest with `rows` sequences decoding together, if not the default.
+
+    `specx build --backend auto` times each build at batches too (a server's slots); None:
+    run the default (one row, no such timing, or that build since replaced or damaged).
+    """
+    try:
+        choice = manifest.build_choice
+    except ArtifactError:
+        return None
+    if choice is None or rows <= 1:
+        return None
+    name, _ = choice.for_load(rows)
+    healthy = name in manifest.builds and name not in manifest.damaged
+    return name if healthy and name != manifest.default_build else None
 
 
 def backend_name(manifest: Manifest) -> str:

@@ -35,6 +35,7 @@ from specx.chat import ChatTemplate
 from specx.errors import GenerationError
 from specx.runtime.backends import (
     backend_name,
+    build_for_load,
     build_name,
     build_reason,
     open_decoder,
@@ -77,11 +78,21 @@ class _Request:
 class Engine:
     """An opened artifact (see the module docstring). Build with `load`."""
 
-    def __init__(self, manifest: Manifest, threads: int | None = None, named_build: bool = False):
-        """`named_build`: the caller chose the build (not the artifact's default)."""
+    def __init__(
+        self,
+        manifest: Manifest,
+        threads: int | None = None,
+        named_build: bool = False,
+        rows: int = 1,
+    ):
+        """An engine over `manifest`'s default build.
+
+        `named_build`: the caller chose the build (not the artifact's default); `rows`: the
+        sequences it will decode together (`load`).
+        """
         self.manifest, self.threads = manifest, threads
         self.target = open_decoder(manifest, threads=threads)
-        self.build_reason = build_reason(manifest, named_build)  # in every run's stats
+        self.build_reason = build_reason(manifest, named_build, rows)  # in every run's stats
         file = manifest.tokenizer_file
         self.tokenizer = TextTokenizer(file) if file else None
         chat = manifest.chat_template_file
@@ -95,6 +106,11 @@ class Engine:
     def name(self) -> str:
         """The artifact's directory name (the model name the server reports)."""
         return self.manifest.root.name
+
+    @property
+    def build(self) -> str:
+        """The build that runs (its name; "exported": the exported graphs)."""
+        return build_name(self.manifest)
 
     @property
     def capacity(self) -> int:
@@ -359,16 +375,22 @@ class Engine:
         return completions
 
 
-def load(artifact: str | Path, threads: int | None = None, build: str | None = None) -> Engine:
+def load(
+    artifact: str | Path, threads: int | None = None, build: str | None = None, rows: int = 1
+) -> Engine:
     """Opens an artifact (manifest and file hashes verified) for generation.
 
     `build` names the build to run (`"exported"`: the exported graphs); None runs the
-    artifact's default build, the newest one built (`specx export` builds `ort-fp32`).
+    artifact's default build, the newest one built (`specx export` builds `ort-fp32`), or,
+    for `rows` sequences decoding together (a server's slots), the build `specx build
+    --backend auto` timed fastest at that load (`build_for_load`).
 
     Raises:
         ArtifactError: not a specx artifact, a file does not match its hash, or no such build.
     """
-    return Engine(select_build(load_manifest(artifact), build), threads, build is not None)
+    manifest = load_manifest(artifact)
+    chosen = build if build is not None else build_for_load(manifest, rows)
+    return Engine(select_build(manifest, chosen), threads, build is not None, rows)
 
 
 def _calibrated_off(max_batch_spec: int, batch: int) -> str:

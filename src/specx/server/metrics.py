@@ -3,7 +3,7 @@
 Each `Metrics` is the one collector of its own `CollectorRegistry`, never the global one,
 so several servers in one process (the tests start many) neither share nor collide. The
 state stays plain numbers under one lock, turned into metric families by `collect` at
-scrape time, rather than `Counter`/`Gauge` objects: 8 of the 22 families are computed or
+scrape time, rather than `Counter`/`Gauge` objects: 8 of the 23 families are computed or
 read when scraped (the acceptance length and batch occupancy means, acceptance by
 position, the prefix cache's own counters); one hold of the lock keeps a scrape consistent
 (the acceptance length from the same rounds and accepted counts); and families add no
@@ -19,7 +19,12 @@ from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    InfoMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
@@ -47,6 +52,7 @@ class Metrics(Collector):
         self.batch_rounds = self.batch_rows = 0  # for the mean occupancy
         self.queue_depth = self.running = self.slots = 0
         self.prefix_cache: PrefixCache | None = None  # its own counters, read at scrape
+        self.build = self.build_reason = ""  # which build serves, and why (the engine's)
         self.registry = CollectorRegistry()  # this server's own, never the global one
         self.registry.register(self)
 
@@ -127,7 +133,9 @@ class Metrics(Collector):
                 _FAMILIES[kind](f"specx_{name}", help_, value=value)
                 for name, kind, help_, value in self._scalar_rows()
             ]
-        return [requests, finish, *scalars, by_position]
+        info = {"build": self.build, "reason": self.build_reason}
+        build = InfoMetricFamily("specx_build", "The build serving, and why", value=info)
+        return [requests, finish, *scalars, by_position, build]
 
     def _scalar_rows(self) -> list[tuple[str, str, str, float]]:
         return [

@@ -62,7 +62,8 @@ class SpecxModel:
         from specx.runtime.engine import load
         from specx.server.service import Service
 
-        self.service = Service(load(artifact, threads=threads, build=options.build), options)
+        engine = load(artifact, threads=threads, build=options.build, rows=options.slots)
+        self.service = Service(engine, options)
         self.service.start()
         # Every reply names its replica (the Ray actor), for operators and for tests.
         self.header = {"x-specx-replica": ray.get_runtime_context().get_actor_name() or ""}

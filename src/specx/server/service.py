@@ -84,6 +84,7 @@ class Service:
         if options.chat_template is not None:
             engine.use_chat_template(options.chat_template)
         self.metrics = Metrics()
+        self.metrics.build, self.metrics.build_reason = engine.build, engine.build_reason
         prefix = PrefixCache(options.prefix_cache_bytes) if options.prefix_cache_bytes else None
         self.scheduler = Scheduler(engine, options.slots, options.queue_size, self.metrics, prefix,
                                    options.prefill_chunk)  # fmt: skip
