@@ -245,8 +245,7 @@ class ContinuousBatch:
         try:
             sequence.emit([first])
         except BaseException:
-            self.rows[slot] = None
-            self.cache.lengths[slot] = 0
+            self.evict(slot)
             raise
 
     def step(self) -> list[BatchSequence]:

@@ -72,6 +72,9 @@ class _Local:
         return to_response(await self.service.reply(opened, http.is_disconnected))
 
 
+ANSWER_S = 2  # how long the requests cut at the drain's end have to get their answers
+
+
 def serve(engine: Engine, options: ServeOptions, listening: socket.socket, drain_s: float) -> None:
     """Serves on `listening` until SIGINT (stops now) or SIGTERM (drains, then exits).
 
@@ -85,9 +88,6 @@ def serve(engine: Engine, options: ServeOptions, listening: socket.socket, drain
     # bound only covers a client that stops reading.
     config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=ANSWER_S)
     DrainingServer(config, app.state.service, drain_s).run(sockets=[listening])
-
-
-ANSWER_S = 2  # how long the requests cut at the drain's end have to get their answers
 
 
 class DrainingServer(uvicorn.Server):
