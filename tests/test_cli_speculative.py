@@ -129,12 +129,23 @@ def test_malformed_tree_is_a_clear_error(artifacts, draft_artifacts):
     assert result.exit_code == 2 and "has no parent [1]" in result.output
 
 
-def test_demo_runs_end_to_end(tmp_path):
+def test_demo_runs_end_to_end_through_the_engine(tmp_path, monkeypatch):
+    """The demo decodes as a user's code does: `specx.load`, then `Engine.generate` plainly
+    and with n-gram speculation (so its stats name the build and why it runs)."""
+    from specx.runtime.engine import Engine
+
+    calls: list[object] = []
+    generate = Engine.generate
+    monkeypatch.setattr(Engine, "generate", lambda self, *a, **k: calls.append(
+        k.get("speculation")) or generate(self, *a, **k))  # fmt: skip
     result = invoke("demo", "--workdir", tmp_path, "--max-new-tokens", 24, "--threads", 2)
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
+    assert calls == [None, "ngram"]
     assert report["identical_to_plain"] is True
     assert report["speculative"]["mode"] == "speculative" and len(report["tokens"]) == 24
+    assert report["speculative"]["build"] == report["plain"]["build"] == "ort-fp32"
+    assert (report["speedup"] is None) == (report["speculative"]["rounds_with_draft"] == 0)
     assert (tmp_path / "artifact" / "manifest.json").is_file()
 
 

@@ -21,7 +21,7 @@ from specx.cli.generate import print_stats
 from specx.errors import GenerationError, SpecxError
 
 if TYPE_CHECKING:
-    from specx.runtime.plain_decoding import GenerationResult
+    from specx.runtime.results import Completion
 
 __all__ = ["COMMANDS", "demo", "export"]
 
@@ -189,16 +189,16 @@ def demo(
 
 def _demo(
     workdir: Path, target_dir: Path | None, prompt: str, max_new_tokens: int, threads: int | None
-) -> tuple[dict, GenerationResult, GenerationResult]:
-    """The report, and the plain and speculative results it sums up."""
-    from specx.artifact import load_manifest
+) -> tuple[dict, Completion, Completion]:
+    """The report, and the plain and speculative completions it sums up.
+
+    Decoded as a user's code decodes: `specx.load(...)`, then `Engine.generate` plainly and
+    with `speculation="ngram"` (the default path: the artifact's calibration where it has one,
+    the per-round controller).
+    """
     from specx.export.random_checkpoint import write_random_checkpoint
     from specx.export.target_export import export_target
-    from specx.runtime.backends import open_decoder
-    from specx.runtime.drafters.ngram import NGramDrafter
-    from specx.runtime.plain_decoding import generate_plain
-    from specx.runtime.speculative_decoding import generate_speculative
-    from specx.runtime.tokenizer import TextTokenizer
+    from specx.runtime.engine import load
 
     if target_dir is None:
         target_dir = workdir / "checkpoint"
@@ -206,22 +206,26 @@ def _demo(
         write_random_checkpoint(target_dir, "llama", "small", seed=0)
     artifact = export_target(target_dir, workdir / "artifact", max_context=1024, progress=progress)
     _build_default(artifact)
-    manifest = load_manifest(artifact)
-    tokenizer = TextTokenizer(manifest.tokenizer_file) if manifest.tokenizer_file else None
-    prompt_ids = tokenizer.encode(prompt) if tokenizer else [1, 2, 3, 4]
-    target = open_decoder(manifest, threads=threads)
+    engine = load(artifact, threads)
+    text_or_ids = prompt if engine.tokenizer is not None else [1, 2, 3, 4]
     progress("decoding: plain, then speculative with the n-gram drafter")
-    plain = generate_plain(target, [prompt_ids], max_new_tokens)
-    spec = generate_speculative(target, NGramDrafter(6), [prompt_ids], max_new_tokens)
+    # Both run to max_new_tokens: a random-weight model may end its text at any token.
+    plain = engine.generate(text_or_ids, max_new_tokens=max_new_tokens, ignore_eos=True)
+    spec = engine.generate(
+        text_or_ids, max_new_tokens=max_new_tokens, ignore_eos=True, speculation="ngram"
+    )
     speculative = spec.stats.to_json()
-    del speculative["per_request"]  # the one prompt's: the totals already
+    speculative.pop("per_request", None)  # the one prompt's: the totals already
+    run = spec.stats.run.speculative
+    drafted = run is not None and run.acceptance.rounds_with_draft > 0
     report = {
         "artifact": str(artifact),
         "prompt": prompt,
-        "text": tokenizer.decode(spec.tokens[0]) if tokenizer else None,
-        "tokens": spec.tokens[0],
+        "text": spec.text,
+        "tokens": spec.tokens,
         "identical_to_plain": spec.tokens == plain.tokens,
-        "speedup": plain.stats.ms_per_token / spec.stats.ms_per_token,
+        # Where nothing was drafted both runs decoded plainly: their ratio is noise.
+        "speedup": plain.stats.ms_per_token / spec.stats.ms_per_token if drafted else None,
         "plain": plain.stats.to_json(),
         "speculative": speculative,
     }
