@@ -6,6 +6,8 @@ import ast
 import re
 from pathlib import Path
 
+import pytest
+
 import specx
 
 ROOT = Path(specx.__file__).parent
@@ -117,3 +119,35 @@ def test_the_backend_map_names_every_backend_and_only_modules_that_exist():
         modules |= {m.replace(".", "/") for m in re.findall(r"(?:runtime|tensorrt)\.\w+", line)}
     missing = sorted(m for m in modules if not (ROOT / f"{m}.py").is_file())
     assert not missing, missing
+
+
+def _module_level_imports(path: Path, modules: set[str]) -> set[str]:
+    """The specx modules `path` imports at its top level, `if TYPE_CHECKING:` blocks included."""
+    body = ast.parse(path.read_text()).body
+    statements = body + [s for node in body if isinstance(node, ast.If) for s in node.body]
+    names = set()
+    for node in statements:
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return names & modules
+
+
+def test_no_module_imports_round_a_circle():
+    """Modules import one another as a DAG, type-only imports counted: a type two stages
+    share has a home below both (server/events.py, training/config.py). Packages'
+    `__init__` files, which re-export their modules, are left out."""
+    from graphlib import CycleError, TopologicalSorter
+
+    files = {
+        ".".join(p.relative_to(ROOT.parent).with_suffix("").parts): p
+        for p in ROOT.rglob("*.py")
+        if p.name != "__init__.py"
+    }
+    graph = {name: _module_level_imports(path, set(files)) - {name} for name, path in files.items()}
+    try:
+        tuple(TopologicalSorter(graph).static_order())
+    except CycleError as e:
+        pytest.fail(f"an import circle: {' -> '.join(e.args[1])}")

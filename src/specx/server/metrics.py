@@ -29,7 +29,7 @@ from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
     from specx.runtime.prefix_cache import PrefixCache
-    from specx.server.scheduler import Finished
+    from specx.server.events import Finished
 
 __all__ = ["Metrics"]
 

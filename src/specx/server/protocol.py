@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from specx.runtime.sampling import SamplingParams
-from specx.server.scheduler import Finished
+from specx.server.events import Finished
 
 __all__ = ["ApiError", "GenerateRequest", "parse_request", "response_body", "stream_chunk"]
 

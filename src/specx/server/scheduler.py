@@ -31,9 +31,10 @@ from specx.runtime.engine import Engine
 from specx.runtime.plans import DraftPlan
 from specx.runtime.prefix_cache import PrefixCache
 from specx.runtime.sampling import SamplingParams
+from specx.server.events import Finished, TokensEvent
 from specx.server.metrics import Metrics
 
-__all__ = ["Finished", "Job", "QueueFull", "Scheduler", "TokensEvent", "Unavailable"]
+__all__ = ["Job", "QueueFull", "Scheduler", "Unavailable"]
 
 logger = logging.getLogger("specx")
 
@@ -44,31 +45,6 @@ class QueueFull(SpecxError):
 
 class Unavailable(SpecxError):
     """The decoding thread stopped (the server is closing, or it failed)."""
-
-
-@dataclass(frozen=True)
-class TokensEvent:
-    """A round's tokens for one request and the text they made final."""
-
-    tokens: list[int]
-    text: str
-
-
-@dataclass(frozen=True)
-class Finished:
-    """A request's end: its whole result."""
-
-    tokens: list[int]
-    text: str
-    tail: str  # text held back until the end (not yet in any TokensEvent)
-    finish_reason: str  # "stop" | "length" | "cancelled" | "timeout" | "shutdown" | "error"
-    prompt_tokens: int
-    rounds: int
-    drafted: int
-    accepted: int
-    acceptance_length: float
-    acceptance_by_position: list[float]
-    error: str | None = None
 
 
 @dataclass

@@ -20,6 +20,7 @@ from specx.errors import CapacityError, SpecxError
 from specx.runtime.engine import Engine, Speculation
 from specx.runtime.prefix_cache import PrefixCache
 from specx.server.auth import Access
+from specx.server.events import Finished, TokensEvent
 from specx.server.metrics import Metrics
 from specx.server.protocol import (
     ApiError,
@@ -29,7 +30,7 @@ from specx.server.protocol import (
     response_body,
     stream_chunk,
 )
-from specx.server.scheduler import Finished, Job, QueueFull, Scheduler, TokensEvent, Unavailable
+from specx.server.scheduler import Job, QueueFull, Scheduler, Unavailable
 
 __all__ = ["Opened", "Reply", "ServeOptions", "Service"]
 

@@ -20,7 +20,7 @@ from specx.training.objectives import draft_model_loss
 from specx.training.teacher import TeacherOutput
 
 if TYPE_CHECKING:
-    from specx.training.loop import Inputs, TrainConfig
+    from specx.training.config import Inputs, TrainConfig
 
 __all__ = ["DraftModelKind"]
 

@@ -23,7 +23,7 @@ from specx.training.objectives import unrolled_loss
 from specx.training.teacher import Teacher, TeacherOutput
 
 if TYPE_CHECKING:
-    from specx.training.loop import Inputs, TrainConfig
+    from specx.training.config import Inputs, TrainConfig
 
 __all__ = ["Eagle3Kind", "coverage", "draft_vocab"]
 

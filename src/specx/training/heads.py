@@ -27,7 +27,7 @@ from specx.training.objectives import eagle_loss, medusa_loss, unrolled, unrolle
 from specx.training.teacher import TeacherOutput
 
 if TYPE_CHECKING:
-    from specx.training.loop import Inputs, TrainConfig
+    from specx.training.config import Inputs, TrainConfig
 
 __all__ = ["EagleKind", "HeadKind", "MTPKind", "MedusaKind", "llama_config", "one_layer"]
 

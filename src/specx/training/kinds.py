@@ -24,7 +24,7 @@ from specx.training.heads import EagleKind, MedusaKind, MTPKind
 from specx.training.teacher import TeacherOutput
 
 if TYPE_CHECKING:
-    from specx.training.loop import Inputs, TrainConfig
+    from specx.training.config import Inputs, TrainConfig
 
 __all__ = ["KINDS", "KIND_OPTIONS", "DrafterKind", "drafter_kind"]
 

@@ -21,8 +21,9 @@ import torch
 
 from specx.artifact import atomic_write_text, check_parents
 from specx.errors import SpecxError
-from specx.export.checkpoint import Checkpoint, load_checkpoint
+from specx.export.checkpoint import load_checkpoint
 from specx.export.config import load_target_config
+from specx.training.config import Inputs, TrainConfig, Windows
 from specx.training.corpus import read_texts, token_windows
 from specx.training.kinds import DrafterKind, drafter_kind
 from specx.training.regenerate import continue_windows, is_regenerated, read_windows
@@ -32,33 +33,6 @@ __all__ = ["TrainConfig", "TrainResult", "check_output", "train_drafter"]
 
 STATE_FILE = "train_state.pt"
 REPORT_FILE = "train_report.json"
-
-
-@dataclass(frozen=True)
-class TrainConfig:
-    """What to train and how long; defaults suit a few minutes on 2 CPU cores."""
-
-    kind: str
-    steps: int = 300
-    batch: int = 8
-    seq_len: int = 128
-    lr: float = 1e-3
-    seed: int = 0
-    ttt_steps: int = 3  # EAGLE-3 / MTP unrolled steps
-    draft_vocab: int | None = None  # EAGLE-3 draft vocabulary (None = the full vocabulary)
-    medusa_heads: int = 4
-    draft_model_layers: int = 2
-    held_out_fraction: float = 0.1
-    max_held_out_windows: int = 64  # the acceptance estimate needs no more
-    on_policy_windows: int = 0  # extra windows continued by the target (greedy and T=0.7)
-    on_policy_prompt: int = 16  # corpus tokens that start each on-policy window
-    tap_layers: tuple[int, ...] | None = None  # EAGLE-3 taps of the teacher (None: 2, N//2, N-3)
-    save_every: int = 100
-    eval_every: int = 0  # held-out acceptance every this many steps (0: before and after)
-    bf16: bool = False  # bf16 autocast (fast where the CPU has AVX-512 BF16 or AMX)
-    mask_unreachable: bool = True  # EAGLE-3: skip positions whose target argmax is off-vocab
-    normalise_taps: bool = True  # EAGLE-3: taps scaled to unit RMS per channel (folded into fc)
-    init: str | None = None  # a drafter of this kind (public format) to train on from; None: new
 
 
 @dataclass(frozen=True)
@@ -191,25 +165,6 @@ def _check_request(
         output_dir, [target_dir, *map(Path, corpus), *([Path(cfg.init)] if cfg.init else [])]
     )
     return kind, tokenizer_path
-
-
-@dataclass(frozen=True)
-class Windows:
-    """Token windows [n, seq_len] to train on and to measure held-out acceptance on."""
-
-    train: np.ndarray
-    held_out: np.ndarray
-    regenerated: int  # how many of `train` the target itself continued
-
-
-@dataclass(frozen=True)
-class Inputs:
-    """What a kind builds its drafter from (`DrafterKind.build`)."""
-
-    cfg: TrainConfig
-    checkpoint: Checkpoint
-    windows: Windows
-    teacher: Teacher
 
 
 def _windows(
