@@ -190,7 +190,6 @@ class _CopyBackend:
 
     name = "toy-copy"
     runtime = "ort"
-    passes = ()
 
     def build_name(self, options: BuildOptions) -> str:
         return f"toy-{options.precision}"

@@ -157,7 +157,6 @@ class Cpu:
 
     name = "cpu"
     runtime = "cpu"
-    passes = ()
 
     def build_name(self, options: BuildOptions) -> str:
         """`cpu-<precision>`."""

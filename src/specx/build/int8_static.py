@@ -148,11 +148,6 @@ class Int8Static:
 
     name = "int8-static"
     runtime = "ort"
-    passes: tuple[str, ...] = (
-        "quantize_static (QDQ)",
-        "private Q/DQ parameters",
-        "RowInvariantPass",
-    )
 
     def __init__(
         self,

@@ -114,7 +114,6 @@ class OpenVino:
 
     name = "openvino"
     runtime = "openvino"
-    passes = ("lower_for_openvino", "compress_weights")
 
     def build_name(self, options: BuildOptions) -> str:
         """`openvino-<precision>`."""

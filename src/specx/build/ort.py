@@ -58,14 +58,6 @@ class OnnxRuntime:
 
     name = "ort"
     runtime = "ort"
-    passes = (
-        "ConvertPrecisionPass",
-        "WeightOnlyQuantizePass",
-        "RowInvariantPass",
-        "SkipRmsNormPass",
-        "GroupQueryAttentionPass",
-        "PadRowPass",
-    )
 
     def build_name(self, options: BuildOptions) -> str:
         """`ort-<precision>`, `-draft` for a build of the draft head alone."""

@@ -1,12 +1,12 @@
 """What a build backend is, and where `specx build --backend NAME` finds one.
 
-A backend turns an artifact's exported graphs into the graphs (or engines) one runtime
-runs. It names the graph passes it may apply, checks its options before any work, writes
-its files into a staging directory and returns the build's manifest entry; `specx.build.
-build_artifact` does the rest (staging, publishing, the default build) for every backend
-alike. Its `runtime` names the opener in `specx.runtime.backends.OPENERS` that runs what it
-built, and the manifest records that name as the build's `backend`, so an artifact opens
-with numpy and onnxruntime alone whichever backend built it.
+A backend turns an artifact's exported graphs into the graphs (or engines) one runtime runs.
+It checks its options before any work, writes its files into a staging directory and returns
+the build's manifest entry; `specx.build.build_artifact` does the rest (staging,
+publishing, the default build) for every backend alike. Its `runtime` names the opener in
+`specx.runtime.backends.OPENERS` that runs what it built, and the manifest records that name
+as the build's `backend`, so an artifact opens with numpy and onnxruntime alone whichever
+backend built it.
 
 Adding a backend is one module with a class meeting `Backend` and a `register(...)` call
 (`tests/test_build.py` adds a toy one).
@@ -70,7 +70,6 @@ class Backend(Protocol):
 
     name: str  # `specx build --backend NAME`
     runtime: str  # the opener that runs its builds (`specx.runtime.backends.OPENERS`)
-    passes: tuple[str, ...]  # the graph passes it may apply, in order
 
     def build_name(self, options: BuildOptions) -> str:
         """The build's name in the manifest, e.g. `ort-int4`, `trt-fp16`."""

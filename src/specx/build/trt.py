@@ -27,7 +27,6 @@ class TensorRT:
 
     name = "trt"
     runtime = "trt"
-    passes = ("lower_for_tensorrt", "lint_for_tensorrt")
 
     def build_name(self, options: BuildOptions) -> str:
         """`trt-<precision>`."""
