@@ -299,19 +299,21 @@ WRITE_CHECKPOINT = """
 import json, sys, torch
 from pathlib import Path
 from safetensors.torch import save_file
-out, vocab, layers = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
-config = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=512,
-    intermediate_size=1024, num_hidden_layers=layers, num_attention_heads=8,
-    num_key_value_heads=4, vocab_size=vocab, max_position_embeddings=512, rms_norm_eps=1e-5,
-    rope_theta=10000.0, tie_word_embeddings=False, bos_token_id=0, eos_token_id=0)
-out.mkdir(parents=True)
-(out / "config.json").write_text(json.dumps(config))
 from specx.export.config import load_target_config
 from specx.export.decoder import TargetDecoder
-shapes = TargetDecoder.parameter_shapes(load_target_config(out)[0])
-generator = torch.Generator().manual_seed(0)
-save_file({k: (torch.randn(s, generator=generator) * 0.02).to(torch.bfloat16)
-           for k, s in shapes.items()}, out / "model.safetensors")
+for arg in sys.argv[1:]:  # OUT:VOCAB:LAYERS each, one interpreter start for all
+    out, vocab, layers = Path(arg.split(":")[0]), *map(int, arg.split(":")[1:])
+    config = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=512,
+        intermediate_size=1024, num_hidden_layers=layers, num_attention_heads=8,
+        num_key_value_heads=4, vocab_size=vocab, max_position_embeddings=512,
+        rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False, bos_token_id=0,
+        eos_token_id=0)
+    out.mkdir(parents=True)
+    (out / "config.json").write_text(json.dumps(config))
+    shapes = TargetDecoder.parameter_shapes(load_target_config(out)[0])
+    generator = torch.Generator().manual_seed(0)
+    save_file({k: (torch.randn(s, generator=generator) * 0.02).to(torch.bfloat16)
+               for k, s in shapes.items()}, out / "model.safetensors")
 """
 
 
@@ -329,12 +331,10 @@ def test_export_memory_does_not_grow_with_the_weights(tmp_path):
     ends with loads the graph into ONNX Runtime to check it, as running it does: --no-build.)"""
     sizes = {"small": (2048, 1), "large": (65536, 2)}  # vocab, layers: embedding + lm_head
     peaks = {}
-    for name, (vocab, layers) in sizes.items():
+    told = [f"{tmp_path / name}:{vocab}:{layers}" for name, (vocab, layers) in sizes.items()]
+    subprocess.run([sys.executable, "-c", WRITE_CHECKPOINT, *told], check=True)
+    for name in sizes:
         checkpoint = tmp_path / name
-        subprocess.run(
-            [sys.executable, "-c", WRITE_CHECKPOINT, str(checkpoint), str(vocab), str(layers)],
-            check=True,
-        )
         command = [sys.executable, "-m", "specx.cli", "export", str(checkpoint), "-o",
                    str(tmp_path / f"{name}-artifact"), "--max-context", "64",
                    "--no-build"]  # fmt: skip
