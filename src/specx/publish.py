@@ -22,6 +22,7 @@ import tempfile
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
+from typing import BinaryIO
 
 from specx import __version__
 from specx.artifact import (
@@ -249,19 +250,9 @@ def _check_digest(pack: _Pack, name: str, actual: str, expected: str) -> None:
 
 def _extract_member(pack: _Pack, name: str, out: Path) -> str:
     """The member `name` written to `out` (parents made); returns the bytes' sha256."""
-    digest = hashlib.sha256()
     out.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        f = pack.tar.extractfile(pack.members[name])
-        if f is None:  # _open_pack keeps regular files only
-            raise ArtifactError(f"{pack.path}: {name} is not a regular file")
-        with open(out, "xb") as sink:
-            while chunk := f.read(_CHUNK):
-                digest.update(chunk)
-                sink.write(chunk)
-    except (tarfile.TarError, EOFError) as e:
-        raise ArtifactError(f"{pack.path}: cannot read {name} ({e}); truncated?") from e
-    return digest.hexdigest()
+    with open(out, "xb") as sink:
+        return _sha256_member(pack.tar, pack.members[name], pack.path, sink)
 
 
 def _read(tar: tarfile.TarFile, member: tarfile.TarInfo, path: Path) -> bytes:
@@ -272,7 +263,10 @@ def _read(tar: tarfile.TarFile, member: tarfile.TarInfo, path: Path) -> bytes:
         raise ArtifactError(f"{path}: cannot read {member.name} ({e}); truncated?") from e
 
 
-def _sha256_member(tar: tarfile.TarFile, member: tarfile.TarInfo, path: Path) -> str:
+def _sha256_member(
+    tar: tarfile.TarFile, member: tarfile.TarInfo, path: Path, sink: BinaryIO | None = None
+) -> str:
+    """The member's sha256; its bytes also go to `sink` as they are read, where given."""
     digest = hashlib.sha256()
     try:
         f = tar.extractfile(member)
@@ -280,6 +274,8 @@ def _sha256_member(tar: tarfile.TarFile, member: tarfile.TarInfo, path: Path) ->
             raise ArtifactError(f"{path}: {member.name} is not a regular file")
         while chunk := f.read(_CHUNK):
             digest.update(chunk)
+            if sink is not None:
+                sink.write(chunk)
     except (tarfile.TarError, EOFError, OSError) as e:
         raise ArtifactError(f"{path}: cannot read {member.name} ({e}); truncated?") from e
     return digest.hexdigest()
