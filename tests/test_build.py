@@ -12,9 +12,11 @@ from click.testing import CliRunner
 import specx.build.staging
 from specx.artifact import load_manifest
 from specx.build import BuildOptions, build_artifact
+from specx.build.registry import check_precision
 from specx.cli import main
 from specx.errors import ArtifactError, BuildError
 from specx.manifest_types import BuildEntry, TensorSpec
+from specx.precision import FP32
 from specx.runtime.backends import open_decoder
 from specx.runtime.drafters.ngram import NGramDrafter
 from specx.runtime.plain_decoding import generate_plain
@@ -190,13 +192,14 @@ class _CopyBackend:
 
     name = "toy-copy"
     runtime = "ort"
+    precisions = (FP32,)
+    options = frozenset()  # no option beyond --backend and --precision
 
     def build_name(self, options: BuildOptions) -> str:
         return f"toy-{options.precision}"
 
     def check(self, manifest, options, prompts) -> None:
-        if options.precision != "fp32":
-            raise BuildError("toy-copy builds fp32 only")
+        check_precision(self, options.precision)
 
     def build(self, job) -> BuildEntry:
         from specx.build.staging import load_graph, save_graph
@@ -205,7 +208,7 @@ class _CopyBackend:
         for name in job.manifest.graphs:
             job.progress(f"[toy] copying {name}")
             graphs[name] = save_graph(load_graph(job.manifest, name), job.output, name)
-        return BuildEntry(self.runtime, job.options.precision, graphs=graphs)
+        return BuildEntry(self.runtime, job.options.precision.name, graphs=graphs)
 
 
 def test_a_new_backend_is_one_class_and_its_registration(artifact, monkeypatch):
@@ -215,8 +218,18 @@ def test_a_new_backend_is_one_class_and_its_registration(artifact, monkeypatch):
     before = _plain(artifact)
     monkeypatch.setitem(BACKENDS, "toy-copy", None)  # restored (removed) after the test
     register(_CopyBackend())
-    with pytest.raises(BuildError, match="fp32 only"):
+    with pytest.raises(BuildError, match="--backend toy-copy builds --precision fp32, not fp16"):
         build_artifact(artifact, BuildOptions("toy-copy", "fp16"))
+    # The CLI asks the registry what the backend takes: no CLI change for a new one.
+    for extra, message in (
+        (["--max-batch", "4"], "--max-batch applies only to --backend trt"),
+        (["--block-size", "32"], "--block-size applies only to --backend cpu, openvino, ort or"),
+        (["--precision", "int4"], "--backend toy-copy builds --precision fp32, not int4"),
+    ):
+        refused = CliRunner().invoke(
+            main, ["build", str(artifact), "--backend", "toy-copy", *extra]
+        )
+        assert refused.exit_code != 0 and message in refused.output, refused.output
     result = CliRunner().invoke(main, ["build", str(artifact), "--backend", "toy-copy"])
     assert result.exit_code == 0, result.output
     manifest = load_manifest(artifact)

@@ -85,3 +85,41 @@ def test_a_prompt_prefilled_in_chunks_joins_between_rounds_and_decodes_as_alone(
     while batch.running:
         batch.step()
     assert [s.emitted for s in (late, first, second)] == expected
+
+
+def test_an_engine_batch_pools_each_drafter_back_whatever_ends_its_sequence(artifacts):
+    """The server's door (`Engine.continuous_batch`): drafters come from the plan's pool and
+    go back when a sequence finishes, fails to fit, or is evicted; outputs stay plain's."""
+    import specx
+    from specx.errors import GenerationError
+    from specx.runtime.speculation import Speculation
+
+    engine = specx.load(artifacts["llama"], threads=2)
+    plan = engine.plan(Speculation("ngram"), SamplingParams())
+    idle = engine.plans.state(plan).idle
+    batch = engine.continuous_batch(2)
+    prompts = [[5, 9, 5, 9, 5, 9, 13], [7, 3, 11]]
+    expected = [generate_plain(engine.target, [p], 12).tokens[0] for p in prompts]
+    admitted = [batch.admit(p, 12, SamplingParams(), frozenset(), lambda _r, _t: True, plan)
+                for p in prompts]  # fmt: skip
+    assert not idle  # both drafters in use
+    while batch.running:
+        batch.step()
+    assert [s.emitted for _, s in admitted] == expected
+    assert len(idle) == 2  # both back, one per sequence
+
+    too_long = list(range(1, engine.capacity + 1))
+    try:
+        batch.admit(too_long, 8, SamplingParams(), frozenset(), lambda _r, _t: True, plan)
+    except GenerationError:
+        pass
+    else:
+        raise AssertionError("a prompt past the cache was admitted")
+    assert len(idle) == 2  # the refused request's drafter went back
+
+    slot, sequence = batch.admit(prompts[0], 12, SamplingParams(), frozenset(),
+                                 lambda _r, _t: True, plan)  # fmt: skip
+    assert len(idle) == 1
+    batch.evict(slot, sequence)
+    batch.release(sequence)  # a second release gives nothing back twice
+    assert len(idle) == 2 and batch.running == 0

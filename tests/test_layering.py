@@ -151,3 +151,20 @@ def test_no_module_imports_round_a_circle():
         tuple(TopologicalSorter(graph).static_order())
     except CycleError as e:
         pytest.fail(f"an import circle: {' -> '.join(e.args[1])}")
+
+
+def test_the_server_reaches_the_engine_only_through_its_api():
+    """No `engine.target`, `.lock` or `.plans` in the server or the CLI (issue 71): they go
+    through `Engine.continuous_batch` and `Engine.check_plan`."""
+    internals = {"target", "lock", "plans"}
+    reaches = []
+    for package in ("server", "cli"):
+        for path in sorted((ROOT / package).glob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if not (isinstance(node, ast.Attribute) and node.attr in internals):
+                    continue
+                owner = node.value
+                name = owner.attr if isinstance(owner, ast.Attribute) else getattr(owner, "id", "")
+                if name == "engine":
+                    reaches.append(f"{package}/{path.name}:{node.lineno} engine.{node.attr}")
+    assert not reaches, reaches

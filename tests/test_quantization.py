@@ -196,7 +196,8 @@ def test_the_cli_reads_jsonl_prompts_and_prints_the_report(artifact, tmp_path):
     refused = CliRunner().invoke(
         main, [*build, "--prompts", str(prompts_file), "--precision", "int4"]
     )
-    assert refused.exit_code == 2 and "--precision and the weight-only options" in refused.stderr
+    message = "--backend int8-static builds --precision int8 (static), not int4"
+    assert refused.exit_code == 2 and message in refused.stderr
     done = CliRunner().invoke(main, [*build, "--prompts", str(prompts_file)])
     assert done.exit_code == 0, done.output
     record = load_manifest(artifact).build

@@ -127,10 +127,9 @@ def cpu_backends(
     backends = ["ort"]
     if importlib.util.find_spec("openvino") is None:
         progress("OpenVINO is not installed (pip install 'specx[openvino]'): no OpenVINO build")
-    elif precision not in openvino.PRECISIONS:
-        progress(
-            f"OpenVINO builds {', '.join(openvino.PRECISIONS)}, not {precision}: no OpenVINO build"
-        )
+    elif precision not in openvino.BACKEND.precisions:
+        built = ", ".join(p.name for p in openvino.BACKEND.precisions)
+        progress(f"OpenVINO builds {built}, not {precision}: no OpenVINO build")
     else:
         backends.append("openvino")
     try:

@@ -31,15 +31,15 @@ from specx.artifact import Manifest
 from specx.build.cpu_read import HEAD_GRAPHS, DecoderWeights, read_head, read_target, refuse
 from specx.build.grid import NONE_KEPT, Grid, KeptGrids, kept_codes, kept_grids
 from specx.build.ort import STREAMED_WEIGHTS, build_drafts
-from specx.build.registry import BuildJob, BuildOptions
+from specx.build.registry import WEIGHT_OPTIONS, BuildJob, BuildOptions, check_precision
 from specx.errors import BuildError
 from specx.graphs.weight_only import WeightOnlyConfig, quantize_rtn
 from specx.manifest_types import BuildEntry, GraphEntry, Quantization
+from specx.precision import INT4, INT8, Precision
 from specx.runtime import kernels
 
 __all__ = ["BACKEND", "Cpu"]
 
-PRECISIONS = ("int4", "int8")
 OUTPUT_BITS = 8  # the lm_head's width at either precision
 FORMAT = 2  # <graph>.json's layout (specx.runtime.cpu_target reads it): 2 adds zero points
 
@@ -157,6 +157,8 @@ class Cpu:
 
     name = "cpu"
     runtime = "cpu"
+    precisions: tuple[Precision, ...] = (INT4, INT8)
+    options = frozenset(WEIGHT_OPTIONS)
 
     def build_name(self, options: BuildOptions) -> str:
         """`cpu-<precision>`."""
@@ -164,8 +166,7 @@ class Cpu:
 
     def check(self, manifest: Manifest, options: BuildOptions, prompts: Sequence) -> None:
         """int4 / int8 of a Llama-form target, round to nearest, with the kernels built here."""
-        if options.precision not in PRECISIONS:
-            raise BuildError(f"--precision must be one of {list(PRECISIONS)} for --backend cpu")
+        check_precision(self, options.precision)
         config = options.weight_only
         if config is not None:
             _check_rounding(config)
@@ -178,7 +179,7 @@ class Cpu:
 
     def build(self, job: BuildJob) -> BuildEntry:
         """target.bin + target.json (and an EAGLE-3 head's) for the kernels; other drafts ORT's."""
-        bits = 4 if job.options.precision == "int4" else 8
+        bits = job.options.precision.bits
         job.progress("[cpu] reading the target's weights")
         weights = read_target(job.manifest)
         kept = kept_grids(job.manifest.source_grid, bits, OUTPUT_BITS)
@@ -216,7 +217,7 @@ class Cpu:
             details["drafts"] = drafts.quantization.to_json()
         return BuildEntry(
             self.runtime,
-            job.options.precision,
+            job.options.precision.name,
             graphs=graphs,
             quantization=Quantization("all", details=details),
             onnxruntime_version=None if drafts is None else drafts.onnxruntime_version,

@@ -45,6 +45,7 @@ from specx.build.staging import exported_entries, graph_entry
 from specx.errors import BuildError
 from specx.manifest_types import BuildEntry, Quantization, TensorSpec
 from specx.masks import causal_mask
+from specx.precision import STATIC_INT8, Precision
 
 if TYPE_CHECKING:
     import onnx
@@ -148,6 +149,8 @@ class Int8Static:
 
     name = "int8-static"
     runtime = "ort"
+    precisions: tuple[Precision, ...] = (STATIC_INT8,)
+    options = frozenset({"prompts"})
 
     def __init__(
         self,
@@ -163,7 +166,7 @@ class Int8Static:
 
     def check(self, manifest: Manifest, options: BuildOptions, prompts: Sequence) -> None:
         """A mode this installation can quantize to, and usable prompts."""
-        if options.precision not in ("fp32", "int8") or options.weight_only is not None:
+        if options.precision != STATIC_INT8 or options.weight_only is not None:
             raise BuildError(
                 "--backend int8-static quantizes the float32 export to INT8 itself: "
                 "--precision and the weight-only options do not apply"
@@ -247,7 +250,7 @@ def quantize_artifact(
 
     started = time.perf_counter()
     builder = Int8Static(mode, eval_prompts, threads)
-    options = BuildOptions(backend=builder.name, precision="int8")
+    options = BuildOptions(backend=builder.name, precision=STATIC_INT8)
     name = build_artifact(artifact_dir, options, progress, prompts, builder)
     build = load_manifest(artifact_dir, verify_hashes=False).builds[name]
     accuracy = Accuracy.from_json(build.quantization.details["accuracy"])
@@ -587,7 +590,7 @@ def _entry(manifest: Manifest, output: BuildOutput, quantization: Quantization) 
 
     return BuildEntry(
         Int8Static.runtime,
-        "int8",
+        STATIC_INT8.name,
         graphs={**exported_entries(manifest), "target": graph_entry(output, "target")},
         quantization=quantization,
         onnxruntime_version=ort.__version__,

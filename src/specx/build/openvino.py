@@ -35,20 +35,26 @@ import onnx_ir as ir
 
 from specx.artifact import Manifest
 from specx.build.ort import build_drafts, weight_only_config
-from specx.build.registry import BuildJob, BuildOptions, Progress
+from specx.build.registry import (
+    WEIGHT_OPTIONS,
+    BuildJob,
+    BuildOptions,
+    Progress,
+    check_precision,
+)
 from specx.build.staging import load_graph
 from specx.errors import BuildError
 from specx.graphs.ov_lowering import lower_for_openvino
 from specx.graphs.signature import graph_signature
 from specx.graphs.weight_only import BlockQuantized, WeightOnlyConfig, quantize_rtn
 from specx.manifest_types import BuildEntry, GraphEntry, Quantization
+from specx.precision import FP32, INT4, INT8, Precision
 
 if TYPE_CHECKING:
     import openvino as ov
 
 __all__ = ["BACKEND", "OpenVino", "compress_weights"]
 
-PRECISIONS = ("fp32", "int4", "int8")
 MIN_WEIGHT = 1 << 16  # smaller MatMul weights stay float: too small to matter
 DECOMPRESSION = "f16"  # the decompression's type, NNCF's (module docstring)
 
@@ -114,6 +120,8 @@ class OpenVino:
 
     name = "openvino"
     runtime = "openvino"
+    precisions: tuple[Precision, ...] = (FP32, INT4, INT8)
+    options = frozenset(WEIGHT_OPTIONS)
 
     def build_name(self, options: BuildOptions) -> str:
         """`openvino-<precision>`."""
@@ -121,8 +129,7 @@ class OpenVino:
 
     def check(self, manifest: Manifest, options: BuildOptions, prompts: Sequence) -> None:
         """fp32 graphs, weights in float or int4 / int8, and OpenVINO installed."""
-        if options.precision not in PRECISIONS:
-            raise BuildError(f"--precision must be one of {list(PRECISIONS)} for OpenVINO")
+        check_precision(self, options.precision)
         config = options.weight_only
         if config is not None and (config.method != "rtn" or config.scope != "all"):
             raise BuildError("an OpenVINO build rounds every graph to nearest (no GPTQ, no scope)")
@@ -137,7 +144,7 @@ class OpenVino:
     def build(self, job: BuildJob) -> BuildEntry:
         """The target as OpenVINO IR; the draft graphs as ONNX Runtime builds them."""
         ov = _openvino()
-        weight_only = job.options.precision in ("int4", "int8")
+        weight_only = job.options.precision.weight_only
         config = weight_only_config(job.manifest, job.options) if weight_only else None
         compression = _Compression.of(config)
         graphs: dict[str, GraphEntry] = {}
@@ -158,7 +165,7 @@ class OpenVino:
             quantization = quantization.with_details(drafts=drafts_record)
         return BuildEntry(
             self.runtime,
-            job.options.precision,
+            job.options.precision.name,
             graphs=graphs,
             quantization=quantization,
             onnxruntime_version=None if drafts is None else drafts.onnxruntime_version,

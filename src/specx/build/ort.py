@@ -24,12 +24,19 @@ import onnx
 import onnx_ir as ir
 
 from specx.artifact import Manifest
-from specx.build.registry import BuildJob, BuildOptions, BuildOutput, Progress
+from specx.build.registry import (
+    WEIGHT_OPTIONS,
+    BuildJob,
+    BuildOptions,
+    BuildOutput,
+    Progress,
+    check_precision,
+)
 from specx.build.staging import exported_entries, load_graph, save_graph
 from specx.errors import BuildError
 from specx.graphs.draft_chain import save_draft_chain
 from specx.graphs.ort_lowering import GroupQueryAttentionPass, SkipRmsNormPass, gqa_available
-from specx.graphs.precision import PRECISIONS, ConvertPrecisionPass
+from specx.graphs.precision import FLOAT_DTYPES, ConvertPrecisionPass
 from specx.graphs.row_invariance import PadRowPass, RowInvariantPass
 from specx.graphs.weight_only import (
     Quantizer,
@@ -39,6 +46,7 @@ from specx.graphs.weight_only import (
     rtn,
 )
 from specx.manifest_types import BuildEntry, GraphEntry, Quantization
+from specx.precision import BF16, FP16, FP32, INT4, INT8, Precision
 
 __all__ = [
     "BACKEND",
@@ -50,14 +58,17 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-WEIGHT_ONLY = {"int4": 4, "int8": 8}  # weight-only builds: precision -> weight bits
-
 
 class OnnxRuntime:
     """ONNX Runtime CPU builds: lowered fp32, fp16, weight-only int4 / int8."""
 
     name = "ort"
     runtime = "ort"
+    precisions: tuple[Precision, ...] = (FP32, FP16, INT4, INT8)
+    options = frozenset(
+        {*WEIGHT_OPTIONS, "accuracy_level", "lm_head_bits", "lm_head_rescore", "method",
+         "prompts", "quantize", "lowering"}
+    )  # fmt: skip
 
     def build_name(self, options: BuildOptions) -> str:
         """`ort-<precision>`, `-draft` for a build of the draft head alone."""
@@ -65,13 +76,12 @@ class OnnxRuntime:
 
     def check(self, manifest: Manifest, options: BuildOptions, prompts: Sequence) -> None:
         """Refuses bf16 and unknown precisions, GPTQ without prompts, a draft-only build."""
-        if options.precision == "bf16":
+        if options.precision == BF16:
             raise BuildError(
                 "ONNX Runtime's CPU provider has no bfloat16 kernels (MatMul, Attention); "
                 "use --precision fp16 on ORT, or bf16 with --backend trt"
             )
-        if options.precision not in (*PRECISIONS, *WEIGHT_ONLY):
-            raise BuildError(f"--precision must be one of {sorted(PRECISIONS) + list(WEIGHT_ONLY)}")
+        check_precision(self, options.precision)
         method = options.weight_only.method if options.weight_only else "rtn"
         if method == "gptq" and not prompts:
             raise BuildError("a GPTQ build needs calibration prompts (--prompts FILE)")
@@ -111,14 +121,14 @@ def _build_ort(
 
     quantization = Quantization()  # a weight-only build's record, completed per graph
     lowering: dict[str, str] = {}
-    if options.precision in WEIGHT_ONLY:
+    if options.precision.weight_only:
         config = weight_only_config(manifest, options)
         options = dataclasses.replace(options, weight_only=config)
         quantization = Quantization(details=config.record())
-    lower = options.lowering == "gqa" and options.precision != "fp16" and gqa_available()
+    lower = options.lowering == "gqa" and options.precision != FP16 and gqa_available()
     if options.lowering == "gqa" and not lower:
         progress("[ort] no GroupQueryAttention lowering (fp16, or this ONNX Runtime lacks it)")
-    if options.precision == "fp32" and not lower:
+    if options.precision == FP32 and not lower:
         graphs = exported_entries(manifest)  # the exported graphs are the fp32 ORT build
         graphs = {name: entry for name, entry in graphs.items() if name not in skip}
     else:
@@ -151,7 +161,7 @@ def _build_ort(
                 ) from e
     return BuildEntry(
         OnnxRuntime.runtime,
-        options.precision,
+        options.precision.name,
         graphs=graphs,
         quantization=quantization,
         onnxruntime_version=ort.__version__,
@@ -280,7 +290,7 @@ STREAMED_WEIGHTS = 200_000_000
 
 def weight_only_config(manifest: Manifest, options: BuildOptions) -> WeightOnlyConfig:
     """The build's weight-only configuration, its block size resolved (None: by size)."""
-    config = options.weight_only or WeightOnlyConfig(bits=WEIGHT_ONLY[options.precision])
+    config = options.weight_only or WeightOnlyConfig(bits=options.precision.bits)
     if config.block_size is not None:
         return config
     graph = onnx.load(manifest.path(manifest.graph("target").file), load_external_data=False)
@@ -300,10 +310,11 @@ def _convert(
     A weight-only graph adds its count of quantized MatMuls; an int8-compute target, the
     row invariance its greedy identity rests on.
     """
-    if options.precision == "fp32":
+    if options.precision == FP32:
         return model, quantization
-    if options.precision in PRECISIONS:
-        return ConvertPrecisionPass(PRECISIONS[options.precision])(model).model, quantization
+    if options.precision.is_float:
+        dtype = FLOAT_DTYPES[options.precision.name]
+        return ConvertPrecisionPass(dtype)(model).model, quantization
     config = options.weight_only
     assert config is not None, "a weight-only precision has its config (weight_only_config)"
     if not config.quantizes(name):

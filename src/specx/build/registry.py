@@ -23,9 +23,21 @@ from specx.artifact import Manifest
 from specx.errors import BuildError
 from specx.graphs.weight_only import WeightOnlyConfig
 from specx.manifest_types import BuildEntry
+from specx.precision import FP32, Precision
 from specx.progress import Progress
 
-__all__ = ["BACKENDS", "Backend", "BuildJob", "BuildOptions", "BuildOutput", "backend", "register"]
+__all__ = [
+    "BACKENDS",
+    "Backend",
+    "BuildJob",
+    "BuildOptions",
+    "BuildOutput",
+    "WEIGHT_OPTIONS",
+    "backend",
+    "check_precision",
+    "register",
+    "taking",
+]
 
 
 @dataclass(frozen=True)
@@ -33,12 +45,15 @@ class BuildOptions:
     """What to build: backend, precision, and the TensorRT engine's ranges and effort."""
 
     backend: str = "ort"
-    precision: str = "fp32"
+    precision: Precision = FP32  # a name is read as `Precision.named(name)`
     max_batch: int = 8
     optimization_level: int = 3
     timing_cache: Path | None = None  # TensorRT timing cache, read and updated across builds
     weight_only: WeightOnlyConfig | None = None  # int4 / int8: how weights are quantized
     lowering: str = "gqa"  # ORT: TreeAttention as GroupQueryAttention where allowed; or "none"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "precision", Precision.named(self.precision))
 
     @property
     def draft_only(self) -> bool:
@@ -70,6 +85,10 @@ class Backend(Protocol):
 
     name: str  # `specx build --backend NAME`
     runtime: str  # the opener that runs its builds (`specx.runtime.backends.OPENERS`)
+    precisions: tuple[Precision, ...]  # what it builds
+    # `specx build` options it takes besides --backend and --precision (parameter names:
+    # "block_size", "max_batch"); the CLI refuses the others before any work.
+    options: frozenset[str]
 
     def build_name(self, options: BuildOptions) -> str:
         """The build's name in the manifest, e.g. `ort-int4`, `trt-fp16`."""
@@ -89,6 +108,9 @@ class Backend(Protocol):
         ...
 
 
+# The weight-only rounding options every backend with int4 / int8 builds takes.
+WEIGHT_OPTIONS = ("block_size", "symmetric")
+
 BACKENDS: dict[str, Backend] = {}
 
 
@@ -107,3 +129,15 @@ def backend(name: str) -> Backend:
     if name not in BACKENDS:
         raise BuildError(f"--backend must be one of {sorted(BACKENDS)} or auto, got {name!r}")
     return BACKENDS[name]
+
+
+def check_precision(backend_: Backend, precision: Precision) -> None:
+    """Refuses (BuildError) a precision `backend_` does not build."""
+    if precision not in backend_.precisions:
+        built = ", ".join(str(p) for p in backend_.precisions)
+        raise BuildError(f"--backend {backend_.name} builds --precision {built}, not {precision}")
+
+
+def taking(option: str) -> list[str]:
+    """The registered backends that take `option` (a parameter name), by name."""
+    return sorted(name for name, b in BACKENDS.items() if option in b.options)

@@ -11,13 +11,13 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from specx.artifact import Manifest
-from specx.build.registry import BuildJob, BuildOptions
+from specx.build.registry import BuildJob, BuildOptions, check_precision
 from specx.build.staging import load_graph, save_graph
 from specx.errors import BuildError
-from specx.graphs.precision import PRECISIONS
 from specx.graphs.trt_lint import lint_for_tensorrt
 from specx.graphs.trt_lowering import lower_for_tensorrt
 from specx.manifest_types import BuildEntry
+from specx.precision import BF16, FP16, FP32, Precision
 
 __all__ = ["BACKEND", "TensorRT"]
 
@@ -27,6 +27,8 @@ class TensorRT:
 
     name = "trt"
     runtime = "trt"
+    precisions: tuple[Precision, ...] = (FP32, FP16, BF16)
+    options = frozenset({"max_batch", "optimization_level", "timing_cache"})
 
     def build_name(self, options: BuildOptions) -> str:
         """`trt-<precision>`."""
@@ -34,14 +36,13 @@ class TensorRT:
 
     def check(self, manifest: Manifest, options: BuildOptions, prompts: Sequence) -> None:
         """Floating-point precisions only: TensorRT int4/int8 would go through ModelOpt."""
-        if options.precision in ("int4", "int8"):
+        if options.precision.weight_only:
             raise BuildError(
                 f"--precision {options.precision} is an ONNX Runtime weight-only build "
                 "(MatMulNBits); TensorRT int4/int8 goes through NVIDIA ModelOpt, which is not "
                 "installed here"
             )
-        if options.precision not in PRECISIONS:
-            raise BuildError(f"--precision must be one of {sorted(PRECISIONS)} for TensorRT")
+        check_precision(self, options.precision)
 
     def build(self, job: BuildJob) -> BuildEntry:
         """Lowers and lints every graph, then builds each engine."""
@@ -54,7 +55,7 @@ class TensorRT:
             if exported.ort_only:
                 continue  # e.g. the one-call draft chain (an ONNX Loop): TensorRT drafts per depth
             job.progress(f"[trt] lowering {name} ({options.precision}) and linting it")
-            model = lower_for_tensorrt(load_graph(manifest, name), capacity, options.precision)
+            model = lower_for_tensorrt(load_graph(manifest, name), capacity, options.precision.name)
             issues = lint_for_tensorrt(model, name)
             if issues:
                 listing = "\n  ".join(str(i) for i in issues)
@@ -88,7 +89,7 @@ class TensorRT:
             )
         return BuildEntry(
             self.runtime,
-            options.precision,
+            options.precision.name,
             graphs=graphs,
             tensorrt_version=version,
             compute_capability=capability,

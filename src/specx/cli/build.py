@@ -9,6 +9,7 @@ import click
 
 from specx.cli.common import POSITIVE, IntRange, only_applies, passed, progress, require_extra
 from specx.errors import BuildError
+from specx.precision import PRECISIONS, Precision
 
 __all__ = ["COMMANDS", "build", "lint", "pack", "verify"]
 
@@ -23,6 +24,12 @@ _WEIGHT_OPTIONS = (
     "method",
     "quantize",
 )
+# The options a backend declares it takes (`Backend.options`), and those of --backend auto.
+_BACKEND_OPTIONS = (
+    *_WEIGHT_OPTIONS, "prompts", "lowering", "context", "max_batch", "optimization_level",
+    "timing_cache",
+)  # fmt: skip
+_AUTO_OPTIONS = frozenset({"block_size", "symmetric", "context"})
 
 
 @click.command(short_help="Check every graph against TensorRT's ONNX rules.")
@@ -82,10 +89,12 @@ def lint(artifact_dir: Path, lint_target: str, precision: str, as_json: bool) ->
 )
 @click.option(
     "--precision",
-    type=click.Choice(["fp32", "fp16", "bf16", "int4", "int8"]),
+    type=click.Choice(list(PRECISIONS)),
     default="fp32",
     show_default=True,
-    help="int4/int8: weight-only MatMulNBits (ONNX Runtime), activations stay float.",
+    help="int4/int8: weight-only (integer weights, float activations). Each backend builds its "
+    "own set (ort: fp32, fp16, int4, int8; trt: fp32, fp16, bf16; openvino: fp32, int4, int8; "
+    "cpu: int4, int8); one that builds no fp32 builds its first without --precision.",
 )
 @click.option(
     "--block-size",
@@ -218,36 +227,23 @@ def build(
     forward) and makes the fastest the default; the timings are recorded in the manifest
     (build_choice) and the stats name the reason.
     """
-    trt_only = passed(ctx, "max_batch", "optimization_level", "timing_cache")
-    if backend != "ort" and passed(ctx, "lowering"):
-        raise BuildError(only_applies(["--lowering"], "--backend ort"))
-    ort_weights = passed(
-        ctx, "accuracy_level", "lm_head_bits", "lm_head_rescore", "method", "quantize"
-    )
-    if backend in ("openvino", "auto") and ort_weights:
-        raise BuildError(only_applies(ort_weights, "--backend ort"))
-    if backend != "auto" and passed(ctx, "context"):
-        raise BuildError(only_applies(["--context"], "--backend auto"))
-    if backend != "trt" and trt_only:
-        raise BuildError(only_applies(trt_only, "--backend trt"))
-    weight_options = passed(ctx, *_WEIGHT_OPTIONS)
-    if precision not in ("int4", "int8") and weight_options:
-        raise BuildError(only_applies(weight_options, "--precision int4 and int8"))
+    require_extra("build")
+    from specx.build import BuildOptions, build_artifact
+
+    chosen = _precision(ctx, backend, precision)
     calibrated = "--method gptq" if method == "gptq" else None
     calibrated = "--backend int8-static" if backend == "int8-static" else calibrated
     if calibrated and prompts_file is None:
         raise BuildError(f"{calibrated} needs --prompts FILE (calibration prompts)")
     if prompts_file is not None and not calibrated:
         raise BuildError("--prompts serves only --method gptq and --backend int8-static")
-    require_extra("build")
-    from specx.build import BuildOptions, build_artifact
-    from specx.graphs.weight_only import WeightOnlyConfig
-
     weight_only = None
-    if precision in ("int4", "int8"):
+    if chosen.weight_only:
+        from specx.graphs.weight_only import WeightOnlyConfig
+
         try:  # the configuration's own rules (defaults, which options combine)
             weight_only = WeightOnlyConfig(
-                bits=int(precision[3:]),
+                bits=chosen.bits,
                 block_size=None if block_size == "auto" else int(block_size),
                 symmetric=symmetric,
                 accuracy_level=int(accuracy_level),
@@ -259,7 +255,7 @@ def build(
         except ValueError as e:
             raise BuildError(str(e)) from e
     options = BuildOptions(
-        backend, precision, max_batch, optimization_level, timing_cache, weight_only, lowering
+        backend, chosen, max_batch, optimization_level, timing_cache, weight_only, lowering
     )
     if backend == "auto":
         from specx.artifact import load_manifest
@@ -272,6 +268,35 @@ def build(
         return
     prompts = _calibration_prompts(artifact_dir, prompts_file) if prompts_file else ()
     build_artifact(artifact_dir, options, progress=progress, prompts=prompts)
+
+
+def _precision(ctx: click.Context, backend: str, name: str) -> Precision:
+    """--precision's value for --backend, after refusing what that backend does not take.
+
+    The backend's registry entry says which precisions it builds and which options it takes
+    (`specx.build.registry`); `auto` takes what its CPU builds share. Without --precision, a
+    backend that builds no fp32 builds its first precision (cpu: int4).
+    """
+    from specx.build.registry import backend as registered
+    from specx.build.registry import check_precision, taking
+
+    takes = _AUTO_OPTIONS if backend == "auto" else registered(backend).options
+    for option in _BACKEND_OPTIONS:
+        flags = passed(ctx, "prompts_file" if option == "prompts" else option)
+        if flags and option not in takes:
+            where = taking(option) + (["auto"] if option in _AUTO_OPTIONS else [])
+            named = ", ".join(where[:-1]) + " or " + where[-1] if len(where) > 1 else where[0]
+            raise BuildError(only_applies(flags, f"--backend {named}"))
+    chosen = Precision.named(name)
+    if backend != "auto":
+        built = registered(backend).precisions
+        if not passed(ctx, "precision") and chosen not in built:
+            chosen = built[0]
+        check_precision(registered(backend), chosen)
+    weight_options = passed(ctx, *_WEIGHT_OPTIONS)
+    if not chosen.weight_only and weight_options:
+        raise BuildError(only_applies(weight_options, "--precision int4 and int8"))
+    return chosen
 
 
 def _calibration_prompts(artifact_dir: Path, prompts_file: Path) -> list[list[int]]:

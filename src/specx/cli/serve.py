@@ -174,7 +174,7 @@ def serve(
 
     engine = load(artifact_dir, threads, build_name, rows=slots)  # before any replica starts
     if drafter is not None:  # a bad default is refused now, not on the first request
-        engine.plans.check(engine.plan(Speculation(drafter), SamplingParams()))
+        engine.check_plan(engine.plan(Speculation(drafter), SamplingParams()))
     options = ServeOptions(
         slots, queue_size, drafter, max_body_bytes, chat_template=template, access=access,
         request_timeout_s=request_timeout,

@@ -28,9 +28,9 @@ from onnx_ir.passes import InPlacePass, PassResult
 
 from specx.graphs.ir_values import input_at, name_of, producer_of
 
-__all__ = ["PRECISIONS", "ConvertPrecisionPass", "is_cache_name"]
+__all__ = ["FLOAT_DTYPES", "ConvertPrecisionPass", "is_cache_name"]
 
-PRECISIONS: dict[str, ir.DataType] = {
+FLOAT_DTYPES: dict[str, ir.DataType] = {  # a float precision's name -> its dtype
     "fp32": ir.DataType.FLOAT,
     "fp16": ir.DataType.FLOAT16,
     "bf16": ir.DataType.BFLOAT16,

@@ -29,7 +29,7 @@ from onnx_ir.passes.common import RemoveUnusedNodesPass, TopologicalSortPass
 
 from specx.graphs import tree_attention as tree_op
 from specx.graphs.ir_values import input_at
-from specx.graphs.precision import PRECISIONS, ConvertPrecisionPass, is_cache_name
+from specx.graphs.precision import FLOAT_DTYPES, ConvertPrecisionPass, is_cache_name
 
 __all__ = [
     "CheckPluginNodesPass",
@@ -177,11 +177,11 @@ def lower_for_tensorrt(model: ir.Model, capacity: int, precision: str = "fp32") 
         ValueError: `precision` is not fp32, fp16 or bf16.
         onnx_ir.passes.PassError: a TreeAttention node is not plugin-ready.
     """
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, got {precision!r}")
+    if precision not in FLOAT_DTYPES:
+        raise ValueError(f"precision must be one of {sorted(FLOAT_DTYPES)}, got {precision!r}")
     passes: list[PassBase] = [CheckPluginNodesPass()]
     if precision != "fp32":
-        passes.append(ConvertPrecisionPass(PRECISIONS[precision]))
+        passes.append(ConvertPrecisionPass(FLOAT_DTYPES[precision]))
     passes += [
         DecomposeGeluPass(),
         FixCacheCapacityPass(capacity),

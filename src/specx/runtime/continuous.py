@@ -5,7 +5,8 @@ A `ContinuousBatch` owns one KV cache of `slots` sequences at the artifact's cap
 and draws its first token; `step` runs one round for every running sequence: each one's
 own drafter proposes (sized by its own controller), the target verifies every tree in
 one forward, and each sequence is verified under its own sampling parameters and random
-stream, exactly as `generate_speculative` verifies a row. A sequence that finished (eos,
+stream by the rule `generate_speculative` verifies a row with (`rounds.commit_row`, one home
+for both loops). A sequence that finished (eos,
 its token budget, or its sink said stop) frees its slot for the next `admit`. A sequence
 drafts only while the batch runs at most its `max_batch_spec` sequences (the batch-size
 switch of `generate_speculative`, per sequence).
@@ -48,11 +49,11 @@ from specx.runtime.kv_cache import KVCache
 from specx.runtime.metrics import AcceptanceStats
 from specx.runtime.plain_decoding import TokenSink, check_prompts, prefill
 from specx.runtime.prefix_cache import PrefixCache
-from specx.runtime.rounds import EMPTY_DRAFT, accept, verify_inputs
-from specx.runtime.sampling import SamplingParams, next_tokens, sampling_probs
+from specx.runtime.rounds import EMPTY_DRAFT, VerifiedRow, commit_row, verify_inputs
+from specx.runtime.sampling import SamplingParams, next_tokens
 from specx.runtime.speculative_decoding import scratch_of
-from specx.runtime.spine import Arranged, arrange, settle
-from specx.runtime.trees import DraftTree, depth_of
+from specx.runtime.spine import Arranged, arrange
+from specx.runtime.trees import DraftTree
 from specx.runtime.verification import RandomCoin, verify
 
 __all__ = ["BatchSequence", "ContinuousBatch"]
@@ -345,26 +346,14 @@ class ContinuousBatch:
         return proposed, trees, prepare_s
 
     def _commit(self, b, row: BatchSequence, output, length, proposed, tree: Arranged) -> None:
-        """Verifies row b's tree under its own sampling, keeps the path, emits the tokens."""
-        verified = tree.tree
-        logits = output.logits[b, : 1 + len(verified)]
-        greedy = row.sampling.greedy
-        probs = logits if greedy else sampling_probs(logits, row.sampling)
-        spine_only = self.spine_only and greedy
-        settled = settle(verify(probs, verified, row.coin, greedy), tree, spine_only)
-        verdict = settled.verdict
-        row.carry = settled.carry
-        path = np.array([0] + [i + 1 for i in verdict.accepted])
-        self.cache.keep_path(b, int(length), path)
-        self.cache.lengths[b] = length + len(path)
-        if row.drafter is not None:
-            taps = None if output.taps is None else output.taps[b, path]
-            accept(row.drafter, 0, proposed, settled, taps)
-        count = row.emit(verdict.emitted(verified))
+        """Row b's round after the forward (`commit_row`, as `generate_speculative`'s rows)."""
+        spine_only = self.spine_only and row.sampling.greedy
+        verified = VerifiedRow(
+            row.sampling, row.coin, verify, spine_only, row.drafter, row.controller, 0,
+            row.stats, row.emit,
+        )  # fmt: skip
+        row.carry = commit_row(verified, self.cache, b, int(length), output, tree, proposed).carry
         row.drafted += len(tree.draft)
-        row.stats.record(depth_of(verified), min(len(verdict.accepted), count - 1))
-        if row.controller is not None:
-            row.controller.observe(0, depth_of(tree.draft), settled.judged)
 
     def _release(self) -> list[BatchSequence]:
         done = []

@@ -42,8 +42,10 @@ from specx.runtime.backends import (
     select_build,
 )
 from specx.runtime.calibrated import CalibratedChoice, verify_shape
+from specx.runtime.continuous import ContinuousBatch
 from specx.runtime.detokenize import TextStream
 from specx.runtime.drafters import describe_drafts
+from specx.runtime.engine_batch import EngineBatch
 from specx.runtime.metrics import RunStats
 from specx.runtime.plain_decoding import (
     GenerationResult,
@@ -53,6 +55,7 @@ from specx.runtime.plain_decoding import (
     generate_plain,
 )
 from specx.runtime.plans import DraftPlan, Plans
+from specx.runtime.prefix_cache import PrefixCache
 from specx.runtime.results import Chunk, Completion, FinishReason, Stats
 from specx.runtime.sampling import SamplingParams
 from specx.runtime.speculation import Speculation, plan_for
@@ -300,6 +303,17 @@ class Engine:
     def plan(self, speculation: Speculation, sampling: SamplingParams) -> DraftPlan:
         """What a request with `speculation` at `sampling` drafts with (see `DraftPlan`)."""
         return plan_for(self.manifest, speculation, sampling, self.threads)
+
+    def check_plan(self, plan: DraftPlan) -> int:
+        """Builds `plan`'s drafter once (pooled), raising SpecxError where it cannot be built.
+
+        Returns the KV slots a sequence drafting with it needs past its history.
+        """
+        return self.plans.check(plan)
+
+    def continuous_batch(self, slots: int, prefix_cache: PrefixCache | None = None) -> EngineBatch:
+        """A continuous batch of `slots` sequences over this engine's target (a server's)."""
+        return EngineBatch(ContinuousBatch(self.target, slots, prefix_cache), self.plans, self.lock)
 
     def _speculative(self, request: _Request, sink, progress) -> tuple[GenerationResult, Stats]:
         speculation = request.speculation

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from specx.runtime.controller import Controller, Replay, Stretch
-from specx.runtime.decoder_backend import DecoderBackend
+from specx.runtime.decoder_backend import DecoderBackend, StepOutput
 from specx.runtime.drafters.base import Drafter
 from specx.runtime.kv_cache import KVCache
 from specx.runtime.metrics import AcceptanceStats
@@ -42,8 +42,10 @@ __all__ = [
     "LoopState",
     "RoundObserver",
     "Verifier",
+    "VerifiedRow",
     "accept",
     "arranged",
+    "commit_row",
     "idle_stretch",
     "plain_round",
     "verify_inputs",
@@ -169,31 +171,77 @@ def verify_round(loop: LoopState, proposed: list[DraftTree], arranged: list[Arra
     trees = [a.tree for a in arranged]
     input_ids, positions, mask = verify_inputs(roots, trees, lengths, target.vocab_size)
     output = target.forward(cache, input_ids, positions, mask, lengths)
-    greedy = loop.sampling.greedy
+    spine_only = loop.carries is not None
     for b in np.flatnonzero(active).tolist():
-        tree, draft = trees[b], arranged[b].draft
-        logits = output.logits[b, : 1 + len(tree)]
-        # Only the verify tokens of this row, never the padding, go through the transform.
-        probs = logits if greedy else sampling_probs(logits, loop.sampling)
-        settled = settle(
-            loop.verifier(probs, tree, loop.coin, greedy), arranged[b], loop.carries is not None
-        )
-        verdict = settled.verdict
+        row = VerifiedRow(
+            loop.sampling, loop.coin, loop.verifier, spine_only, loop.drafter, loop.controller,
+            b, loop.stats[b], functools.partial(loop.emit, b),
+        )  # fmt: skip
+        settled = commit_row(row, cache, b, int(lengths[b]), output, arranged[b], proposed[b])
         if loop.observer is not None:  # what the drafter's own draft achieved
-            loop.observer(int(b), draft, Verdict(settled.judged, verdict.next_token))
+            verdict = Verdict(settled.judged, settled.verdict.next_token)
+            loop.observer(b, arranged[b].draft, verdict)
         if loop.carries is not None:
             loop.carries[b] = settled.carry
-        path = np.array([0] + [i + 1 for i in verdict.accepted])
-        cache.keep_path(b, int(lengths[b]), path)
-        cache.lengths[b] = lengths[b] + len(path)
-        path_taps = None if output.taps is None else output.taps[b, path]
-        accept(loop.drafter, b, proposed[b], settled, path_taps)
-        count = loop.emit(b, verdict.emitted(tree))
-        # Accepted tokens cut off by eos or the token budget are not counted.
-        loop.stats[b].record(depth_of(tree), min(len(verdict.accepted), count - 1))
-        if loop.controller is not None:
-            loop.controller.observe(int(b), depth_of(draft), settled.judged)
     return input_ids.shape[1]
+
+
+@dataclass(frozen=True)
+class VerifiedRow:
+    """A row of a verify forward as `commit_row` judges and commits it.
+
+    `index`: the row its drafter and controller know it by (the request's row in
+    `generate_speculative`; 0 for a continuous batch's sequence, whose drafter and
+    controller are its own). `spine_only`: greedy on a build where only a tree's spine is
+    exact (`specx.runtime.spine`). `emit` appends the round's tokens and returns how many
+    it took (eos, the budget or the sink may cut them).
+    """
+
+    sampling: SamplingParams
+    coin: Coin
+    verifier: Verifier
+    spine_only: bool
+    drafter: Drafter | None
+    controller: Controller | None
+    index: int
+    stats: AcceptanceStats
+    emit: Callable[[list[int]], int]
+
+
+def commit_row(
+    row: VerifiedRow,
+    cache: KVCache,
+    slot: int,
+    length: int,
+    output: StepOutput,
+    arranged: Arranged,
+    proposed: DraftTree,
+) -> Settled:
+    """One row's round after the verify forward, the same in both loops.
+
+    Verifies the row's tree on its logits (only its own tokens, never the padding, go through
+    the sampling transform), settles the spine rule, keeps the accepted path's KV rows at
+    `slot` past `length`, tells the drafter what it kept, emits the tokens, and records them
+    in the row's stats and controller. Returns the settled verdict (its carry is the
+    caller's to keep).
+    """
+    tree, greedy = arranged.tree, row.sampling.greedy
+    logits = output.logits[slot, : 1 + len(tree)]
+    probs = logits if greedy else sampling_probs(logits, row.sampling)
+    settled = settle(row.verifier(probs, tree, row.coin, greedy), arranged, row.spine_only)
+    verdict = settled.verdict
+    path = np.array([0] + [i + 1 for i in verdict.accepted])
+    cache.keep_path(slot, length, path)
+    cache.lengths[slot] = length + len(path)
+    if row.drafter is not None:
+        taps = None if output.taps is None else output.taps[slot, path]
+        accept(row.drafter, row.index, proposed, settled, taps)
+    count = row.emit(verdict.emitted(tree))
+    # Accepted tokens cut off by eos or the token budget are not counted.
+    row.stats.record(depth_of(tree), min(len(verdict.accepted), count - 1))
+    if row.controller is not None:
+        row.controller.observe(row.index, depth_of(arranged.draft), settled.judged)
+    return settled
 
 
 # A probe's cost is paid at once (a wider forward, and the slower step after it) and all it

@@ -1,12 +1,13 @@
-"""The server's decoding thread: a bounded queue in front of one `ContinuousBatch`.
+"""The server's decoding thread: a bounded queue in front of the engine's continuous batch.
 
 Requests are admitted into free KV slots between rounds (continuous batching, see
 `specx.runtime.continuous`); when every slot is taken they wait in a queue of bounded
 length, and past it `submit` raises `QueueFull` (the HTTP layer answers 503 with
 Retry-After). Each job's events (tokens with their text, then its end) are handed to its
 `deliver` callback from this thread; a cancelled job (the client went away) ends at the
-next round and frees its slot. Each running request has a drafter of its own, taken from
-the engine's pool for its drafting plan and given back when it ends.
+next round and frees its slot. The scheduler reaches the engine only through its API
+(`Engine.continuous_batch`: admit, prefill, step, evict, release), which gives each running
+request a drafter of its own from the engine's pool for its plan and takes it back at its end.
 
 A job may carry a deadline: past it, a waiting job ends at once and a running one at the
 next round, both with finish reason "timeout" (its slot freed). `drain` stops admitting
@@ -25,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from specx.errors import SpecxError
-from specx.runtime.continuous import BatchSequence, ContinuousBatch
+from specx.runtime.continuous import BatchSequence
 from specx.runtime.detokenize import TextStream
 from specx.runtime.engine import Engine
 from specx.runtime.plans import DraftPlan
@@ -82,7 +83,7 @@ class Scheduler:
     ):
         self.engine, self.queue_size, self.metrics = engine, queue_size, metrics
         self.prefill_chunk = prefill_chunk  # prompt tokens prefilled between rounds (0: whole)
-        self.batch = ContinuousBatch(engine.target, slots, prefix_cache)
+        self.batch = engine.continuous_batch(slots, prefix_cache)
         metrics.prefix_cache = prefix_cache
         self._waiting: deque[Job] = deque()
         self._running: dict[int, tuple[Job, BatchSequence, TextStream]] = {}
@@ -168,8 +169,8 @@ class Scheduler:
                 if self._closing:
                     break
                 if self._aborting:  # between rounds: each row is whole
-                    for slot in list(self._running):
-                        self.batch.evict(slot)
+                    for slot, (_, sequence, _) in list(self._running.items()):
+                        self.batch.evict(slot, sequence)
                         self._end(slot, "shutdown")
                     continue
                 self._expire(time.perf_counter())
@@ -178,16 +179,15 @@ class Scheduler:
                 while self._waiting and self.batch.free - len(admit) > 0:
                     admit.append(self._waiting.popleft())
                 self.metrics.queue_depth = len(self._waiting)
-            with self.engine.lock:
-                for job in admit:
-                    self._admit(job)
-                self._prefill()
-                try:
-                    self._round()
-                except Exception as e:  # noqa: BLE001 - the server must keep serving
-                    logger.exception("decoding round failed")
-                    for slot in list(self._running):
-                        self._end(slot, "error", str(e))
+            for job in admit:
+                self._admit(job)
+            self._prefill()
+            try:
+                self._round()
+            except Exception as e:  # noqa: BLE001 - the server must keep serving
+                logger.exception("decoding round failed")
+                for slot in list(self._running):
+                    self._end(slot, "error", str(e))
         with self._cond:  # closing: nobody is left without an answer
             for slot in list(self._running):
                 self._end(slot, "cancelled")
@@ -223,9 +223,6 @@ class Scheduler:
             self._finish(job, _cancelled(job))
             return
         text = self.engine.text_stream(job.stop)
-        if job.plan is not None:
-            self.engine.plans.warn_inexact(job.plan, job.sampling)
-        drafter = self._take_drafter(job.plan)
 
         def sink(_row: int, tokens: list[int]) -> bool:
             before = len(text.tokens)
@@ -233,27 +230,14 @@ class Scheduler:
             job.deliver(TokensEvent(text.tokens[before:], delta))
             return not (text.stopped or job.cancelled.is_set())
 
-        controller = None
-        if job.plan is not None:  # each sequence of the batch is sized as a batch of 1
-            controller = self.engine.plans.controller(
-                job.plan, drafter, job.sampling, [job.prompt], job.max_new_tokens, batch=None
-            )
-        sequence = BatchSequence(
-            job.prompt,
-            job.max_new_tokens,
-            job.sampling,
-            job.eos,
-            sink,
-            drafter,
-            controller,
-            None if job.plan is None else job.plan.max_batch_spec,
-        )
         try:  # a failure leaves the slot free
-            slot = self.batch.admit(sequence, chunked=self.prefill_chunk > 0)
+            slot, sequence = self.batch.admit(
+                job.prompt, job.max_new_tokens, job.sampling, job.eos, sink, job.plan,
+                chunked=self.prefill_chunk > 0,
+            )  # fmt: skip
         except Exception as e:  # noqa: BLE001 - one bad request must not stop the others
             if not isinstance(e, SpecxError):
                 logger.exception("admitting a request failed")
-            self._give_back(job.plan, drafter)
             self._finish(job, _failed(job, str(e)))
             return
         self._running[slot] = (job, sequence, text)
@@ -272,15 +256,13 @@ class Scheduler:
             job, _, _ = self._running.pop(slot)
             if not isinstance(error, SpecxError):
                 logger.error("prefilling a request failed: %s", error)
-            self._give_back(job.plan, sequence.drafter)
             self._finish(job, _failed(job, str(error)))
 
     def _round(self) -> None:
         if not self.batch.running:  # only prompts being prefilled
             return
         started = time.perf_counter()
-        batch = self.batch
-        draft_s, prefill_s, verify_s = batch.draft_s, batch.draft_prefill_s, batch.verify_s
+        before = self.batch.seconds
         finished = self.batch.step()
         for slot in [s for s, (_, seq, _) in self._running.items() if seq in finished]:
             job, _, text = self._running[slot]
@@ -288,18 +270,13 @@ class Scheduler:
             if job.cancelled.is_set() and not text.stopped:
                 reason = "timeout" if job.expired else "cancelled"
             self._end(slot, reason)
-        self.metrics.round(
-            self.batch.running,
-            time.perf_counter() - started,
-            batch.draft_s - draft_s,
-            batch.draft_prefill_s - prefill_s,
-            batch.verify_s - verify_s,
-        )
+        spent = (b - a for a, b in zip(before, self.batch.seconds, strict=True))
+        self.metrics.round(self.batch.running, time.perf_counter() - started, *spent)
 
     def _end(self, slot: int, reason: str | None, error: str | None = None) -> None:
         job, sequence, text = self._running.pop(slot)
         if error is not None:  # the batch is in an unknown state for this row: free it
-            self.batch.evict(slot)
+            self.batch.evict(slot, sequence)
         tokens = sequence.emitted[: len(text.tokens)] if text.stopped else sequence.emitted
         if reason is None:
             stopped = text.stopped or (tokens and tokens[-1] in job.eos)
@@ -318,15 +295,8 @@ class Scheduler:
             acceptance_by_position=list(acceptance.acceptance_by_position),
             error=error,
         )
-        self._give_back(job.plan, sequence.drafter)
+        self.batch.release(sequence)
         self._finish(job, done)
-
-    def _take_drafter(self, plan: DraftPlan | None):
-        return None if plan is None else self.engine.plans.take(plan)
-
-    def _give_back(self, plan: DraftPlan | None, drafter) -> None:
-        if plan is not None and drafter is not None:
-            self.engine.plans.give_back(plan, drafter)
 
 
 def _cancelled(job: Job) -> Finished:

@@ -215,7 +215,7 @@ class Service:
             if request.drafter is not None:
                 self._check_allowed(request.drafter)
                 plan = engine.plan(Speculation(request.drafter), request.sampling)
-                scratch = engine.plans.check(plan)  # built once per plan, then pooled
+                scratch = engine.check_plan(plan)  # built once per plan, then pooled
         except SpecxError as e:
             raise ApiError(400, str(e)) from e
         loop = asyncio.get_running_loop()
