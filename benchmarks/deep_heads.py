@@ -133,10 +133,10 @@ def main() -> None:
     from specx.calibration.costs import measure_verify_curve
     from specx.export.target_export import export_target
     from specx.runtime.drafters import DrafterOptions, make_drafter
-    from specx.runtime.drafters.tree_search import parse_tree_spec
     from specx.runtime.ort_target import OrtTarget
     from specx.runtime.sampling import SamplingParams
     from specx.runtime.tokenizer import TextTokenizer
+    from specx.runtime.tree_shapes import parse_tree_spec
 
     samplings = {"greedy": SamplingParams(), "T=0.7": SamplingParams(0.7, seed=0)}
     work = scratch_dir("specx-deep-heads-")

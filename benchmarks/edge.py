@@ -318,7 +318,7 @@ def prepare(
 def _factory(kind: str, target, tree: str) -> Callable:
     """A drafter factory (runners.SpecxSpeculative decides when it makes a new one)."""
     from specx.runtime.drafters import DrafterOptions, make_drafter
-    from specx.runtime.drafters.tree_search import parse_tree_spec
+    from specx.runtime.tree_shapes import parse_tree_spec
 
     shape = parse_tree_spec(tree) if tree else None
     return lambda prompt: make_drafter(kind, target, DrafterOptions(tree=shape))

@@ -108,9 +108,9 @@ def main() -> None:
     from specx.runtime.calibrated import calibrated_choice
     from specx.runtime.drafters import DrafterOptions
     from specx.runtime.drafters.medusa import MEDUSA_DEFAULT_TREE
-    from specx.runtime.drafters.tree_search import DynamicTree, StaticTree
     from specx.runtime.ort_target import OrtTarget, configure_threads
     from specx.runtime.tokenizer import TextTokenizer
+    from specx.runtime.tree_shapes import DynamicTree, StaticTree
 
     configure_threads(args.threads)
     started = time.perf_counter()

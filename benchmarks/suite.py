@@ -209,7 +209,7 @@ def timed(args: argparse.Namespace) -> None:
     from specx.export.target_export import export_target
     from specx.runtime.drafters import DrafterOptions, make_drafter
     from specx.runtime.drafters.medusa import MEDUSA_DEFAULT_TREE
-    from specx.runtime.drafters.tree_search import DynamicTree, StaticTree
+    from specx.runtime.tree_shapes import DynamicTree, StaticTree
 
     # 12 nodes on 5 levels, top-k 3 (EAGLE-2's total_token 13, depth 4), as in earlier runs
     DYNAMIC_12_5_3 = DynamicTree.of_nodes(12, 5, 3)  # noqa: N806
@@ -362,10 +362,10 @@ def acceptance_artifacts(kind: str, work: Path, heads: Path) -> tuple[Path, str]
 def measure(target, spec: str, tree: str, temperature: float, prompts, sources, new_tokens) -> dict:
     from specx.runtime.drafters import DrafterOptions, make_drafter
     from specx.runtime.drafters.medusa import MEDUSA_DEFAULT_TREE
-    from specx.runtime.drafters.tree_search import parse_tree_spec
     from specx.runtime.plain_decoding import generate_plain
     from specx.runtime.sampling import SamplingParams
     from specx.runtime.speculative_decoding import generate_speculative
+    from specx.runtime.tree_shapes import parse_tree_spec
 
     shape = parse_tree_spec(tree)
     if spec == "medusa" and tree.startswith("chain"):

@@ -77,7 +77,7 @@ def timed(artifact: Path, build: str, prompts, new_tokens: int, shapes, repeats,
     from specx.artifact import load_manifest
     from specx.runtime.backends import open_decoder
     from specx.runtime.drafters import DrafterOptions, make_drafter
-    from specx.runtime.drafters.tree_search import parse_tree_spec
+    from specx.runtime.tree_shapes import parse_tree_spec
 
     def factory(shape: str):  # made once: a head learns nothing across requests
         options = DrafterOptions(tree=parse_tree_spec(shape))

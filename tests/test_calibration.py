@@ -44,10 +44,10 @@ from specx.runtime.backends import open_decoder
 from specx.runtime.calibrated import calibrated_choice
 from specx.runtime.controller import AdaptiveController
 from specx.runtime.drafters import DrafterOptions, make_drafter
-from specx.runtime.drafters.tree_search import StaticTree
 from specx.runtime.plain_decoding import generate_plain
 from specx.runtime.sampling import SamplingParams
 from specx.runtime.speculative_decoding import generate_speculative
+from specx.runtime.tree_shapes import StaticTree
 from specx.runtime.trees import DraftTree
 from specx.runtime.verification import Verdict
 

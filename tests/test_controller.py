@@ -37,7 +37,6 @@ from specx.runtime.drafters import DrafterOptions, make_drafter
 from specx.runtime.drafters.draft_model import DraftModelDrafter
 from specx.runtime.drafters.ngram import NGramDrafter
 from specx.runtime.drafters.suffix import SuffixDrafter, SuffixOptions
-from specx.runtime.drafters.tree_search import DynamicTree, StaticTree, parse_tree_spec
 from specx.runtime.engine import Speculation, load
 from specx.runtime.ort_target import OrtTarget
 from specx.runtime.plain_decoding import generate_plain
@@ -45,6 +44,7 @@ from specx.runtime.plans import ASKING_SETTINGS, PlanState, time_drafter
 from specx.runtime.rounds import PROBE_TAIL
 from specx.runtime.sampling import SamplingParams
 from specx.runtime.speculative_decoding import generate_speculative
+from specx.runtime.tree_shapes import DynamicTree, StaticTree, parse_tree_spec
 from specx.runtime.trees import DraftTree
 
 SWITCHING = [0, 3, 1, 0, 0, 0, 5, 2, 8]  # sizes change every round; none, and idle stretches

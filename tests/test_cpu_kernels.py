@@ -277,8 +277,8 @@ def test_the_kernels_head_chain_drafts_what_the_per_depth_path_drafts(eagle3_bui
     """`StepChain` (one forward a depth) against the tree path's chain: the same tokens."""
     from specx.runtime.drafters.chain_graph import StepChain
     from specx.runtime.drafters.feature_head import FeatureHeadDrafter
-    from specx.runtime.drafters.tree_search import StaticTree
     from specx.runtime.sampling import SamplingParams
+    from specx.runtime.tree_shapes import StaticTree
 
     manifest = load_manifest(eagle3_built)
     target = open_decoder(manifest, threads=2)
@@ -300,7 +300,7 @@ def test_the_kernels_head_chain_drafts_what_the_per_depth_path_drafts(eagle3_bui
 
 @pytest.mark.parametrize("tree", [None, "dynamic:11,3,3"])
 def test_an_eagle3_head_on_the_kernels_drafts_losslessly(eagle3_built, tree):
-    from specx.runtime.drafters.tree_search import parse_tree_spec
+    from specx.runtime.tree_shapes import parse_tree_spec
 
     manifest = load_manifest(eagle3_built)
     assert manifest.build.quantization.greedy_identity == "all"  # trees need no spine rule

@@ -17,10 +17,10 @@ from specx.artifact import load_manifest
 from specx.build import BuildOptions, build_artifact
 from specx.export.target_export import export_target
 from specx.runtime.drafters import DrafterOptions, make_drafter
-from specx.runtime.drafters.tree_search import DynamicTree, StaticTree
 from specx.runtime.ort_target import OrtTarget
 from specx.runtime.plain_decoding import generate_plain
 from specx.runtime.speculative_decoding import generate_speculative
+from specx.runtime.tree_shapes import DynamicTree, StaticTree
 
 GEMMA = ["gemma2", "gemma3_text"]
 

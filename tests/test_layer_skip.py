@@ -65,9 +65,9 @@ def test_greedy_skip_drafting_equals_plain_decoding(cpu_built, spec, tree):
     from specx.artifact import load_manifest
     from specx.runtime.backends import open_decoder
     from specx.runtime.drafters import DrafterOptions, make_drafter
-    from specx.runtime.drafters.tree_search import parse_tree_spec
     from specx.runtime.plain_decoding import generate_plain
     from specx.runtime.speculative_decoding import generate_speculative
+    from specx.runtime.tree_shapes import parse_tree_spec
 
     target = open_decoder(load_manifest(cpu_built), threads=2)
     plain = generate_plain(target, PROMPTS, 24)
@@ -123,10 +123,10 @@ def peaked(tmp_path_factory):
 
 def _sampled(peaked, verifier):
     from specx.runtime.drafters.layer_skip import LayerSkipDrafter
-    from specx.runtime.drafters.tree_search import StaticTree
     from specx.runtime.plain_decoding import generate_plain
     from specx.runtime.sampling import SamplingParams
     from specx.runtime.speculative_decoding import generate_speculative
+    from specx.runtime.tree_shapes import StaticTree
 
     target, prompt = peaked
     prompts = [prompt] * SAMPLES

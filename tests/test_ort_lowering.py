@@ -16,10 +16,10 @@ from specx.graphs.ort_lowering import GroupQueryAttentionPass, gqa_available
 from specx.graphs.weight_only import WeightOnlyConfig
 from specx.masks import causal_mask
 from specx.runtime.drafters import DrafterOptions, make_drafter
-from specx.runtime.drafters.tree_search import StaticTree, parse_tree_spec
 from specx.runtime.ort_target import OrtTarget
 from specx.runtime.plain_decoding import generate_plain
 from specx.runtime.speculative_decoding import generate_speculative
+from specx.runtime.tree_shapes import StaticTree, parse_tree_spec
 
 pytestmark = pytest.mark.skipif(not gqa_available(), reason="no GroupQueryAttention in this ORT")
 

@@ -12,12 +12,12 @@ from specx.artifact import load_manifest
 from specx.runtime.continuous import BatchSequence, ContinuousBatch
 from specx.runtime.drafters import DrafterOptions, make_drafter
 from specx.runtime.drafters.medusa import MEDUSA_DEFAULT_TREE
-from specx.runtime.drafters.tree_search import parse_tree_spec
 from specx.runtime.kv_cache import KVCache
 from specx.runtime.ort_target import OrtTarget
 from specx.runtime.plain_decoding import generate_plain
 from specx.runtime.prefix_cache import PrefixCache
 from specx.runtime.sampling import SamplingParams
+from specx.runtime.tree_shapes import parse_tree_spec
 
 
 def _decode(target, prompts, tokens, drafter_spec, prefix_cache, slots):

@@ -16,10 +16,10 @@ from specx.runtime.drafters.draft_model import (
 )
 from specx.runtime.drafters.ngram import NGramDrafter
 from specx.runtime.drafters.suffix import SuffixDrafter, SuffixOptions
-from specx.runtime.drafters.tree_search import DynamicTree, StaticTree
 from specx.runtime.ort_target import OrtTarget
 from specx.runtime.plain_decoding import generate_plain
 from specx.runtime.speculative_decoding import generate_speculative
+from specx.runtime.tree_shapes import DynamicTree, StaticTree
 from specx.runtime.trees import TreeError
 
 TREE = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 1], [0, 0, 0, 0]]
@@ -161,7 +161,7 @@ def test_malformed_drafts_fail_loudly(artifacts):
 
 
 def test_tree_ranks_beyond_the_vocabulary(head_artifacts):
-    from specx.runtime.drafters.tree_search import StaticTree
+    from specx.runtime.tree_shapes import StaticTree
 
     target = OrtTarget(load_manifest(head_artifacts["medusa"]), threads=2)
     drafter = make_drafter("medusa", target, DrafterOptions(tree=StaticTree.from_choices([[40]])))

@@ -26,11 +26,11 @@ from specx.graphs.weight_only import WeightOnlyConfig
 from specx.runtime.backends import open_decoder
 from specx.runtime.calibrated import row_exact
 from specx.runtime.drafters import DrafterOptions, make_drafter
-from specx.runtime.drafters.tree_search import DynamicTree, StaticTree
 from specx.runtime.ort_target import OrtTarget
 from specx.runtime.plain_decoding import GenerationResult, generate_plain
 from specx.runtime.speculative_decoding import generate_speculative
 from specx.runtime.spine import Arranged, arrange, settle, spine_length
+from specx.runtime.tree_shapes import DynamicTree, StaticTree
 from specx.runtime.trees import DraftTree, ancestor_mask, depths
 from specx.runtime.verification import Verdict, verify_greedy
 

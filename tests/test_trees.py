@@ -126,8 +126,9 @@ def _official_eagle2_paths(total_token, depth, top_k, logits_of) -> set[tuple[in
 
 @pytest.mark.parametrize("peak", [0.0, 6.0])
 def test_dynamic_defaults_build_the_official_eagle2_default_tree(peak):
-    from specx.runtime.drafters.tree_search import DynamicTree, grow, parse_tree_spec
+    from specx.runtime.drafters.tree_search import grow
     from specx.runtime.sampling import SamplingParams
+    from specx.runtime.tree_shapes import DynamicTree, parse_tree_spec
 
     shape = parse_tree_spec("dynamic:60,7,10")
     assert shape == DynamicTree() and (shape.nodes, shape.levels) == (59, 8)
@@ -157,7 +158,7 @@ def test_dynamic_defaults_build_the_official_eagle2_default_tree(peak):
 
 
 def test_dynamic_parameters_are_checked_with_their_meaning():
-    from specx.runtime.drafters.tree_search import DynamicTree, parse_tree_spec
+    from specx.runtime.tree_shapes import DynamicTree, parse_tree_spec
 
     assert DynamicTree.of_nodes(8, 4, 2) == DynamicTree(9, 3, 2)
     assert parse_tree_spec("dynamic:2,0,3").max_nodes == 1
@@ -168,7 +169,7 @@ def test_dynamic_parameters_are_checked_with_their_meaning():
 @pytest.mark.parametrize("spec", ["dynamic:60,7", "dynamic:60", "dynamic:", "dynamic", "chain:"])
 def test_a_tree_spec_with_a_number_missing_is_refused_naming_the_forms(spec):
     """Parsed whole: defaults are never filled in for a number left out."""
-    from specx.runtime.drafters.tree_search import parse_tree_spec
+    from specx.runtime.tree_shapes import parse_tree_spec
 
     with pytest.raises(TreeError, match="use chain:K, dynamic:TOTAL,DEPTH,TOPK"):
         parse_tree_spec(spec)

@@ -20,9 +20,9 @@ from specx.build import BuildOptions, build_artifact  # noqa: E402
 from specx.publish import pack_artifact, verify_artifact  # noqa: E402
 from specx.runtime.backends import open_decoder  # noqa: E402
 from specx.runtime.drafters import DrafterOptions, make_drafter  # noqa: E402
-from specx.runtime.drafters.tree_search import parse_tree_spec  # noqa: E402
 from specx.runtime.plain_decoding import generate_plain  # noqa: E402
 from specx.runtime.speculative_decoding import generate_speculative  # noqa: E402
+from specx.runtime.tree_shapes import parse_tree_spec  # noqa: E402
 from specx.runtime.trt_target import TrtTarget  # noqa: E402
 
 PROMPTS = [[5, 9, 5, 9, 5, 9, 13], [7, 3, 11]]

@@ -32,10 +32,10 @@ from specx.graphs.weight_only import (
 )
 from specx.runtime.calibrated import row_exact
 from specx.runtime.drafters import DrafterOptions, make_drafter
-from specx.runtime.drafters.tree_search import DynamicTree, StaticTree
 from specx.runtime.ort_target import OrtTarget, load_session
 from specx.runtime.plain_decoding import generate_plain
 from specx.runtime.speculative_decoding import generate_speculative
+from specx.runtime.tree_shapes import DynamicTree, StaticTree
 
 REPEATING = [[5, 9, 5, 9, 5, 9, 13, 5, 9, 5, 9], [7, 3, 11, 7, 3, 11, 7, 3], [4, 4, 6, 4, 4, 6]]
 

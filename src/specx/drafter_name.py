@@ -12,13 +12,49 @@ from dataclasses import dataclass
 
 from specx.errors import SpecxError
 
-__all__ = ["KINDS", "LOOKUPS", "DrafterName"]
+__all__ = [
+    "FEATURE_HEADS",
+    "HEADS",
+    "KINDS",
+    "KIND_TABLE",
+    "LOOKUPS",
+    "STEPWISE",
+    "DrafterKind",
+    "DrafterName",
+]
+
+
+@dataclass(frozen=True)
+class DrafterKind:
+    """What specx knows of a drafter kind: the one table every layer reads."""
+
+    name: str
+    model_free: bool = False  # drafts from the text alone, where it repeats (the LOOKUP of
+    # `LOOKUP+KIND`: `specx.runtime.drafters.combined`, e.g. ngram+eagle3)
+    head: bool = False  # exported with the target: its graphs live in the artifact
+    stepwise: bool = False  # one forward a depth: dynamic trees, priced per draft step
+
 
 # Every drafter specx builds (`specx.runtime.drafters.DRAFTERS` builds each of these).
-KINDS = ("ngram", "suffix", "draft-model", "skip", "eagle3", "eagle", "mtp", "medusa")
-# The model-free ones, which draft only where the text repeats: `LOOKUP+KIND` combines one
-# with another kind (`specx.runtime.drafters.combined`), e.g. ngram+eagle3.
-LOOKUPS = ("ngram", "suffix")
+KIND_TABLE: dict[str, DrafterKind] = {
+    kind.name: kind
+    for kind in (
+        DrafterKind("ngram", model_free=True),
+        DrafterKind("suffix", model_free=True),
+        DrafterKind("draft-model", stepwise=True),
+        DrafterKind("skip", stepwise=True),
+        DrafterKind("eagle3", head=True, stepwise=True),
+        DrafterKind("eagle", head=True, stepwise=True),
+        DrafterKind("mtp", head=True, stepwise=True),
+        DrafterKind("medusa", head=True),  # every depth from one forward
+    )
+}
+KINDS = tuple(KIND_TABLE)
+LOOKUPS = tuple(k.name for k in KIND_TABLE.values() if k.model_free)
+HEADS = tuple(k.name for k in KIND_TABLE.values() if k.head)
+STEPWISE = tuple(k.name for k in KIND_TABLE.values() if k.stepwise)
+# Heads that draft a depth a forward from the target's features (EAGLE, MTP; not Medusa).
+FEATURE_HEADS = tuple(k for k in HEADS if k in STEPWISE)
 
 
 @dataclass(frozen=True)

@@ -389,7 +389,7 @@ class DrafterSpec:
 
 @dataclass(frozen=True)
 class DynamicChoice:
-    """EAGLE-2's tree parameters, in EAGLE's meaning (`tree_search.DynamicTree`)."""
+    """EAGLE-2's tree parameters, in EAGLE's meaning (`specx.runtime.tree_shapes.DynamicTree`)."""
 
     total_token: int  # draft nodes + 1 (it counts the root)
     depth: int  # expansions after the root's children

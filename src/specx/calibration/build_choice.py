@@ -42,6 +42,7 @@ from pathlib import Path
 import numpy as np
 
 from specx.artifact import Manifest, load_manifest, manifest_body, write_manifest
+from specx.drafter_name import FEATURE_HEADS
 from specx.errors import CalibrationError
 from specx.manifest_types import BuildChoice, BuildTiming
 
@@ -52,7 +53,6 @@ __all__ = ["PRIOR_REACH", "build_fastest", "choose_build", "measure_build", "pre
 PRIOR_REACH = (0.80, 0.65, 0.57, 0.45)
 WIDTHS = (1, 2, 3, 4, 5)
 BATCHES = (4, 16)  # a plain step of this many sequences at once: a server's load (`for_load`)
-HEADS = ("eagle3", "eagle", "mtp")  # heads that draft step by step (Medusa drafts at once)
 
 Measure = Callable[[Path, str, int], BuildTiming]
 
@@ -90,7 +90,7 @@ def measure_build(manifest: Manifest, context: int, threads: int | None = None) 
     verify_ms = tuple(1e3 * s for s in curve.seconds)
     head = None
     spec = manifest.drafter
-    if spec is not None and spec.kind in HEADS:
+    if spec is not None and spec.kind in FEATURE_HEADS:
         head = _head_step_ms(open_decoder(manifest, threads, graph="draft_head"), context)
     decode, _ = predict(verify_ms, head)
     batches = {b: 1e3 * measure_verify_curve(target, (1,), context, batch=b).seconds[0]

@@ -59,7 +59,7 @@ from specx.calibration.costs import DraftCost, fit_draft_cost, measure_verify_cu
 from specx.calibration.layer_skip import SkipChoice, choose_skipped
 from specx.calibration.timing import PairedTiming, measure_speedup
 from specx.calibration.tree_selection import RankedTree, best_trees, chain_expected
-from specx.drafter_name import DrafterName
+from specx.drafter_name import STEPWISE, DrafterName
 from specx.errors import CalibrationError, SpecxError
 from specx.manifest_types import (
     CalibratedSampling,
@@ -79,11 +79,11 @@ from specx.runtime.decoder_backend import DecoderBackend
 from specx.runtime.drafters import DrafterOptions, make_drafter
 from specx.runtime.drafters.base import Drafter
 from specx.runtime.drafters.layer_skip import parse_layers
-from specx.runtime.drafters.tree_search import DynamicTree, StaticTree, TreeShape
 from specx.runtime.plain_decoding import check_prompts, generate_plain
 from specx.runtime.plans import DraftPlan, Plans
 from specx.runtime.sampling import SamplingParams
 from specx.runtime.speculative_decoding import generate_speculative
+from specx.runtime.tree_shapes import DynamicTree, StaticTree, TreeShape
 
 __all__ = [
     "BatchPoint",
@@ -95,7 +95,6 @@ __all__ = [
 ]
 
 VERIFY_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
-DYNAMIC_DRAFTERS = ("eagle3", "eagle", "mtp", "draft-model", "skip")
 
 
 @dataclass(frozen=True)
@@ -607,7 +606,7 @@ def _candidates(
                 measured=_predicted(length, chain_expected(p, length), speedup),
             )
         )
-    if scored and DrafterName.parse(spec).kind in DYNAMIC_DRAFTERS:
+    if scored and DrafterName.parse(spec).kind in STEPWISE:
         speedup, tree = max(scored, key=lambda item: item[0])
         top_k = 1 + max(max(c) for c in tree.choices)
         if top_k > 1:  # top-1 growth is a chain, measured above

@@ -195,9 +195,9 @@ def generate(
     Runs the artifact's default build (`specx export` builds ort-fp32, `specx build` others),
     or the one --build names.
     """
-    from specx.runtime.drafters.tree_search import parse_tree_spec
     from specx.runtime.engine import Speculation, load
     from specx.runtime.prompts import read_prompts
+    from specx.runtime.tree_shapes import parse_tree_spec
 
     _check_options(ctx, drafter, temperature)
     shape = parse_tree_spec(tree) if tree else None

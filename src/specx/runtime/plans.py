@@ -35,7 +35,7 @@ from specx.runtime.controller import (
 )
 from specx.runtime.decoder_backend import DecoderBackend
 from specx.runtime.drafters import DrafterOptions, make_drafter
-from specx.runtime.drafters.base import prepare_drafter
+from specx.runtime.drafters.base import Drafter, IndexesTexts, Prepares, prepare_drafter
 from specx.runtime.sampling import SamplingParams
 from specx.runtime.speculative_decoding import scratch_of
 
@@ -152,7 +152,7 @@ class DrafterCosts:
     index_s_per_token: float = 0.0  # a batch row's text indexed at its first ask (suffix)
 
 
-def time_drafter(drafter, tap_width: int) -> DrafterCosts:
+def time_drafter(drafter: Drafter, tap_width: int) -> DrafterCosts:
     """`drafter`'s prefill per prompt token and one draft step, on a dummy history.
 
     A history of `TIMED_PREFILL_TOKENS` tokens (taps zeros where it reads them), prefilled
@@ -162,9 +162,9 @@ def time_drafter(drafter, tap_width: int) -> DrafterCosts:
     drafters propose in microseconds); one that indexes a batch's texts at their first ask
     times that itself (`Drafter.time_indexing`).
     """
-    time_indexing = getattr(drafter, "time_indexing", None)
-    index_s = 0.0 if time_indexing is None else time_indexing()
-    if getattr(drafter, "prepare", None) is None:
+    index_s = drafter.time_indexing() if isinstance(drafter, IndexesTexts) else 0.0
+    prepares = isinstance(drafter, Prepares)  # a flag: the drafter stays typed a Drafter
+    if not prepares:
         return DrafterCosts(0.0, 0.0, index_s)
     history = [1] * (TIMED_PREFILL_TOKENS + 1)
     taps = None

@@ -19,7 +19,7 @@ import numpy as np
 
 from specx.runtime.controller import Controller, Replay, Stretch
 from specx.runtime.decoder_backend import DecoderBackend, StepOutput
-from specx.runtime.drafters.base import Drafter
+from specx.runtime.drafters.base import Drafter, Replays
 from specx.runtime.kv_cache import KVCache
 from specx.runtime.metrics import AcceptanceStats
 from specx.runtime.plain_decoding import Progress, TokenSink
@@ -291,14 +291,14 @@ def _replayer(loop: LoopState, starts: dict[int, int]) -> Callable[[int], tuple[
     `starts[b]`: row b's history length when the stretch began (rows absent did not play
     it). () where the drafter cannot replay (`Drafter.replay`) or no row decodes on.
     """
-    replay = getattr(loop.drafter, "replay", None)
+    drafter = loop.drafter
 
     def replayed(b: int) -> tuple[Replay, ...]:
-        if replay is None or b not in starts or not loop.active.any():
+        if not isinstance(drafter, Replays) or b not in starts or not loop.active.any():
             return ()
         history = loop.histories[b]
         positions = range(max(starts[b], len(history) - REPLAYS), len(history))
-        return tuple(Replay.of(d, history[t:]) for t, d in replay(b, history, positions))
+        return tuple(Replay.of(d, history[t:]) for t, d in drafter.replay(b, history, positions))
 
     return replayed
 

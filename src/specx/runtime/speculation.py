@@ -14,9 +14,9 @@ from specx.artifact import Manifest
 from specx.drafter_name import DrafterName
 from specx.runtime.calibrated import calibrated_choice
 from specx.runtime.drafters import DrafterOptions
-from specx.runtime.drafters.tree_search import parse_tree_spec
 from specx.runtime.plans import DraftPlan
 from specx.runtime.sampling import SamplingParams
+from specx.runtime.tree_shapes import parse_tree_spec
 
 __all__ = ["Speculation", "plan_for"]
 

@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 from specx.chat import ChatTemplate
+from specx.drafter_name import LOOKUPS
 from specx.errors import CapacityError, SpecxError
 from specx.runtime.engine import Engine, Speculation
 from specx.runtime.prefix_cache import PrefixCache
@@ -239,7 +240,7 @@ class Service:
         """
         exported = self.engine.manifest.drafter
         head = None if exported is None else exported.kind
-        allowed = [d for d in dict.fromkeys(("ngram", "suffix", head, self.options.drafter)) if d]
+        allowed = [d for d in dict.fromkeys((*LOOKUPS, head, self.options.drafter)) if d]
         if drafter not in allowed:
             raise ApiError(
                 400, f"drafter {drafter!r} is not served here; choose one of {allowed} or null",

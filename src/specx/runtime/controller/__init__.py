@@ -73,6 +73,7 @@ from specx.runtime.controller.base import (
 from specx.runtime.controller.confidence import ConfidenceController
 from specx.runtime.controller.costs import RoundCosts, replayed_guess
 from specx.runtime.controller.memories import AcceptanceMemory, AskingMemory
+from specx.runtime.drafters.base import Replays
 
 __all__ = [
     "AcceptanceMemory",
@@ -120,4 +121,4 @@ def controller_for(
 
 def replays(drafter) -> bool:
     """Whether plain steps judge `drafter`'s drafts for free (`Drafter.replay`)."""
-    return getattr(drafter, "replay", None) is not None
+    return isinstance(drafter, Replays)

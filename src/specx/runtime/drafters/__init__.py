@@ -6,7 +6,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from specx.drafter_name import DrafterName
+from specx.drafter_name import HEADS, DrafterName
 from specx.errors import SpecxError
 from specx.runtime.backends import open_decoder
 from specx.runtime.decoder_backend import DecoderBackend
@@ -18,7 +18,7 @@ from specx.runtime.drafters.layer_skip import LayerSkipDrafter, default_skipped,
 from specx.runtime.drafters.medusa import MedusaDrafter
 from specx.runtime.drafters.ngram import NGramDrafter
 from specx.runtime.drafters.suffix import SuffixDrafter, SuffixOptions
-from specx.runtime.drafters.tree_search import StaticTree, TreeShape, describe
+from specx.runtime.tree_shapes import StaticTree, TreeShape, describe
 
 __all__ = ["DRAFTERS", "Drafter", "DrafterOptions", "describe_drafts", "make_drafter"]
 
@@ -108,7 +108,7 @@ DRAFTERS: dict[str, Callable[[DecoderBackend, str | None, DrafterOptions], Draft
     "suffix": _suffix,
     "draft-model": _draft_model,
     "skip": _skip,
-    **{kind: _head(kind) for kind in ("eagle3", "eagle", "mtp", "medusa")},
+    **{kind: _head(kind) for kind in HEADS},
 }
 
 

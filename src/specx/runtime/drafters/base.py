@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 
 from specx.runtime.sampling import SamplingParams
 from specx.runtime.trees import DraftTree
 
-__all__ = ["Drafter", "prepare_drafter"]
+__all__ = ["Drafter", "IndexesTexts", "Prepares", "Replays", "prepare_drafter"]
 
 
 class Drafter(Protocol):
@@ -32,18 +32,7 @@ class Drafter(Protocol):
     # Its proposals depend on earlier requests (suffix drafting's shared trie), so
     # `Engine.reset_drafters` drops it. Optional: absent means True (it may remember).
     learns_across_requests: bool
-    # Optional: `prepare(histories)` runs what `start` deferred, a model's prefill of the
-    # prompts. The loops call it once per request, before its first proposal and outside
-    # that round's timing: a request that never drafts never pays it, its first token does
-    # not wait for it, and a controller prices a round's drafting, not a prefill.
-    # Optional: `replay(row, history, positions)` -> [(position, draft)]: the draft it would
-    # have proposed for `row` had the history ended before each position (ascending), from
-    # `history[:position]` alone, for the positions past what it has seen; it then stands
-    # as after seeing them. Drafters whose drafts are deterministic functions of the
-    # history offer it: plain steps then judge their drafts for free (`controller.Replay`).
-    # Optional: `time_indexing()` -> the seconds a token of a row's text costs a drafter that
-    # indexes a batch's texts at its first proposal (suffix drafting), timed on a dummy: a
-    # controller prices that first ask with it (`ConfidenceController._first_batch_window`).
+    # Optional capabilities, each a protocol below: `Prepares`, `Replays`, `IndexesTexts`.
 
     def start(
         self, prompts: Sequence[Sequence[int]], capacity: int, taps: list[np.ndarray] | None
@@ -84,15 +73,52 @@ class Drafter(Protocol):
         ...
 
 
+@runtime_checkable
+class Prepares(Protocol):
+    """A drafter whose `start` defers work (a model's prefill of the prompts) to `prepare`.
+
+    The loops call it once per request, before its first proposal and outside that round's
+    timing: a request that never drafts never pays it, its first token does not wait for it,
+    and a controller prices a round's drafting, not a prefill.
+    """
+
+    def prepare(self, histories: Sequence[Sequence[int]]) -> None: ...  # noqa: D102
+
+
+@runtime_checkable
+class Replays(Protocol):
+    """A drafter whose drafts are deterministic functions of the history (n-gram, suffix).
+
+    `replay(row, history, positions)` -> [(position, draft)]: the draft it would have
+    proposed for `row` had the history ended before each position (ascending), from
+    `history[:position]` alone, for the positions past what it has seen; it then stands as
+    after seeing them. Plain steps then judge its drafts for free (`controller.Replay`).
+    """
+
+    def replay(  # noqa: D102
+        self, row: int, history: Sequence[int], positions: Sequence[int]
+    ) -> list[tuple[int, DraftTree]]: ...
+
+
+@runtime_checkable
+class IndexesTexts(Protocol):
+    """A drafter that indexes a batch's texts at its first proposal (suffix drafting).
+
+    `time_indexing()`: the seconds a token of a row's text costs, timed on a dummy; a
+    controller prices that first ask with it (`ConfidenceController._first_batch_window`).
+    """
+
+    def time_indexing(self) -> float: ...  # noqa: D102
+
+
 def prepare_drafter(drafter: Drafter, histories: Sequence[Sequence[int]]) -> float:
     """Runs the drafter's deferred prefill (`prepare`, optional); the seconds it took.
 
     The loops call it once per request, before its first proposal, and keep the seconds out
     of that round's drafting time.
     """
-    prepare = getattr(drafter, "prepare", None)
-    if prepare is None:
+    if not isinstance(drafter, Prepares):
         return 0.0
     started = time.perf_counter()
-    prepare(histories)
+    drafter.prepare(histories)
     return time.perf_counter() - started

@@ -9,9 +9,10 @@ import numpy as np
 from specx.errors import SpecxError
 from specx.runtime.decoder_backend import DecoderBackend
 from specx.runtime.drafters.node_slots import NodeSlots
-from specx.runtime.drafters.tree_search import TreeShape, grow, within
+from specx.runtime.drafters.tree_search import grow
 from specx.runtime.kv_cache import KVCache
 from specx.runtime.sampling import SamplingParams
+from specx.runtime.tree_shapes import TreeShape, within
 from specx.runtime.trees import DraftTree
 
 __all__ = ["DraftModelDrafter", "VocabMismatchError", "check_same_vocabulary"]

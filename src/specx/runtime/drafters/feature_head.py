@@ -15,18 +15,14 @@ from collections.abc import Sequence
 import numpy as np
 
 from specx.artifact import Manifest
+from specx.drafter_name import FEATURE_HEADS
 from specx.errors import ArtifactError
 from specx.runtime.backends import graph_runtime, open_decoder, open_stateless
 from specx.runtime.drafters.chain_graph import DraftChain, HeadChain, StepChain
 from specx.runtime.drafters.node_slots import NodeSlots
-from specx.runtime.drafters.tree_search import (
-    DynamicTree,
-    StaticTree,
-    TreeShape,
-    grow,
-    within,
-)
+from specx.runtime.drafters.tree_search import grow
 from specx.runtime.sampling import SamplingParams
+from specx.runtime.tree_shapes import DynamicTree, StaticTree, TreeShape, within
 from specx.runtime.trees import DraftTree
 
 __all__ = ["FeatureHeadDrafter"]
@@ -46,7 +42,7 @@ class FeatureHeadDrafter:
         one_call: bool = True,
     ):
         spec = manifest.drafter
-        if spec is None or spec.kind not in ("eagle3", "eagle", "mtp"):
+        if spec is None or spec.kind not in FEATURE_HEADS:
             raise ArtifactError(f"{manifest.root} has no EAGLE or MTP head")
         self.name, self.taps = spec.kind, spec.taps
         self.head = open_decoder(manifest, threads, graph="draft_head")

@@ -23,7 +23,7 @@ from __future__ import annotations
 from specx.errors import SpecxError
 from specx.runtime.decoder_backend import DecoderBackend
 from specx.runtime.drafters.draft_model import DraftModelDrafter
-from specx.runtime.drafters.tree_search import TreeShape
+from specx.runtime.tree_shapes import TreeShape
 
 __all__ = ["LayerSkipDrafter", "default_skipped", "parse_layers"]
 

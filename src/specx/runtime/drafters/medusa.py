@@ -14,8 +14,9 @@ import numpy as np
 from specx.artifact import Manifest
 from specx.errors import ArtifactError
 from specx.runtime.backends import open_stateless
-from specx.runtime.drafters.tree_search import StaticTree, TreeShape, grow
+from specx.runtime.drafters.tree_search import grow
 from specx.runtime.sampling import SamplingParams
+from specx.runtime.tree_shapes import StaticTree, TreeShape
 from specx.runtime.trees import DraftTree, TreeError, depths
 
 __all__ = ["MEDUSA_DEFAULT_TREE", "MedusaDrafter"]
