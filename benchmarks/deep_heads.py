@@ -129,12 +129,12 @@ def main() -> None:
         log(f"skipped: {source} is absent")
         return
     from specx.artifact import load_manifest
-    from specx.build import build_artifact
+    from specx.builders import build_artifact
     from specx.calibration.costs import measure_verify_curve
     from specx.export.target_export import export_target
     from specx.runtime.drafters import DrafterOptions, make_drafter
-    from specx.runtime.ort_target import OrtTarget
     from specx.runtime.sampling import SamplingParams
+    from specx.runtime.targets.ort import OrtTarget
     from specx.runtime.tokenizer import TextTokenizer
     from specx.runtime.tree_shapes import parse_tree_spec
 

@@ -96,7 +96,7 @@ def main() -> None:
         )
     from specx.artifact import load_manifest
     from specx.calibration.layer_skip import choose_skipped
-    from specx.runtime.backends import open_decoder
+    from specx.runtime.targets import open_decoder
 
     target = open_decoder(load_manifest(ARTIFACT).with_build(BUILD), threads=args.threads)
     prompts = loads(args.prompts)

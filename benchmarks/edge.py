@@ -164,7 +164,7 @@ def _build_stamp(head: Path | None) -> str:
 def int4_artifact(source: Path, artifact: Path, drafter: str | None, head: Path | None) -> Path:
     """`source` exported (with `drafter`) and built at int4 into `artifact`, as every runner
     here reads it; kept while `head` (a widened head, or None) is the one it was built with."""
-    from specx.build import build_artifact
+    from specx.builders import build_artifact
     from specx.export.target_export import export_target
 
     if not _done(artifact, _build_stamp(head)):
@@ -265,21 +265,23 @@ def extra_build(artifact: Path, backend: str) -> None:
     code that writes it changed."""
     import hashlib
 
-    import specx.build.cpu
-    import specx.build.cpu_read
-    import specx.build.openvino
-    import specx.build.ort
+    import specx.builders.cpu
+    import specx.builders.cpu_read
+    import specx.builders.openvino
+    import specx.builders.ort
     import specx.graphs.ov_lowering
     from specx.artifact import load_manifest
-    from specx.build import BuildOptions, build_artifact
+    from specx.builders import BuildOptions, build_artifact
 
     if backend == "openvino":
-        sources = [Path(m.__file__ or "") for m in (specx.build.openvino, specx.graphs.ov_lowering)]
+        sources = [
+            Path(m.__file__ or "") for m in (specx.builders.openvino, specx.graphs.ov_lowering)
+        ]
     else:
-        forward = Path(specx.build.cpu.__file__ or "").parents[1] / "runtime/kernels/forward.c"
-        sources = [Path(m.__file__ or "") for m in (specx.build.cpu, specx.build.cpu_read)]
+        forward = Path(specx.builders.cpu.__file__ or "").parents[1] / "runtime/kernels/forward.c"
+        sources = [Path(m.__file__ or "") for m in (specx.builders.cpu, specx.builders.cpu_read)]
         sources.append(forward)
-    sources.append(Path(specx.build.ort.__file__ or ""))
+    sources.append(Path(specx.builders.ort.__file__ or ""))
     code = b"".join(path.read_bytes() for path in sources)
     stamp, marker = hashlib.sha256(code).hexdigest(), artifact / f".{backend}-build"
     built = marker.is_file() and marker.read_text() == stamp
@@ -326,7 +328,7 @@ def _factory(kind: str, target, tree: str) -> Callable:
 
 def specx_runners(prepared: Prepared, threads: int, sampling, chains=CHAINS) -> dict:
     from specx.artifact import load_manifest
-    from specx.runtime.backends import open_decoder
+    from specx.runtime.targets import open_decoder
 
     def target(name: str):
         return open_decoder(load_manifest(prepared.specx[name]).with_build("ort-int4"), threads)
@@ -353,7 +355,7 @@ def specx_build_runners(
     """A family's rows ("specx-ov", "specx-cpu"): specx's runtime on that build of
     OV_ARTIFACTS (plain, n-gram, the heads' chains, EAGLE-3's trees)."""
     from specx.artifact import load_manifest
-    from specx.runtime.backends import open_decoder
+    from specx.runtime.targets import open_decoder
 
     build = BUILD_FAMILIES[family][0]
 

@@ -2,7 +2,7 @@
 
 The file is pyref-1b at Q4_0, as llama.cpp's converter and llama-quantize made it
 (benchmarks/llama_cpp.py). `specx export FILE` then `specx build --backend cpu --precision
-int4` keeps its codes and scales (specx.build.grid); that build decodes greedily beside
+int4` keeps its codes and scales (specx.builders.grid); that build decodes greedily beside
 llama.cpp's `llama-server` on the same file, specx's own export of the HF checkpoint (its
 cpu-int4 build, rounded by specx), and the float graphs of both exports (the GGUF's
 de-quantized weights; the HF checkpoint's own), so each pair's agreement is read against

@@ -68,7 +68,7 @@ def measure(artifact: Path, build: str, tokens: list[int], context: int, repeats
     """t(N) in ms of `build` (in this process: the caller runs it in its own)."""
     from specx.artifact import load_manifest
     from specx.calibration.costs import measure_verify_curve
-    from specx.runtime.backends import open_decoder
+    from specx.runtime.targets import open_decoder
 
     manifest = load_manifest(artifact, verify_hashes=False).with_build(build)
     target = open_decoder(manifest, threads=2)
@@ -144,7 +144,7 @@ def built(checkpoint: Path, artifact: Path) -> Path:
     """`checkpoint` exported for 2,304 slots into `artifact` with each int4 build (kept; the
     openvino and cpu ones rebuilt when the code that writes them changed)."""
     from specx.artifact import load_manifest
-    from specx.build import BuildOptions, build_artifact
+    from specx.builders import BuildOptions, build_artifact
     from specx.export.target_export import export_target
 
     if not (artifact / "manifest.json").is_file():

@@ -63,7 +63,7 @@ class EngineDefault:
 def prepared(name: str, checkpoint: Path, head: Path | None, calibration: list[list[int]]):
     """The target exported, built for the kernels and calibrated for `skip` (cached)."""
     from specx.artifact import load_manifest
-    from specx.build import BuildOptions, build_artifact
+    from specx.builders import BuildOptions, build_artifact
     from specx.calibration.calibrate import CalibrationOptions, calibrate_artifact
     from specx.export.target_export import export_target
 

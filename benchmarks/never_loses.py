@@ -70,7 +70,7 @@ def artifacts(
     pyref-deep by `pyref_heads.for_deep`), each where it exists (`only`: these kinds alone;
     `targets`: these targets alone).
     """
-    from specx.build import BuildOptions, build_artifact
+    from specx.builders import BuildOptions, build_artifact
     from specx.export.target_export import export_target
 
     checkpoints = {"pyref-7m": PYREF_7M}

@@ -65,7 +65,7 @@ class Case:
 def prepare(name: str, checkpoint: Path, work: Path) -> Case:
     """Exports, builds (ort-fp32, ort-int4) and runs genai's builder once; cached in `work`."""
     from specx.artifact import load_manifest
-    from specx.build import BuildOptions, build_artifact
+    from specx.builders import BuildOptions, build_artifact
     from specx.export.target_export import export_target
 
     artifact = work / name / "artifact"
@@ -90,8 +90,8 @@ def prepare(name: str, checkpoint: Path, work: Path) -> Case:
 
 def _stale(manifest, precision: str) -> bool:
     """Whether a cached build is missing or quantized otherwise than today's default."""
-    from specx.build import BuildOptions
-    from specx.build.ort import weight_only_config
+    from specx.builders import BuildOptions
+    from specx.builders.ort import weight_only_config
 
     build = manifest.builds.get(f"ort-{precision}")
     if build is None or precision != "int4":
@@ -159,8 +159,8 @@ def plain_section(cases: list[Case], prompts, args) -> dict:
 
 def model_free_section(case: Case, args) -> dict:
     from specx.artifact import load_manifest
-    from specx.runtime.backends import open_decoder
     from specx.runtime.plain_decoding import generate_plain
+    from specx.runtime.targets import open_decoder
 
     target = open_decoder(load_manifest(case.artifact).with_build("ort-fp32"), threads=args.threads)
     results = {}
@@ -214,7 +214,7 @@ def specx_drafting(target, prompts, outputs) -> dict[str, SpecxSpeculative]:
 def verify_section(cases: list[Case], args) -> dict:
     from specx.artifact import load_manifest
     from specx.masks import causal_mask
-    from specx.runtime.backends import open_decoder
+    from specx.runtime.targets import open_decoder
 
     curves = {}
     for case in cases:

@@ -102,13 +102,13 @@ def main() -> None:
         return
 
     from specx.artifact import load_manifest
-    from specx.build.int8_static import quantize_artifact
+    from specx.builders.int8_static import quantize_artifact
     from specx.calibration.calibrate import CalibrationOptions, calibrate_artifact
     from specx.export.target_export import export_target
     from specx.runtime.calibrated import calibrated_choice
     from specx.runtime.drafters import DrafterOptions
     from specx.runtime.drafters.medusa import MEDUSA_DEFAULT_TREE
-    from specx.runtime.ort_target import OrtTarget, configure_threads
+    from specx.runtime.targets.ort import OrtTarget, configure_threads
     from specx.runtime.tokenizer import TextTokenizer
     from specx.runtime.tree_shapes import DynamicTree, StaticTree
 

@@ -84,7 +84,7 @@ class SpecxPlain:
 
     def __init__(self, artifact: Path, build: str | None, threads: int, sampling=None):
         from specx.artifact import load_manifest
-        from specx.runtime.backends import open_decoder
+        from specx.runtime.targets import open_decoder
 
         self.target = open_decoder(load_manifest(artifact).with_build(build), threads=threads)
         self.sampling = sampling
@@ -459,8 +459,8 @@ BUILDS = {
 
 
 def build_options(name: str):
-    """`specx.build.BuildOptions` for a build in `BUILDS`."""
-    from specx.build import BuildOptions
+    """`specx.builders.BuildOptions` for a build in `BUILDS`."""
+    from specx.builders import BuildOptions
     from specx.graphs.weight_only import WeightOnlyConfig
 
     precision, scope = BUILDS[name]

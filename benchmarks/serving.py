@@ -50,7 +50,7 @@ from benchmarks.runners import scratch_dir
 
 
 def artifact(work: Path) -> Path:
-    from specx.build import BuildOptions, build_artifact
+    from specx.builders import BuildOptions, build_artifact
     from specx.export.target_export import export_target
 
     out = export_target(PYREF_7M, work / "pyref-7m", max_context=1024)

@@ -213,9 +213,9 @@ def timed(args: argparse.Namespace) -> None:
 
     # 12 nodes on 5 levels, top-k 3 (EAGLE-2's total_token 13, depth 4), as in earlier runs
     DYNAMIC_12_5_3 = DynamicTree.of_nodes(12, 5, 3)  # noqa: N806
-    from specx.runtime.ort_target import OrtTarget
     from specx.runtime.plain_decoding import generate_plain
     from specx.runtime.sampling import SamplingParams
+    from specx.runtime.targets.ort import OrtTarget
     from specx.runtime.tokenizer import TextTokenizer
 
     started = time.perf_counter()
@@ -407,7 +407,7 @@ def measure(target, spec: str, tree: str, temperature: float, prompts, sources, 
 def acceptance(args: argparse.Namespace) -> None:
     """`--acceptance` (the module docstring's second paragraph)."""
     from specx.artifact import load_manifest
-    from specx.runtime.ort_target import OrtTarget
+    from specx.runtime.targets.ort import OrtTarget
     from specx.runtime.tokenizer import TextTokenizer
 
     prompts = prompts_for(TextTokenizer(PYREF_7M / "tokenizer.json"), args.prompts)

@@ -75,8 +75,8 @@ def measure(engine, prompts, new_tokens: int, shape: str, plain: list[list[int]]
 def timed(artifact: Path, build: str, prompts, new_tokens: int, shapes, repeats, threads) -> dict:
     """Each shape against plain decoding on `build`, interleaved (see the module docstring)."""
     from specx.artifact import load_manifest
-    from specx.runtime.backends import open_decoder
     from specx.runtime.drafters import DrafterOptions, make_drafter
+    from specx.runtime.targets import open_decoder
     from specx.runtime.tree_shapes import parse_tree_spec
 
     def factory(shape: str):  # made once: a head learns nothing across requests

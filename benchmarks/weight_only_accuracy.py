@@ -58,8 +58,8 @@ def main() -> None:
         print(f"skipped: {args.target} is absent", file=sys.stderr)
         return
     from specx.artifact import load_manifest
-    from specx.build import BuildOptions, build_artifact
-    from specx.build.int8_static import teacher_forced_accuracy
+    from specx.builders import BuildOptions, build_artifact
+    from specx.builders.int8_static import teacher_forced_accuracy
     from specx.export.target_export import export_target
     from specx.graphs.weight_only import WeightOnlyConfig
     from specx.runtime.tokenizer import TextTokenizer

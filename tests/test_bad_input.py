@@ -20,10 +20,10 @@ from specx.calibration.calibrate import batch_summary
 from specx.cli import main
 from specx.errors import ArtifactError, GenerationError
 from specx.runtime.drafters.draft_model import VocabMismatchError, check_same_vocabulary
-from specx.runtime.ort_target import OrtTarget
 from specx.runtime.plain_decoding import generate_plain
 from specx.runtime.prompts import read_prompts_file
 from specx.runtime.sampling import SamplingParams
+from specx.runtime.targets.ort import OrtTarget
 
 
 def run(*args) -> SimpleNamespace:

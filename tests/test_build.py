@@ -9,18 +9,18 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-import specx.build.staging
+import specx.builders.staging
 from specx.artifact import load_manifest
-from specx.build import BuildOptions, build_artifact
-from specx.build.registry import check_precision
+from specx.builders import BuildOptions, build_artifact
+from specx.builders.registry import check_precision
 from specx.cli import main
 from specx.errors import ArtifactError, BuildError
 from specx.manifest_types import BuildEntry, TensorSpec
 from specx.precision import FP32
-from specx.runtime.backends import open_decoder
 from specx.runtime.drafters.ngram import NGramDrafter
 from specx.runtime.plain_decoding import generate_plain
 from specx.runtime.speculative_decoding import generate_speculative
+from specx.runtime.targets import open_decoder
 from specx.tensorrt.profiles import ProfileLimits, optimization_profiles
 
 PROMPTS = [[5, 9, 5, 9, 5, 9, 13], [7, 3, 11]]
@@ -78,7 +78,7 @@ def test_an_interrupted_build_leaves_the_manifest_untouched(artifact, monkeypatc
     def interrupted(root, body, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(specx.build.staging, "write_manifest", interrupted)
+    monkeypatch.setattr(specx.builders.staging, "write_manifest", interrupted)
     with pytest.raises(KeyboardInterrupt):
         build_artifact(artifact, BuildOptions("ort", "fp16"))
     assert (artifact / "manifest.json").read_bytes() == original
@@ -202,7 +202,7 @@ class _CopyBackend:
         check_precision(self, options.precision)
 
     def build(self, job) -> BuildEntry:
-        from specx.build.staging import load_graph, save_graph
+        from specx.builders.staging import load_graph, save_graph
 
         graphs = {}
         for name in job.manifest.graphs:
@@ -212,7 +212,7 @@ class _CopyBackend:
 
 
 def test_a_new_backend_is_one_class_and_its_registration(artifact, monkeypatch):
-    from specx.build import BACKENDS, register
+    from specx.builders import BACKENDS, register
     from specx.runtime.engine import load
 
     before = _plain(artifact)
@@ -242,7 +242,7 @@ def test_a_new_backend_is_one_class_and_its_registration(artifact, monkeypatch):
 
 
 def test_a_backend_must_name_a_runtime_that_exists_and_unknown_ones_are_refused(artifact):
-    from specx.build import register
+    from specx.builders import register
 
     class Nowhere(_CopyBackend):
         runtime = "tpu"

@@ -45,7 +45,7 @@ def test_the_record_reads_back_and_names_the_faster_build_first():
 @pytest.fixture(scope="module")
 def two_builds(artifacts, tmp_path_factory) -> Path:
     """A tiny artifact with ort-fp32 (export's) and an ort-int8 build."""
-    from specx.build import BuildOptions, build_artifact
+    from specx.builders import BuildOptions, build_artifact
     from specx.graphs.weight_only import WeightOnlyConfig
 
     root = shutil.copytree(artifacts["llama"], tmp_path_factory.mktemp("choice") / "llama")
@@ -130,7 +130,7 @@ def test_a_broken_record_costs_the_reason_not_the_run(two_builds, tmp_path, reco
 def test_a_later_build_retires_the_recorded_choice(two_builds, tmp_path):
     """A build made after the choice outranks it (it is the default now): the record goes."""
     import specx
-    from specx.build import BuildOptions, build_artifact
+    from specx.builders import BuildOptions, build_artifact
 
     root = shutil.copytree(two_builds, tmp_path / "later")
     choose_build(root, ["ort-fp32", "ort-int8"], 32, lambda r, b, c: _timing(b, 10.0))
@@ -144,7 +144,7 @@ def test_a_later_build_retires_the_recorded_choice(two_builds, tmp_path):
 def test_without_openvino_or_the_kernels_auto_builds_onnx_runtime_alone_saying_so(
     artifacts, monkeypatch
 ):
-    from specx.build import BuildOptions, cpu_backends
+    from specx.builders import BuildOptions, cpu_backends
     from specx.runtime import kernels
 
     found = importlib.util.find_spec
@@ -160,7 +160,7 @@ def test_without_openvino_or_the_kernels_auto_builds_onnx_runtime_alone_saying_s
 
 
 def test_auto_leaves_out_the_kernels_for_a_target_they_do_not_compute_saying_why(artifacts):
-    from specx.build import BuildOptions, cpu_backends
+    from specx.builders import BuildOptions, cpu_backends
 
     said: list[str] = []
     manifest = load_manifest(artifacts["gemma2"])
@@ -172,7 +172,7 @@ def test_auto_times_each_build_in_its_own_process_and_records_the_fastest(artifa
     """End to end on the CLI: int8 on every CPU backend installed, each timed for real."""
     from click.testing import CliRunner
 
-    from specx.build import BuildOptions, cpu_backends
+    from specx.builders import BuildOptions, cpu_backends
     from specx.cli import main
 
     root = shutil.copytree(artifacts["llama"], tmp_path / "llama")
@@ -207,7 +207,7 @@ def test_auto_refuses_onnx_runtime_only_options_before_building(artifacts, tmp_p
 
 def test_a_heads_step_is_timed_where_the_artifact_has_one(head_artifacts):
     from specx.calibration.build_choice import measure_build
-    from specx.runtime.backends import build_name
+    from specx.runtime.targets import build_name
 
     manifest = load_manifest(head_artifacts["eagle3"])
     timing = measure_build(manifest, context=16, threads=1)
@@ -221,13 +221,13 @@ def test_auto_times_builds_over_the_context_it_is_told_and_only_auto_takes_one(
 ):
     from click.testing import CliRunner
 
-    import specx.build
+    import specx.builders
     import specx.calibration.build_choice as build_choice
     from specx.cli import main
 
     root = shutil.copytree(artifacts["llama"], tmp_path / "llama")
     told: list[int] = []
-    monkeypatch.setattr(specx.build, "build_each", lambda *a, **k: ["ort-int8"])
+    monkeypatch.setattr(specx.builders, "build_each", lambda *a, **k: ["ort-int8"])
     monkeypatch.setattr(build_choice, "choose_build", lambda r, b, c, *a, **k: told.append(c))
     command = ["build", str(root), "--precision", "int8", "--context", "512"]
     done = CliRunner().invoke(main, [*command, "--backend", "auto"])
@@ -240,7 +240,7 @@ def test_auto_times_builds_over_the_context_it_is_told_and_only_auto_takes_one(
 def test_an_interrupted_auto_build_leaves_the_default_as_it_was(artifacts, tmp_path):
     """Ctrl-C while the builds are timed: the builds made stay, none of them untimed
     becomes the default."""
-    from specx.build import BuildOptions, build_artifact, build_each
+    from specx.builders import BuildOptions, build_artifact, build_each
     from specx.calibration.build_choice import build_fastest
 
     root = shutil.copytree(artifacts["llama"], tmp_path / "llama")

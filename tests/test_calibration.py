@@ -16,8 +16,8 @@ import specx
 import specx.calibration.calibrate as calibrate_module
 import specx.calibration.timing as timing_module
 from specx.artifact import load_manifest
-from specx.build import BuildOptions, build_artifact
-from specx.build.int8_static import quantize_artifact
+from specx.builders import BuildOptions, build_artifact
+from specx.builders.int8_static import quantize_artifact
 from specx.calibration.acceptance import AcceptanceCounts, probe_choices
 from specx.calibration.calibrate import (
     PAYS,
@@ -40,13 +40,13 @@ from specx.cli import main
 from specx.errors import CalibrationError
 from specx.graphs.weight_only import WeightOnlyConfig
 from specx.manifest_types import CalibrationEntry
-from specx.runtime.backends import open_decoder
 from specx.runtime.calibrated import calibrated_choice
 from specx.runtime.controller import AdaptiveController
 from specx.runtime.drafters import DrafterOptions, make_drafter
 from specx.runtime.plain_decoding import generate_plain
 from specx.runtime.sampling import SamplingParams
 from specx.runtime.speculative_decoding import generate_speculative
+from specx.runtime.targets import open_decoder
 from specx.runtime.tree_shapes import StaticTree
 from specx.runtime.trees import DraftTree
 from specx.runtime.verification import Verdict

@@ -33,9 +33,9 @@ def test_a_combined_name_keeps_its_argument():
 def test_greedy_combined_drafting_equals_plain_with_both_drafting(head_artifacts, spec):
     from specx.artifact import load_manifest
     from specx.runtime.drafters import DrafterOptions, make_drafter
-    from specx.runtime.ort_target import OrtTarget
     from specx.runtime.plain_decoding import generate_plain
     from specx.runtime.speculative_decoding import generate_speculative
+    from specx.runtime.targets.ort import OrtTarget
 
     target = OrtTarget(load_manifest(head_artifacts["eagle3"]), threads=2)
     plain = generate_plain(target, PROMPTS, 24)

@@ -62,9 +62,9 @@ def test_a_committed_drafter_drafts_losslessly_above_its_floor(heads, kind, prom
     from specx.artifact import load_manifest
     from specx.export.target_export import export_target
     from specx.runtime.drafters import DrafterOptions, make_drafter
-    from specx.runtime.ort_target import OrtTarget
     from specx.runtime.plain_decoding import generate_plain
     from specx.runtime.speculative_decoding import generate_speculative
+    from specx.runtime.targets.ort import OrtTarget
 
     if kind == "draft-model":
         draft = export_target(heads / kind, tmp_path / "draft", max_context=256)

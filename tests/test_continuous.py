@@ -8,9 +8,9 @@ from specx.artifact import load_manifest
 from specx.runtime.continuous import BatchSequence, ContinuousBatch
 from specx.runtime.controller import controller_for
 from specx.runtime.drafters import DrafterOptions, make_drafter
-from specx.runtime.ort_target import OrtTarget
 from specx.runtime.plain_decoding import generate_plain
 from specx.runtime.sampling import SamplingParams
+from specx.runtime.targets.ort import OrtTarget
 
 
 def _sequence(prompt, tokens, drafter=None, controller=None):

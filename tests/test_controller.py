@@ -17,7 +17,6 @@ from cost_curves import FixedCurve
 from no_replay import NoReplay
 from specx.artifact import load_manifest, manifest_body, write_manifest
 from specx.manifest_types import CalibratedSampling, CalibrationEntry, TreeChoice, VerifyShape
-from specx.runtime.backends import build_name
 from specx.runtime.controller import (
     AcceptanceMemory,
     AdaptiveController,
@@ -38,12 +37,13 @@ from specx.runtime.drafters.draft_model import DraftModelDrafter
 from specx.runtime.drafters.ngram import NGramDrafter
 from specx.runtime.drafters.suffix import SuffixDrafter, SuffixOptions
 from specx.runtime.engine import Speculation, load
-from specx.runtime.ort_target import OrtTarget
 from specx.runtime.plain_decoding import generate_plain
 from specx.runtime.plans import ASKING_SETTINGS, PlanState, time_drafter
 from specx.runtime.rounds import PROBE_TAIL
 from specx.runtime.sampling import SamplingParams
 from specx.runtime.speculative_decoding import generate_speculative
+from specx.runtime.targets import build_name
+from specx.runtime.targets.ort import OrtTarget
 from specx.runtime.tree_shapes import DynamicTree, StaticTree, parse_tree_spec
 from specx.runtime.trees import DraftTree
 

@@ -17,14 +17,14 @@ LIB = kernels.library()
 pytestmark = pytest.mark.skipif(LIB is None, reason=kernels.unavailable() or "")
 
 from specx.artifact import load_manifest  # noqa: E402
-from specx.build import BuildOptions, build_artifact  # noqa: E402
+from specx.builders import BuildOptions, build_artifact  # noqa: E402
 from specx.errors import ArtifactError, BuildError  # noqa: E402
 from specx.graphs.weight_only import quantize_rtn  # noqa: E402
 from specx.masks import causal_mask  # noqa: E402
-from specx.runtime.backends import open_decoder, select_build  # noqa: E402
 from specx.runtime.drafters import DrafterOptions, make_drafter  # noqa: E402
 from specx.runtime.plain_decoding import generate_plain  # noqa: E402
 from specx.runtime.speculative_decoding import generate_speculative  # noqa: E402
+from specx.runtime.targets import open_decoder, select_build  # noqa: E402
 
 PROMPTS = [[5, 9, 5, 9, 5, 9, 13, 5, 9, 5, 9], [7, 3, 11, 7, 3, 11, 7, 3], [4, 4, 6, 4, 4, 6]]
 ZERO = {4: 8, 8: 128}
@@ -252,7 +252,7 @@ def eagle3_built(head_artifacts, tmp_path_factory):
 
 def test_an_eagle3_head_runs_on_the_kernels_as_its_exported_graph_within_rounding(eagle3_built):
     """The int8 head's forward (two rows of a catch-up over features) and its projection."""
-    from specx.runtime.backends import graph_runtime, open_stateless
+    from specx.runtime.targets import graph_runtime, open_stateless
 
     manifest = select_build(load_manifest(eagle3_built), "cpu-int8")
     assert "draft_chain" not in manifest.build.graphs  # the chain loops over the kernels' head
@@ -316,7 +316,7 @@ def test_an_eagle3_head_on_the_kernels_drafts_losslessly(eagle3_built, tree):
 
 def test_a_head_the_kernels_do_not_run_drafts_on_onnx_runtime_losslessly(head_artifacts, tmp_path):
     """An EAGLE-1 head: the build says why in its progress, the drafts run on ONNX Runtime."""
-    from specx.runtime.backends import graph_runtime
+    from specx.runtime.targets import graph_runtime
 
     artifact = shutil.copytree(head_artifacts["eagle"], tmp_path / "eagle")
     lines: list[str] = []
@@ -405,7 +405,7 @@ def test_the_runtime_maps_the_weights_and_never_imports_the_build_side(built):
     code = (
         "import sys, specx; e = specx.load(sys.argv[1]); "
         "e.generate([1, 2, 3], max_new_tokens=3, speculation='ngram'); "
-        "bad = [m for m in ('torch', 'onnx', 'onnx_ir', 'specx.build') if m in sys.modules]; "
+        "bad = [m for m in ('torch', 'onnx', 'onnx_ir', 'specx.builders') if m in sys.modules]; "
         "assert not bad, bad"
     )
     done = subprocess.run([sys.executable, "-c", code, str(built)], capture_output=True, text=True)

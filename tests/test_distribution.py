@@ -25,10 +25,10 @@ from specx.runtime.drafters.combined import CombinedDrafter
 from specx.runtime.drafters.draft_model import DraftModelDrafter
 from specx.runtime.drafters.ngram import NGramDrafter
 from specx.runtime.drafters.suffix import SuffixDrafter, SuffixOptions
-from specx.runtime.ort_target import OrtTarget
 from specx.runtime.plain_decoding import generate_plain
 from specx.runtime.sampling import SamplingParams
 from specx.runtime.speculative_decoding import generate_speculative
+from specx.runtime.targets.ort import OrtTarget
 from specx.runtime.tree_shapes import DynamicTree, StaticTree
 from specx.runtime.verification import verify
 

@@ -9,10 +9,10 @@ from conftest import HEAD_VOCAB
 from specx.artifact import load_manifest
 from specx.runtime.drafters.chain_graph import DraftChain
 from specx.runtime.drafters.feature_head import FeatureHeadDrafter
-from specx.runtime.ort_target import OrtTarget
 from specx.runtime.plain_decoding import generate_plain
 from specx.runtime.sampling import SamplingParams
 from specx.runtime.speculative_decoding import generate_speculative
+from specx.runtime.targets.ort import OrtTarget
 from specx.runtime.tree_shapes import StaticTree
 
 HEADS = ["eagle3", "eagle", "mtp-deepseek"]

@@ -14,12 +14,12 @@ import pytest
 
 from head_checkpoints import write_eagle, write_eagle3, write_medusa
 from specx.artifact import load_manifest
-from specx.build import BuildOptions, build_artifact
+from specx.builders import BuildOptions, build_artifact
 from specx.export.target_export import export_target
 from specx.runtime.drafters import DrafterOptions, make_drafter
-from specx.runtime.ort_target import OrtTarget
 from specx.runtime.plain_decoding import generate_plain
 from specx.runtime.speculative_decoding import generate_speculative
+from specx.runtime.targets.ort import OrtTarget
 from specx.runtime.tree_shapes import DynamicTree, StaticTree
 
 GEMMA = ["gemma2", "gemma3_text"]

@@ -13,10 +13,10 @@ from conftest import FAMILIES, MAX_CONTEXT
 from specx.artifact import load_manifest
 from specx.cli import main
 from specx.errors import GenerationError
-from specx.runtime.decoder_backend import DecoderBackend
-from specx.runtime.ort_target import OrtTarget
 from specx.runtime.plain_decoding import generate_plain
 from specx.runtime.sampling import SamplingParams
+from specx.runtime.targets.base import DecoderBackend
+from specx.runtime.targets.ort import OrtTarget
 
 NEW_TOKENS = 64
 

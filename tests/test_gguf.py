@@ -17,8 +17,8 @@ gguf = pytest.importorskip("gguf")
 pytest.importorskip("accelerate")
 
 from specx.artifact import load_manifest  # noqa: E402
-from specx.build import BuildOptions, build_artifact  # noqa: E402
-from specx.build.grid import GRIDS, kept_codes  # noqa: E402
+from specx.builders import BuildOptions, build_artifact  # noqa: E402
+from specx.builders.grid import GRIDS, kept_codes  # noqa: E402
 from specx.errors import BuildError, ExportError  # noqa: E402
 from specx.runtime import kernels  # noqa: E402
 
@@ -138,7 +138,7 @@ def test_the_kept_build_is_the_float_graph_within_rounding_and_decodes_losslessl
     de-quantized (logits within its activations' int8 rounding), and greedy speculation on
     it equals its plain decoding."""
     import specx
-    from specx.runtime.backends import open_decoder, select_build
+    from specx.runtime.targets import open_decoder, select_build
 
     _, artifact = gguf_artifact
     manifest = load_manifest(artifact)

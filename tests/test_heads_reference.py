@@ -14,7 +14,7 @@ from conftest import HEAD_VOCAB
 from specx.artifact import load_manifest
 from specx.export.checkpoint import load_checkpoint
 from specx.export.heads import load_head
-from specx.runtime.ort_target import OrtGraph, OrtTarget
+from specx.runtime.targets.ort import OrtGraph, OrtTarget
 
 
 def rms(x, w, eps=1e-6):

@@ -15,10 +15,10 @@ from specx.export.checkpoint import load_checkpoint
 from specx.export.heads import load_head
 from specx.runtime.drafters import DrafterOptions, make_drafter
 from specx.runtime.drafters.medusa import MEDUSA_DEFAULT_TREE
-from specx.runtime.ort_target import OrtTarget
 from specx.runtime.plain_decoding import generate_plain
 from specx.runtime.sampling import SamplingParams
 from specx.runtime.speculative_decoding import generate_speculative
+from specx.runtime.targets.ort import OrtTarget
 from specx.runtime.tree_shapes import StaticTree, parse_tree_spec
 from specx.runtime.verification import verify
 

@@ -39,7 +39,7 @@ def test_a_bad_layer_set_is_one_clear_error(text, match):
 @pytest.fixture(scope="module")
 def cpu_built(artifacts, tmp_path_factory):
     """The 4-layer llama artifact with a cpu-int4 build (its default)."""
-    from specx.build import BuildOptions, build_artifact
+    from specx.builders import BuildOptions, build_artifact
 
     artifact = shutil.copytree(artifacts["llama"], tmp_path_factory.mktemp("skip") / "llama")
     build_artifact(artifact, BuildOptions(backend="cpu", precision="int4"))
@@ -49,7 +49,7 @@ def cpu_built(artifacts, tmp_path_factory):
 @needs_kernels
 def test_the_view_reads_the_target_s_own_weights(cpu_built):
     from specx.artifact import load_manifest
-    from specx.runtime.backends import open_decoder
+    from specx.runtime.targets import open_decoder
 
     target = open_decoder(load_manifest(cpu_built), threads=2)
     view = target.skipping(frozenset({1, 2}))
@@ -63,10 +63,10 @@ def test_the_view_reads_the_target_s_own_weights(cpu_built):
 @pytest.mark.parametrize("spec,tree", [("skip:1", None), ("skip:1-2", "dynamic:6,3,2")])
 def test_greedy_skip_drafting_equals_plain_decoding(cpu_built, spec, tree):
     from specx.artifact import load_manifest
-    from specx.runtime.backends import open_decoder
     from specx.runtime.drafters import DrafterOptions, make_drafter
     from specx.runtime.plain_decoding import generate_plain
     from specx.runtime.speculative_decoding import generate_speculative
+    from specx.runtime.targets import open_decoder
     from specx.runtime.tree_shapes import parse_tree_spec
 
     target = open_decoder(load_manifest(cpu_built), threads=2)
@@ -80,8 +80,8 @@ def test_greedy_skip_drafting_equals_plain_decoding(cpu_built, spec, tree):
 
 def test_a_build_without_the_kernels_refuses_skip_and_says_why(artifacts):
     from specx.artifact import load_manifest
-    from specx.runtime.backends import open_decoder
     from specx.runtime.drafters import DrafterOptions, make_drafter
+    from specx.runtime.targets import open_decoder
 
     target = open_decoder(load_manifest(artifacts["llama"]), threads=1)  # ONNX Runtime
     with pytest.raises(SpecxError, match="runs on a cpu build.*second copy"):
@@ -100,11 +100,11 @@ def peaked(tmp_path_factory):
     from safetensors.torch import load_file, save_file
 
     from specx.artifact import load_manifest
-    from specx.build import BuildOptions, build_artifact
+    from specx.builders import BuildOptions, build_artifact
     from specx.export.random_checkpoint import CheckpointPreset, write_random_checkpoint
     from specx.export.target_export import export_target
-    from specx.runtime.backends import open_decoder
     from specx.runtime.plain_decoding import generate_plain
+    from specx.runtime.targets import open_decoder
 
     root = tmp_path_factory.mktemp("skip-distribution")
     preset = CheckpointPreset(32, 64, 3, 4, 2, VOCAB)
@@ -162,8 +162,8 @@ def test_a_broken_verifier_is_caught_with_skip_drafts(peaked):
 def test_calibration_chooses_the_layers_and_skip_then_uses_them(cpu_built, tmp_path):
     from specx.artifact import load_manifest
     from specx.calibration.calibrate import CalibrationOptions, calibrate_artifact
-    from specx.runtime.backends import open_decoder
     from specx.runtime.drafters import DrafterOptions, make_drafter
+    from specx.runtime.targets import open_decoder
 
     artifact = shutil.copytree(cpu_built, tmp_path / "calibrated")
     options = CalibrationOptions(

@@ -16,14 +16,14 @@ ROOT = Path(specx.__file__).parent
 FORBIDDEN = {
     # The embedded runtime: numpy + onnxruntime (and the artifact it reads) only.
     "runtime": {
-        *("export", "training", "calibration", "tensorrt", "cli", "build", "graphs", "server")
+        *("export", "training", "calibration", "tensorrt", "cli", "builders", "graphs", "server")
     },
-    "graphs": {"runtime", "build", "calibration", "export", "training", "cli", "server"},
-    "export": {"runtime", "training", "build", "calibration", "cli", "server"},
+    "graphs": {"runtime", "builders", "calibration", "export", "training", "cli", "server"},
+    "export": {"runtime", "training", "builders", "calibration", "cli", "server"},
     # Builds read ONNX graphs, never torch: what export shares with them lives in graphs.
-    "build": {"runtime", "export", "calibration", "training", "cli", "server"},
-    "calibration": {"build", "export", "training", "cli", "server"},
-    "training": {"build", "calibration", "cli", "server"},
+    "builders": {"runtime", "export", "calibration", "training", "cli", "server"},
+    "calibration": {"builders", "export", "training", "cli", "server"},
+    "training": {"builders", "calibration", "cli", "server"},
 }
 
 
@@ -31,16 +31,16 @@ FORBIDDEN = {
 ALLOWED = {
     # A backend registers under the name of the runtime opener that runs its builds, and
     # registering checks that opener exists.
-    ("build/registry.py", "runtime"),
+    ("builders/registry.py", "runtime"),
     # The kernels' weight layout has one home, beside the kernels that read it
     # (runtime/kernels: pack_codes); the build writes it, and checks the kernels run here.
-    ("build/cpu.py", "runtime"),
+    ("builders/cpu.py", "runtime"),
 }
 
 # The modules at the package's top (the artifact format, the manifest's types, shared
 # helpers such as the chat template and masks) sit below every layer; `__init__.py` is the
 # lazy public API.
-LAYERS = {"runtime", "graphs", "export", "build", "calibration", "training", "tensorrt",
+LAYERS = {"runtime", "graphs", "export", "builders", "calibration", "training", "tensorrt",
           "cli", "server"}  # fmt: skip
 
 
@@ -78,7 +78,7 @@ def test_torch_is_imported_only_by_export_training_and_tensorrt():
     """torch is the export and training extras' dependency; builds, calibration, the server
     and what products embed run on ONNX graphs, numpy and onnxruntime.
 
-    Stated exceptions, both imported only with a TensorRT build: `runtime/trt_target.py`
+    Stated exceptions, both imported only with a TensorRT build: `runtime/targets/trt.py`
     holds a TensorRT engine's inputs and outputs as torch CUDA tensors, and `publish.py`
     reads the GPU's compute capability to check an engine matches the machine.
     """
@@ -89,7 +89,7 @@ def test_torch_is_imported_only_by_export_training_and_tensorrt():
         for path in torch_free
         if any(m == "torch" or m.startswith("torch.") for m in _imported_modules(path))
     ]
-    assert users == ["publish.py", "runtime/trt_target.py"]
+    assert users == ["publish.py", "runtime/targets/trt.py"]
 
 
 def test_the_scan_sees_lazy_imports(tmp_path):
@@ -99,12 +99,12 @@ def test_the_scan_sees_lazy_imports(tmp_path):
 
 
 def test_the_backend_map_names_every_backend_and_only_modules_that_exist():
-    """`specx/build/__init__.py` maps each backend's lowering, build and runtime target: the
+    """`specx/builders/__init__.py` maps each backend's lowering, build and runtime target: the
     one place a newcomer finds a backend's files, kept true here."""
-    import specx.build
-    from specx.build.registry import BACKENDS
+    import specx.builders
+    from specx.builders.registry import BACKENDS
 
-    doc = specx.build.__doc__ or ""
+    doc = specx.builders.__doc__ or ""
     table = doc[doc.index("    backend ") : doc.index("\n\n", doc.index("    backend "))]
     rows = table.splitlines()[1:]
     named = {line.split()[0] for line in rows if not line.startswith("     ")}
@@ -114,9 +114,10 @@ def test_the_backend_map_names_every_backend_and_only_modules_that_exist():
     for line in rows:
         modules |= {f"graphs/{m}" for m in re.findall(r"\w+", line[lowering])}
         modules |= {
-            f"build/{m}" for m in re.findall(r"\w+", re.sub(r"tensorrt\.\w+", "", line[build]))
+            f"builders/{m}" for m in re.findall(r"\w+", re.sub(r"tensorrt\.\w+", "", line[build]))
         }
-        modules |= {m.replace(".", "/") for m in re.findall(r"(?:runtime|tensorrt)\.\w+", line)}
+        modules |= {f"runtime/targets/{m}" for m in re.findall(r"\w+", line[69:])}
+        modules |= {m.replace(".", "/") for m in re.findall(r"tensorrt\.\w+", line)}
     missing = sorted(m for m in modules if not (ROOT / f"{m}.py").is_file())
     assert not missing, missing
 

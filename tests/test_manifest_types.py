@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 
 from specx.artifact import load_manifest, manifest_body, write_manifest
-from specx.build import BuildOptions, build_artifact
+from specx.builders import BuildOptions, build_artifact
 from specx.errors import ArtifactError
 from specx.manifest_types import (
     BuildEntry,

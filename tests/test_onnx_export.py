@@ -13,7 +13,7 @@ from specx.export.checkpoint import load_checkpoint
 from specx.export.decoder import TargetDecoder
 from specx.graphs import tree_attention as ta
 from specx.manifest_types import TapSpec
-from specx.runtime.ort_target import OrtTarget
+from specx.runtime.targets.ort import OrtTarget
 
 CAPACITY = 24
 

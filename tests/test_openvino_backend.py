@@ -12,16 +12,16 @@ import pytest
 ov = pytest.importorskip("openvino", reason="OpenVINO is not installed (pip install openvino)")
 
 from specx.artifact import load_manifest  # noqa: E402
-from specx.build import BuildOptions, build_artifact  # noqa: E402
-from specx.build.openvino import _Compression, compress_weights  # noqa: E402
+from specx.builders import BuildOptions, build_artifact  # noqa: E402
+from specx.builders.openvino import _Compression, compress_weights  # noqa: E402
 from specx.graphs.ov_lowering import lower_for_openvino  # noqa: E402
 from specx.graphs.weight_only import quantize_rtn  # noqa: E402
 from specx.masks import causal_mask  # noqa: E402
-from specx.runtime.backends import open_decoder  # noqa: E402
 from specx.runtime.drafters import DrafterOptions, make_drafter  # noqa: E402
-from specx.runtime.ort_target import OrtTarget  # noqa: E402
 from specx.runtime.plain_decoding import generate_plain  # noqa: E402
 from specx.runtime.speculative_decoding import generate_speculative  # noqa: E402
+from specx.runtime.targets import open_decoder  # noqa: E402
+from specx.runtime.targets.ort import OrtTarget  # noqa: E402
 
 PROMPTS = [[5, 9, 5, 9, 5, 9, 13, 5, 9, 5, 9], [7, 3, 11, 7, 3, 11, 7, 3], [4, 4, 6, 4, 4, 6]]
 
@@ -175,7 +175,7 @@ def test_the_lowering_leaves_no_tree_attention_and_outputs_new_rows(artifacts):
 
 def test_openvino_fuses_every_layers_rope_in_the_lowered_graph(built):
     """rotate_half respelled (RotateHalfPass): the CPU plugin runs each RoPE as one node."""
-    from specx.runtime.ov_target import compile_graph
+    from specx.runtime.targets.openvino import compile_graph
 
     manifest = load_manifest(built["llama"])
     compiled = compile_graph(manifest, "target", threads=1)
@@ -259,7 +259,7 @@ def _alone_and_together(target) -> tuple[np.ndarray, np.ndarray]:
 
 def test_a_token_alone_and_in_a_chunk_gets_the_same_logits_on_int4(built, monkeypatch):
     """Bit for bit, thanks to the pad row; without it OpenVINO's single-row path differs."""
-    import specx.runtime.ov_target as ov_target
+    import specx.runtime.targets.openvino as ov_target
 
     target = open_decoder(load_manifest(built["llama"]).with_build("openvino-int4"), threads=1)
     alone, together = _alone_and_together(target)
@@ -273,8 +273,8 @@ def test_a_token_alone_and_in_a_chunk_gets_the_same_logits_on_int4(built, monkey
 def test_heads_draft_on_onnx_runtime_for_an_openvino_target(head_artifacts, kind, tmp_path):
     """The build's target is OpenVINO IR, its draft graphs ONNX Runtime's (the one-call chain
     graph included), and speculation with the head stays lossless."""
-    from specx.runtime.backends import graph_runtime
     from specx.runtime.drafters.chain_graph import DraftChain
+    from specx.runtime.targets import graph_runtime
 
     artifact = shutil.copytree(head_artifacts[kind], tmp_path / kind)
     build_artifact(artifact, BuildOptions(backend="openvino", precision="int4"))
@@ -295,7 +295,7 @@ def test_activations_are_quantized_per_weight_block(artifacts, tmp_path):
     """The build records its weight block as the plugin's activation group and the runtime
     compiles with it (not the plugin's default 32); rows stay row-invariant, chains lossless."""
     from specx.graphs.weight_only import WeightOnlyConfig
-    from specx.runtime.ov_target import compile_graph
+    from specx.runtime.targets.openvino import compile_graph
 
     artifact = shutil.copytree(artifacts["llama"], tmp_path / "llama")
     config = WeightOnlyConfig(4, block_size=64)

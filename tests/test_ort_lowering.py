@@ -8,17 +8,17 @@ import numpy as np
 import onnx_ir as ir
 import pytest
 
-import specx.build.ort
+import specx.builders.ort
 from conftest import FAMILIES, HEAD_VOCAB
 from specx.artifact import load_manifest
-from specx.build import BuildOptions, build_artifact
+from specx.builders import BuildOptions, build_artifact
 from specx.graphs.ort_lowering import GroupQueryAttentionPass, gqa_available
 from specx.graphs.weight_only import WeightOnlyConfig
 from specx.masks import causal_mask
 from specx.runtime.drafters import DrafterOptions, make_drafter
-from specx.runtime.ort_target import OrtTarget
 from specx.runtime.plain_decoding import generate_plain
 from specx.runtime.speculative_decoding import generate_speculative
+from specx.runtime.targets.ort import OrtTarget
 from specx.runtime.tree_shapes import StaticTree, parse_tree_spec
 
 pytestmark = pytest.mark.skipif(not gqa_available(), reason="no GroupQueryAttention in this ORT")
@@ -175,7 +175,7 @@ def test_pairing_kernels_break_row_invariance_without_the_padding_row(
     artifacts, tmp_path, monkeypatch
 ):
     """Why the padding row at blocks of 128: without it rows differ between chunks."""
-    monkeypatch.setattr(specx.build.ort, "matmulnbits_row_invariance", lambda config: "as is")
+    monkeypatch.setattr(specx.builders.ort, "matmulnbits_row_invariance", lambda config: "as is")
     artifact = shutil.copytree(artifacts["llama"], tmp_path / "artifact")
     config = WeightOnlyConfig(block_size=128)
     build_artifact(artifact, BuildOptions("ort", "int4", weight_only=config))
@@ -203,7 +203,7 @@ def test_an_fp32_builds_lone_row_agrees_with_a_chunk_up_to_the_last_bits(artifac
 def test_without_groupqueryattention_the_build_keeps_the_standard_body(
     artifacts, tmp_path, monkeypatch
 ):
-    monkeypatch.setattr(specx.build.ort, "gqa_available", lambda: False)
+    monkeypatch.setattr(specx.builders.ort, "gqa_available", lambda: False)
     artifact = shutil.copytree(artifacts["llama"], tmp_path / "artifact")
     messages = []
     build_artifact(artifact, BuildOptions("ort", "fp32"), progress=messages.append)

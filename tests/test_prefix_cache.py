@@ -13,10 +13,10 @@ from specx.runtime.continuous import BatchSequence, ContinuousBatch
 from specx.runtime.drafters import DrafterOptions, make_drafter
 from specx.runtime.drafters.medusa import MEDUSA_DEFAULT_TREE
 from specx.runtime.kv_cache import KVCache
-from specx.runtime.ort_target import OrtTarget
 from specx.runtime.plain_decoding import generate_plain
 from specx.runtime.prefix_cache import PrefixCache
 from specx.runtime.sampling import SamplingParams
+from specx.runtime.targets.ort import OrtTarget
 from specx.runtime.tree_shapes import parse_tree_spec
 
 

@@ -14,20 +14,20 @@ import onnx
 import pytest
 from click.testing import CliRunner
 
-import specx.build.int8_static as quantization
-import specx.build.staging
+import specx.builders.int8_static as quantization
+import specx.builders.staging
 from conftest import SHARED
 from specx.artifact import load_manifest
-from specx.build.int8_static import BUILD_NAME, quantize_artifact
+from specx.builders.int8_static import BUILD_NAME, quantize_artifact
 from specx.cli import main
 from specx.cli.calibrate import quantize
 from specx.errors import BuildError, SpecxError
 from specx.graphs import tree_attention as tree_op
 from specx.masks import causal_mask
-from specx.runtime.backends import open_decoder
 from specx.runtime.drafters import DrafterOptions, make_drafter
 from specx.runtime.plain_decoding import generate_plain, prefill
 from specx.runtime.speculative_decoding import generate_speculative
+from specx.runtime.targets import open_decoder
 from specx.runtime.tokenizer import TextTokenizer
 
 # Repetitive prompts: the n-gram drafter finds matches and the target accepts some.
@@ -84,7 +84,7 @@ def test_the_int8_build_is_recorded_and_becomes_the_default(quantized):
 def test_static_and_weight_only_int8_builds_have_names_of_their_own(quantized):
     """`specx quantize` and `specx build --precision int8` make two builds, neither
     replacing the other (they once shared the name `ort-int8`)."""
-    from specx.build import BuildOptions, backend
+    from specx.builders import BuildOptions, backend
 
     weight_only = backend("ort").build_name(BuildOptions("ort", "int8"))
     assert BUILD_NAME == "ort-int8-static" != weight_only == "ort-int8"
@@ -239,7 +239,7 @@ def test_with_modelopt_installed_fp8_is_refused_as_not_implemented(artifact, mon
 
 @pytest.mark.parametrize(
     ("module", "stage"),
-    [(quantization, "_quantize_static"), (specx.build.staging, "write_manifest")],
+    [(quantization, "_quantize_static"), (specx.builders.staging, "write_manifest")],
 )
 def test_a_failed_quantization_leaves_the_manifest_untouched(artifact, monkeypatch, module, stage):
     before = (artifact / "manifest.json").read_bytes()

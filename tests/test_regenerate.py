@@ -46,8 +46,8 @@ def _shards(directory: Path) -> dict[str, bytes]:
 def test_windows_are_the_targets_continuations_of_corpus_prompts(target_dir, straight):
     from specx.artifact import load_manifest
     from specx.export.target_export import export_target
-    from specx.runtime.ort_target import OrtTarget
     from specx.runtime.plain_decoding import generate_plain
+    from specx.runtime.targets.ort import OrtTarget
 
     windows = read_windows(straight)
     assert windows.shape == (10, 24) and len(_shards(straight)) == 3

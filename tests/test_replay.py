@@ -20,10 +20,10 @@ from specx.runtime.controller import (
 )
 from specx.runtime.drafters.ngram import NGramDrafter
 from specx.runtime.drafters.suffix import SuffixDrafter, SuffixOptions
-from specx.runtime.ort_target import OrtTarget
 from specx.runtime.plain_decoding import generate_plain
 from specx.runtime.sampling import SamplingParams
 from specx.runtime.speculative_decoding import generate_speculative
+from specx.runtime.targets.ort import OrtTarget
 from specx.runtime.trees import DraftTree, followed
 from specx.runtime.verification import RandomCoin, verify
 

@@ -16,14 +16,14 @@ import pytest
 import torch
 
 from specx.artifact import load_manifest
-from specx.build import BuildOptions, build_artifact
+from specx.builders import BuildOptions, build_artifact
 from specx.errors import ExportError
 from specx.export.random_checkpoint import write_random_checkpoint
 from specx.export.target_export import export_target
 from specx.runtime.drafters.ngram import NGramDrafter
-from specx.runtime.ort_target import OrtTarget
 from specx.runtime.plain_decoding import generate_plain
 from specx.runtime.speculative_decoding import generate_speculative
+from specx.runtime.targets.ort import OrtTarget
 
 WINDOW, NEW_TOKENS = 16, 64
 FAMILIES = ("gemma2", "gemma3_text", "mistral")

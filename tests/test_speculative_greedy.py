@@ -16,9 +16,9 @@ from specx.runtime.drafters.draft_model import (
 )
 from specx.runtime.drafters.ngram import NGramDrafter
 from specx.runtime.drafters.suffix import SuffixDrafter, SuffixOptions
-from specx.runtime.ort_target import OrtTarget
 from specx.runtime.plain_decoding import generate_plain
 from specx.runtime.speculative_decoding import generate_speculative
+from specx.runtime.targets.ort import OrtTarget
 from specx.runtime.tree_shapes import DynamicTree, StaticTree
 from specx.runtime.trees import TreeError
 
@@ -172,7 +172,7 @@ def test_tree_ranks_beyond_the_vocabulary(head_artifacts):
 def test_draft_model_batch_filling_the_cache_equals_plain(artifacts, draft_artifacts, monkeypatch):
     """Rows of different lengths decoding up to the KV capacity: the draft model's catch-up
     of a short row must not pad past the end of the cache for the longest one."""
-    from specx.runtime.decoder_backend import DecoderBackend
+    from specx.runtime.targets.base import DecoderBackend
 
     row_by_row = []
     feed_rows = DecoderBackend._feed_rows

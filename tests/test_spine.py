@@ -20,16 +20,16 @@ import specx.runtime.rounds as rounds_module
 import specx.runtime.speculative_decoding as speculative_module
 from conftest import HEAD_VOCAB
 from specx.artifact import load_manifest
-from specx.build import BuildOptions, build_artifact
-from specx.build.int8_static import quantize_artifact
+from specx.builders import BuildOptions, build_artifact
+from specx.builders.int8_static import quantize_artifact
 from specx.graphs.weight_only import WeightOnlyConfig
-from specx.runtime.backends import open_decoder
 from specx.runtime.calibrated import row_exact
 from specx.runtime.drafters import DrafterOptions, make_drafter
-from specx.runtime.ort_target import OrtTarget
 from specx.runtime.plain_decoding import GenerationResult, generate_plain
 from specx.runtime.speculative_decoding import generate_speculative
 from specx.runtime.spine import Arranged, arrange, settle, spine_length
+from specx.runtime.targets import open_decoder
+from specx.runtime.targets.ort import OrtTarget
 from specx.runtime.tree_shapes import DynamicTree, StaticTree
 from specx.runtime.trees import DraftTree, ancestor_mask, depths
 from specx.runtime.verification import Verdict, verify_greedy
@@ -264,7 +264,7 @@ def test_a_heads_trees_equal_plain_decoding_on_an_int4_build(
 
 def test_a_tokens_bits_on_openvino_do_not_depend_on_the_caches_capacity(builds):
     """A speculative request's cache has scratch past plain decoding's: near the end of the
-    shorter cache a token must read the same mask width as in the longer (`ov_target`'s spare
+    shorter cache a token must read the same mask width as in the longer (`targets.openvino`'s spare
     slots; with one spare slot the width was clipped there and the last rows differed)."""
     target, prompt = builds["openvino-int4"], [PROMPTS[1]]
     short = _decoded(target, partial(generate_plain, target, prompt, NEW_TOKENS))[1][0]

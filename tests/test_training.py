@@ -106,9 +106,9 @@ def test_trained_eagle3_drafts_losslessly(teacher_dir, tmp_path, taps):
     from specx.artifact import load_manifest
     from specx.export.target_export import export_target
     from specx.runtime.drafters import DrafterOptions, make_drafter
-    from specx.runtime.ort_target import OrtTarget
     from specx.runtime.plain_decoding import generate_plain
     from specx.runtime.speculative_decoding import generate_speculative
+    from specx.runtime.targets.ort import OrtTarget
     from specx.runtime.tree_shapes import parse_tree_spec
 
     train_drafter(

@@ -8,8 +8,8 @@ import pytest
 from conftest import FAMILIES
 from specx.artifact import load_manifest
 from specx.masks import causal_mask
-from specx.runtime.ort_target import OrtTarget
 from specx.runtime.plain_decoding import prefill
+from specx.runtime.targets.ort import OrtTarget
 
 
 def random_tree(rng, size):

@@ -16,14 +16,14 @@ if not torch.cuda.is_available():
     pytest.skip("TensorRT engines need a CUDA device", allow_module_level=True)
 
 from specx.artifact import load_manifest  # noqa: E402
-from specx.build import BuildOptions, build_artifact  # noqa: E402
+from specx.builders import BuildOptions, build_artifact  # noqa: E402
 from specx.publish import pack_artifact, verify_artifact  # noqa: E402
-from specx.runtime.backends import open_decoder  # noqa: E402
 from specx.runtime.drafters import DrafterOptions, make_drafter  # noqa: E402
 from specx.runtime.plain_decoding import generate_plain  # noqa: E402
 from specx.runtime.speculative_decoding import generate_speculative  # noqa: E402
+from specx.runtime.targets import open_decoder  # noqa: E402
+from specx.runtime.targets.trt import TrtTarget  # noqa: E402
 from specx.runtime.tree_shapes import parse_tree_spec  # noqa: E402
-from specx.runtime.trt_target import TrtTarget  # noqa: E402
 
 PROMPTS = [[5, 9, 5, 9, 5, 9, 13], [7, 3, 11]]
 
@@ -54,7 +54,7 @@ def test_manifest_records_the_engines(trt_artifacts):
 
 
 def test_fp32_engine_decodes_like_onnx_runtime(trt_artifacts, artifacts):
-    from specx.runtime.ort_target import OrtTarget
+    from specx.runtime.targets.ort import OrtTarget
 
     reference = generate_plain(OrtTarget(load_manifest(artifacts["llama"])), PROMPTS, 16).tokens
     target = open_decoder(load_manifest(trt_artifacts["llama-fp32"]))

@@ -17,12 +17,12 @@ import onnx_ir as ir
 import pytest
 from click.testing import CliRunner
 
-import specx.build.ort
+import specx.builders.ort
 from conftest import HEAD_VOCAB
 from specx.artifact import load_manifest
-from specx.build import BuildOptions, build_artifact
-from specx.build.gptq import gptq_quantize
-from specx.build.ort import matmulnbits_row_invariance
+from specx.builders import BuildOptions, build_artifact
+from specx.builders.gptq import gptq_quantize
+from specx.builders.ort import matmulnbits_row_invariance
 from specx.cli import main
 from specx.errors import BuildError
 from specx.graphs.weight_only import (
@@ -32,9 +32,9 @@ from specx.graphs.weight_only import (
 )
 from specx.runtime.calibrated import row_exact
 from specx.runtime.drafters import DrafterOptions, make_drafter
-from specx.runtime.ort_target import OrtTarget, load_session
 from specx.runtime.plain_decoding import generate_plain
 from specx.runtime.speculative_decoding import generate_speculative
+from specx.runtime.targets.ort import OrtTarget, load_session
 from specx.runtime.tree_shapes import DynamicTree, StaticTree
 
 REPEATING = [[5, 9, 5, 9, 5, 9, 13, 5, 9, 5, 9], [7, 3, 11, 7, 3, 11, 7, 3], [4, 4, 6, 4, 4, 6]]
@@ -364,7 +364,7 @@ def test_row_invariance_is_measured_and_recorded(artifacts, tmp_path):
 def test_the_block_size_follows_the_targets_size(artifacts, tmp_path, monkeypatch):
     """Blocks of 128 (and the padding row) once the target's MatMul weights stream from
     memory; the tiny test target counts as large when the threshold is below its size."""
-    monkeypatch.setattr(specx.build.ort, "STREAMED_WEIGHTS", 1000)
+    monkeypatch.setattr(specx.builders.ort, "STREAMED_WEIGHTS", 1000)
     artifact = shutil.copytree(artifacts["llama"], tmp_path / "artifact")
     build_artifact(artifact, BuildOptions("ort", "int4"))
     quantization = load_manifest(artifact).build.quantization

@@ -173,7 +173,7 @@ def write_int4_twin(out: Path, shape: Shape) -> Path:
     """
     from safetensors.numpy import load_file, save_file
 
-    from specx.build.ort import STREAMED_WEIGHTS
+    from specx.builders.ort import STREAMED_WEIGHTS
     from specx.graphs.weight_only import WeightOnlyConfig, quantize_rtn
     from specx.training.widening import NarrowShape, twin_tensors
 
@@ -181,7 +181,7 @@ def write_int4_twin(out: Path, shape: Shape) -> Path:
     if (twin / "model.safetensors").is_file():
         return twin
     target = out / "pyref-1b"
-    block = 128 if parameters(target) >= STREAMED_WEIGHTS else 32  # as specx.build.ort
+    block = 128 if parameters(target) >= STREAMED_WEIGHTS else 32  # as specx.builders.ort
     config = WeightOnlyConfig(bits=4, block_size=block)
 
     def stored(name: str, wide: np.ndarray) -> np.ndarray:
@@ -242,7 +242,7 @@ def check_target(target: Path, new_tokens: int) -> dict:
 
 def int4_build(out: Path, target: Path) -> Path:
     """OUT/specx-int4: pyref-1b exported and built at int4 as edge.py builds it."""
-    from specx.build import build_artifact
+    from specx.builders import build_artifact
     from specx.export.target_export import export_target
 
     artifact = out / "specx-int4"
@@ -266,8 +266,8 @@ def check_twin(twin: Path, artifact: Path, new_tokens: int, threads: int = 2) ->
     from transformers import AutoModelForCausalLM
 
     from specx.artifact import load_manifest
-    from specx.runtime.backends import open_decoder
     from specx.runtime.plain_decoding import generate_plain
+    from specx.runtime.targets import open_decoder
     from specx.runtime.tokenizer import TextTokenizer
 
     decoder = open_decoder(load_manifest(artifact).with_build("ort-int4"), threads=threads)

@@ -121,7 +121,7 @@ class SourceGrid:
     """The quantization grid a quantized source file's weights are on (`specx.export.gguf`).
 
     A build at the matching width keeps those codes and scales rather than rounding the
-    de-quantized weights again (`specx.build.grid`).
+    de-quantized weights again (`specx.builders.grid`).
     """
 
     format: str  # "gguf"
@@ -254,7 +254,7 @@ class Quantization:
     # None: no such target.
     padding_row: bool | None = None
     # OpenVINO: the group a compressed MatMul's activations are quantized over to int8
-    # (`specx.runtime.ov_target` compiles with it). None: uncompressed, the plugin's default.
+    # (`specx.runtime.targets.openvino` compiles with it). None: uncompressed, the plugin's default.
     activation_group: int | None = None
     details: Json = field(default_factory=dict)
 
@@ -285,7 +285,7 @@ class Quantization:
 class BuildEntry:
     """One `specx build` result: the runtime that opens it and its graphs."""
 
-    backend: str  # the opener in `specx.runtime.backends.OPENERS`
+    backend: str  # the opener in `specx.runtime.targets.OPENERS`
     precision: str
     directory: str | None = None  # builds/<name>.<id>; None: it reuses the exported files
     graphs: Mapping[str, GraphEntry] = field(default_factory=dict)

@@ -2,7 +2,7 @@
 
 Calibration's other half: `specx calibrate` measures which draft pays on a build, this which
 build pays on the machine. `specx build --backend auto` is `build_fastest` here: it builds
-(with `specx.build.build_each`, which it is handed), then `choose_build` times them. A
+(with `specx.builders.build_each`, which it is handed), then `choose_build` times them. A
 default is made only from a timing of every build: where building or timing stops (an
 error, Ctrl-C), the default goes back to what it was, as the builds made so far each
 became it.
@@ -72,7 +72,7 @@ def predict(verify_ms: Sequence[float], draft_step_ms: float | None) -> tuple[fl
 def measure_build(manifest: Manifest, context: int, threads: int | None = None) -> BuildTiming:
     """Times `manifest`'s default build in this process (see the module docstring)."""
     from specx.calibration.costs import measure_verify_curve
-    from specx.runtime.backends import build_name, open_decoder
+    from specx.runtime.targets import build_name, open_decoder
 
     target = open_decoder(manifest, threads)
     rng = np.random.default_rng(0)
@@ -159,7 +159,7 @@ def build_fastest(
     measure: Measure = measure_isolated,
     progress: Callable[[str], None] = lambda message: None,
 ) -> BuildChoice:
-    """Runs `build()` (`specx.build.build_each`), times each build, makes the fastest default.
+    """Runs `build()` (`specx.builders.build_each`), times each build, makes the fastest default.
 
     Where building or timing does not finish, the default is put back as it was (the
     builds made stay), so no untimed build is left the default.

@@ -71,11 +71,8 @@ from specx.manifest_types import (
     VerifyShape,
 )
 from specx.progress import Progress
-from specx.runtime.backends import build_name, open_decoder
 from specx.runtime.calibrated import calibration_key, choice_shape, row_exact
 from specx.runtime.controller import Controller
-from specx.runtime.cpu_target import CpuTarget
-from specx.runtime.decoder_backend import DecoderBackend
 from specx.runtime.drafters import DrafterOptions, make_drafter
 from specx.runtime.drafters.base import Drafter
 from specx.runtime.drafters.layer_skip import parse_layers
@@ -83,6 +80,9 @@ from specx.runtime.plain_decoding import check_prompts, generate_plain
 from specx.runtime.plans import DraftPlan, Plans
 from specx.runtime.sampling import SamplingParams
 from specx.runtime.speculative_decoding import generate_speculative
+from specx.runtime.targets import build_name, open_decoder
+from specx.runtime.targets.base import DecoderBackend
+from specx.runtime.targets.cpu import CpuTarget
 from specx.runtime.tree_shapes import DynamicTree, StaticTree, TreeShape
 
 __all__ = [

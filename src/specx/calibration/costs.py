@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from specx.runtime.decoder_backend import DecoderBackend
+from specx.runtime.targets.base import DecoderBackend
 
 __all__ = ["DraftCost", "VerifyCurve", "fit_draft_cost", "measure_verify_curve"]
 

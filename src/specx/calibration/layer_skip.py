@@ -23,9 +23,9 @@ import numpy as np
 
 from specx.calibration.costs import VerifyCurve, measure_verify_curve
 from specx.progress import Progress
-from specx.runtime.cpu_target import CpuTarget
-from specx.runtime.decoder_backend import DecoderBackend
 from specx.runtime.plain_decoding import generate_plain
+from specx.runtime.targets.base import DecoderBackend
+from specx.runtime.targets.cpu import CpuTarget
 
 __all__ = ["SkipChoice", "SkipPoint", "choose_skipped"]
 

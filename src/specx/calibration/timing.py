@@ -17,12 +17,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from specx.runtime.controller import Controller
-from specx.runtime.decoder_backend import DecoderBackend
 from specx.runtime.drafters.base import Drafter
 from specx.runtime.metrics import AcceptanceSummary
 from specx.runtime.plain_decoding import generate_plain
 from specx.runtime.sampling import SamplingParams
 from specx.runtime.speculative_decoding import generate_speculative
+from specx.runtime.targets.base import DecoderBackend
 
 __all__ = ["PairedTiming", "measure_speedup"]
 

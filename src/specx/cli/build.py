@@ -81,7 +81,7 @@ def lint(artifact_dir: Path, lint_target: str, precision: str, as_json: bool) ->
     "--backend",
     default="ort",
     show_default=True,
-    help="A registered build backend (specx.build): ort (CPU), trt (TensorRT engines), "
+    help="A registered build backend (specx.builders): ort (CPU), trt (TensorRT engines), "
     "int8-static (static INT8 QDQ calibrated on --prompts, as specx quantize), openvino "
     "(OpenVINO IR for its CPU plugin: fp32, int4, int8; needs specx[openvino]), cpu (specx's "
     "own compiled CPU kernels: int4, int8, Llama-form targets); or auto: every CPU backend "
@@ -228,7 +228,7 @@ def build(
     (build_choice) and the stats name the reason.
     """
     require_extra("build")
-    from specx.build import BuildOptions, build_artifact
+    from specx.builders import BuildOptions, build_artifact
 
     chosen = _precision(ctx, backend, precision)
     calibrated = "--method gptq" if method == "gptq" else None
@@ -259,7 +259,7 @@ def build(
     )
     if backend == "auto":
         from specx.artifact import load_manifest
-        from specx.build import build_each, cpu_backends
+        from specx.builders import build_each, cpu_backends
         from specx.calibration.build_choice import build_fastest
 
         backends = cpu_backends(load_manifest(artifact_dir, verify_hashes=False), options, progress)
@@ -274,11 +274,11 @@ def _precision(ctx: click.Context, backend: str, name: str) -> Precision:
     """--precision's value for --backend, after refusing what that backend does not take.
 
     The backend's registry entry says which precisions it builds and which options it takes
-    (`specx.build.registry`); `auto` takes what its CPU builds share. Without --precision, a
+    (`specx.builders.registry`); `auto` takes what its CPU builds share. Without --precision, a
     backend that builds no fp32 builds its first precision (cpu: int4).
     """
-    from specx.build.registry import backend as registered
-    from specx.build.registry import check_precision, taking
+    from specx.builders.registry import backend as registered
+    from specx.builders.registry import check_precision, taking
 
     takes = _AUTO_OPTIONS if backend == "auto" else registered(backend).options
     for option in _BACKEND_OPTIONS:

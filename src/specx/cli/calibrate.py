@@ -176,7 +176,7 @@ def quantize(
     float32 graph on the same prompts (next-token loss, top-1 agreement).
     """
     require_extra("quantize")
-    from specx.build.int8_static import check_mode, quantize_artifact
+    from specx.builders.int8_static import check_mode, quantize_artifact
 
     check_mode(mode)
     prompts = _prompts(artifact_dir, prompts_file, builtin=False)[:max_prompts]

@@ -130,7 +130,7 @@ def export(
 
 def _build_default(artifact: Path) -> str:
     """The CPU build a fresh artifact runs: `specx build`'s defaults (ort-fp32, lowered)."""
-    from specx.build import BuildOptions, build_artifact
+    from specx.builders import BuildOptions, build_artifact
 
     return build_artifact(artifact, BuildOptions(), progress=progress)
 

@@ -10,7 +10,7 @@ De-quantizing loses nothing: a Q4_0 block's values are (q - 8) x d with d in fp1
 fp32, and so are Q8_0's q x d. So the weights llama.cpp runs can be taken back from the
 exported graph: the manifest's source records the file's grid (`SourceGrid`: the one type
 of every layer MatMul, and the output projection's), and `specx build --backend cpu` at the
-matching width keeps those codes and scales (`specx.build.grid`) instead of rounding again,
+matching width keeps those codes and scales (`specx.builders.grid`) instead of rounding again,
 so its outputs can be compared with llama.cpp's token for token.
 
 Architectures: the Llama and Qwen families (GGUF's `llama`, which Mistral's files use too,

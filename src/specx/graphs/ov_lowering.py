@@ -14,7 +14,7 @@ TreeAttention node by the op's rule spelled in ops the frontend reads:
 Only the `L` slots the mask covers are copied, so a step costs what its context costs, not
 the cache's capacity. The graph's `present_key_i` / `present_value_i` outputs become
 `new_key_i` / `new_value_i`, the N new rows themselves ([B, Hkv, N, D]): the caller writes
-them at `write_pos` (`specx.runtime.ov_target`), which completes the op's rule. It needs
+them at `write_pos` (`specx.runtime.targets.openvino`), which completes the op's rule. It needs
 `write_pos[b] + N <= L` for every row, as every forward of specx's runtime has.
 
 `RotateHalfPass` respells RoPE's rotate_half so that OpenVINO's CPU plugin fuses each RoPE

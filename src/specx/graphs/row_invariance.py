@@ -33,7 +33,7 @@ real row's mask shows and the next step overwrites. Where a step streams its wei
 scale), the bytes blocks of 128 save over blocks of 32 (the blocks that are row-invariant
 alone) outweigh the pair's extra row, so pairs win there; on targets whose weights sit in
 cache the extra row is compute and bytes matter little, so they lose, and the build uses
-blocks of 32 (`specx.build.ort.STREAMED_WEIGHTS`). The costs as measured:
+blocks of 32 (`specx.builders.ort.STREAMED_WEIGHTS`). The costs as measured:
 docs/decisions.md#pad-row-at-blocks-of-128.
 """
 

@@ -15,7 +15,7 @@ asymmetric rule kept noticeably more of it at no measured cost in speed
 (docs/decisions.md#asymmetric-int4); 8 bits stay symmetric, whose rounding error is
 already small. The integers come
 from round-to-nearest (RTN) or, given the Hessian of a MatMul's inputs on calibration
-prompts, from GPTQ (`specx.build.gptq`), which rounds one input row at a time and
+prompts, from GPTQ (`specx.builders.gptq`), which rounds one input row at a time and
 pushes each row's error onto the rows not yet rounded.
 
 `accuracy_level` is MatMulNBits' compute type: 0 leaves it unset (float compute), 4 quantizes
@@ -82,7 +82,7 @@ class WeightOnlyConfig:
     """How MatMul weights are stored: bits, block size, zero points, compute type."""
 
     bits: int = 4
-    block_size: int | None = None  # None: by model size at build time (specx.build)
+    block_size: int | None = None  # None: by model size at build time (specx.builders)
     symmetric: bool | None = None  # None: asymmetric at 4 bits, symmetric at 8 (docstring)
     accuracy_level: int = 4  # 0: float compute; 4: int8 activations (see module docstring)
     output_bits: int | None = None  # the output projection; None: 4 (8 for int8); 0: float32
@@ -123,7 +123,7 @@ class WeightOnlyConfig:
 
     @property
     def block(self) -> int:
-        """The block size, once resolved (`specx.build.ort.weight_only_config`)."""
+        """The block size, once resolved (`specx.builders.ort.weight_only_config`)."""
         if self.block_size is None:
             raise ValueError("the block size is resolved by the build (None: by model size)")
         return self.block_size

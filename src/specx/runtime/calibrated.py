@@ -16,8 +16,8 @@ from specx.artifact import MANIFEST_NAME, Manifest
 from specx.drafter_name import DrafterName
 from specx.errors import ArtifactError
 from specx.manifest_types import CalibratedSampling, GreedyIdentity, TreeChoice, VerifyShape
-from specx.runtime.backends import build_name
 from specx.runtime.sampling import SamplingParams
+from specx.runtime.targets import build_name
 from specx.runtime.tree_shapes import DynamicTree, StaticTree, TreeShape
 from specx.runtime.trees import TreeError
 

@@ -43,7 +43,6 @@ import numpy as np
 
 from specx.runtime.calibrated import row_exact
 from specx.runtime.controller import Controller, truncated
-from specx.runtime.decoder_backend import DecoderBackend, StepOutput
 from specx.runtime.drafters.base import Drafter, prepare_drafter
 from specx.runtime.kv_cache import KVCache
 from specx.runtime.metrics import AcceptanceStats
@@ -53,6 +52,7 @@ from specx.runtime.rounds import EMPTY_DRAFT, VerifiedRow, commit_row, verify_in
 from specx.runtime.sampling import SamplingParams, next_tokens
 from specx.runtime.speculative_decoding import scratch_of
 from specx.runtime.spine import Arranged, arrange
+from specx.runtime.targets.base import DecoderBackend, StepOutput
 from specx.runtime.trees import DraftTree
 from specx.runtime.verification import RandomCoin, verify
 

@@ -33,14 +33,6 @@ from typing import Any
 from specx.artifact import Manifest, load_manifest
 from specx.chat import ChatTemplate
 from specx.errors import GenerationError
-from specx.runtime.backends import (
-    backend_name,
-    build_for_load,
-    build_name,
-    build_reason,
-    open_decoder,
-    select_build,
-)
 from specx.runtime.calibrated import CalibratedChoice, verify_shape
 from specx.runtime.continuous import ContinuousBatch
 from specx.runtime.detokenize import TextStream
@@ -60,6 +52,14 @@ from specx.runtime.results import Chunk, Completion, FinishReason, Stats
 from specx.runtime.sampling import SamplingParams
 from specx.runtime.speculation import Speculation, plan_for
 from specx.runtime.speculative_decoding import generate_speculative
+from specx.runtime.targets import (
+    backend_name,
+    build_for_load,
+    build_name,
+    build_reason,
+    open_decoder,
+    select_build,
+)
 from specx.runtime.tokenizer import TextTokenizer
 
 __all__ = ["Engine", "Speculation", "load"]

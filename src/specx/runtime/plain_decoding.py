@@ -9,9 +9,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from specx.errors import CapacityError, GenerationError
-from specx.runtime.decoder_backend import DecoderBackend
 from specx.runtime.metrics import RunStats
 from specx.runtime.sampling import SamplingParams, next_tokens
+from specx.runtime.targets.base import DecoderBackend
 
 __all__ = [
     "GenerationResult",

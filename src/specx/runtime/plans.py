@@ -33,11 +33,11 @@ from specx.runtime.controller import (
     replayed_guess,
     replays,
 )
-from specx.runtime.decoder_backend import DecoderBackend
 from specx.runtime.drafters import DrafterOptions, make_drafter
 from specx.runtime.drafters.base import Drafter, IndexesTexts, Prepares, prepare_drafter
 from specx.runtime.sampling import SamplingParams
 from specx.runtime.speculative_decoding import scratch_of
+from specx.runtime.targets.base import DecoderBackend
 
 __all__ = [
     "ASKING_SETTINGS",

@@ -26,7 +26,7 @@ class Stats:
     backend: str  # the runtime that ran it: "ort" (ONNX Runtime) or "trt" (TensorRT)
     speculation: str  # "on", or why it was off
     calibrated: CalibratedChoice | None = None  # the manifest entry used, if any
-    build_reason: str = ""  # why this build runs (`specx.runtime.backends.build_reason`)
+    build_reason: str = ""  # why this build runs (`specx.runtime.targets.build_reason`)
     draft: str | None = None  # what was drafted each round (`describe_drafts`); None: plain
 
     @property

@@ -18,13 +18,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from specx.runtime.controller import Controller, Replay, Stretch
-from specx.runtime.decoder_backend import DecoderBackend, StepOutput
 from specx.runtime.drafters.base import Drafter, Replays
 from specx.runtime.kv_cache import KVCache
 from specx.runtime.metrics import AcceptanceStats
 from specx.runtime.plain_decoding import Progress, TokenSink
 from specx.runtime.sampling import SamplingParams, next_tokens, sampling_probs
 from specx.runtime.spine import Arranged, Settled, arrange, settle
+from specx.runtime.targets.base import DecoderBackend, StepOutput
 from specx.runtime.trees import (
     DraftTree,
     TreeError,

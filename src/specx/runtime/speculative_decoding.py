@@ -25,7 +25,6 @@ import numpy as np
 from specx.errors import GenerationError
 from specx.runtime.calibrated import row_exact
 from specx.runtime.controller import Controller
-from specx.runtime.decoder_backend import DecoderBackend
 from specx.runtime.drafters.base import Drafter, prepare_drafter
 from specx.runtime.kv_cache import KVCache
 from specx.runtime.metrics import AcceptanceStats, RunStats, SpeculativeStats
@@ -48,6 +47,7 @@ from specx.runtime.rounds import (
     verify_round,
 )
 from specx.runtime.sampling import SamplingParams, next_tokens
+from specx.runtime.targets.base import DecoderBackend
 from specx.runtime.trees import DraftTree, TreeError
 from specx.runtime.verification import RandomCoin, verify
 

@@ -53,7 +53,7 @@ def _on_policy(target_dir: Path, windows: np.ndarray, cfg: TrainConfig) -> np.nd
 
     from specx.artifact import load_manifest
     from specx.export.target_export import export_target
-    from specx.runtime.ort_target import OrtTarget
+    from specx.runtime.targets.ort import OrtTarget
 
     rng = np.random.default_rng([cfg.seed, 1])
     starts = windows[rng.choice(len(windows), cfg.on_policy_windows), : cfg.on_policy_prompt]

@@ -209,7 +209,7 @@ def regenerate(
     from specx.artifact import load_manifest
     from specx.export.config import load_target_config
     from specx.export.target_export import export_target
-    from specx.runtime.ort_target import OrtTarget
+    from specx.runtime.targets.ort import OrtTarget
     from specx.runtime.tokenizer import TextTokenizer
     from specx.training.corpus import read_texts
 

@@ -8,8 +8,6 @@ from pathlib import Path
 
 from specx.drafter_name import HEADS, DrafterName
 from specx.errors import SpecxError
-from specx.runtime.backends import open_decoder
-from specx.runtime.decoder_backend import DecoderBackend
 from specx.runtime.drafters.base import Drafter
 from specx.runtime.drafters.combined import CombinedDrafter
 from specx.runtime.drafters.draft_model import DraftModelDrafter, check_same_vocabulary
@@ -18,6 +16,8 @@ from specx.runtime.drafters.layer_skip import LayerSkipDrafter, default_skipped,
 from specx.runtime.drafters.medusa import MedusaDrafter
 from specx.runtime.drafters.ngram import NGramDrafter
 from specx.runtime.drafters.suffix import SuffixDrafter, SuffixOptions
+from specx.runtime.targets import open_decoder
+from specx.runtime.targets.base import DecoderBackend
 from specx.runtime.tree_shapes import StaticTree, TreeShape, describe
 
 __all__ = ["DRAFTERS", "Drafter", "DrafterOptions", "describe_drafts", "make_drafter"]

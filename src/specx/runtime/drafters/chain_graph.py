@@ -22,10 +22,10 @@ import onnxruntime as ort
 
 from specx.artifact import Manifest
 from specx.masks import causal_mask
-from specx.runtime.backends import graph_runtime
-from specx.runtime.decoder_backend import DecoderBackend
 from specx.runtime.kv_cache import KVCache
-from specx.runtime.ort_target import open_session
+from specx.runtime.targets import graph_runtime
+from specx.runtime.targets.base import DecoderBackend
+from specx.runtime.targets.ort import open_session
 
 __all__ = ["DraftChain", "HeadChain", "StepChain"]
 

@@ -7,11 +7,11 @@ from collections.abc import Sequence
 import numpy as np
 
 from specx.errors import SpecxError
-from specx.runtime.decoder_backend import DecoderBackend
 from specx.runtime.drafters.node_slots import NodeSlots
 from specx.runtime.drafters.tree_search import grow
 from specx.runtime.kv_cache import KVCache
 from specx.runtime.sampling import SamplingParams
+from specx.runtime.targets.base import DecoderBackend
 from specx.runtime.tree_shapes import TreeShape, within
 from specx.runtime.trees import DraftTree
 

@@ -17,11 +17,11 @@ import numpy as np
 from specx.artifact import Manifest
 from specx.drafter_name import FEATURE_HEADS
 from specx.errors import ArtifactError
-from specx.runtime.backends import graph_runtime, open_decoder, open_stateless
 from specx.runtime.drafters.chain_graph import DraftChain, HeadChain, StepChain
 from specx.runtime.drafters.node_slots import NodeSlots
 from specx.runtime.drafters.tree_search import grow
 from specx.runtime.sampling import SamplingParams
+from specx.runtime.targets import graph_runtime, open_decoder, open_stateless
 from specx.runtime.tree_shapes import DynamicTree, StaticTree, TreeShape, within
 from specx.runtime.trees import DraftTree
 

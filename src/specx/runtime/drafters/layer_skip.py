@@ -21,8 +21,8 @@ Exact like every drafter: what it drafts only decides what the target verifies.
 from __future__ import annotations
 
 from specx.errors import SpecxError
-from specx.runtime.decoder_backend import DecoderBackend
 from specx.runtime.drafters.draft_model import DraftModelDrafter
+from specx.runtime.targets.base import DecoderBackend
 from specx.runtime.tree_shapes import TreeShape
 
 __all__ = ["LayerSkipDrafter", "default_skipped", "parse_layers"]

@@ -13,9 +13,9 @@ import numpy as np
 
 from specx.artifact import Manifest
 from specx.errors import ArtifactError
-from specx.runtime.backends import open_stateless
 from specx.runtime.drafters.tree_search import grow
 from specx.runtime.sampling import SamplingParams
+from specx.runtime.targets import open_stateless
 from specx.runtime.tree_shapes import StaticTree, TreeShape
 from specx.runtime.trees import DraftTree, TreeError, depths
 

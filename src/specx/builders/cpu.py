@@ -6,7 +6,7 @@ does (docs/decisions.md#cpu-kernels). The kernels' forward reads each weight til
 rows, and its rows are independent by construction, so trees are exact on it with no pad row
 and no spine rule (`greedy_identity: all`).
 
-The build reads the exported target's weights and constants (specx.build.cpu_read), rounds
+The build reads the exported target's weights and constants (specx.builders.cpu_read), rounds
 every MatMul weight to nearest at the build's width in blocks of 128 inputs (32 on a small
 target; int4 asymmetric, int8 symmetric; `--block-size` and `--symmetric` change those; the
 output projection at 8 bits, as the OpenVINO build keeps it) and writes them in the kernels'
@@ -28,10 +28,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from specx.artifact import Manifest
-from specx.build.cpu_read import HEAD_GRAPHS, DecoderWeights, read_head, read_target, refuse
-from specx.build.grid import NONE_KEPT, Grid, KeptGrids, kept_codes, kept_grids
-from specx.build.ort import STREAMED_WEIGHTS, build_drafts
-from specx.build.registry import WEIGHT_OPTIONS, BuildJob, BuildOptions, check_precision
+from specx.builders.cpu_read import HEAD_GRAPHS, DecoderWeights, read_head, read_target, refuse
+from specx.builders.grid import NONE_KEPT, Grid, KeptGrids, kept_codes, kept_grids
+from specx.builders.ort import STREAMED_WEIGHTS, build_drafts
+from specx.builders.registry import WEIGHT_OPTIONS, BuildJob, BuildOptions, check_precision
 from specx.errors import BuildError
 from specx.graphs.weight_only import WeightOnlyConfig, quantize_rtn
 from specx.manifest_types import BuildEntry, GraphEntry, Quantization
@@ -41,7 +41,7 @@ from specx.runtime import kernels
 __all__ = ["BACKEND", "Cpu"]
 
 OUTPUT_BITS = 8  # the lm_head's width at either precision
-FORMAT = 2  # <graph>.json's layout (specx.runtime.cpu_target reads it): 2 adds zero points
+FORMAT = 2  # <graph>.json's layout (specx.runtime.targets.cpu reads it): 2 adds zero points
 
 
 def check_shapes(manifest: Manifest) -> None:
@@ -115,7 +115,7 @@ class _Writer:
 def block_size(weights: DecoderWeights) -> int:
     """The block: 128 inputs on a target whose weights stream from memory, else 32.
 
-    ONNX Runtime's int4 builds' rule (specx.build.ort.STREAMED_WEIGHTS): a large block
+    ONNX Runtime's int4 builds' rule (specx.builders.ort.STREAMED_WEIGHTS): a large block
     quarters the per-block work of the kernels' inner loop (docs/decisions.md#cpu-kernels),
     and a large target's accuracy holds at it. Every MatMul's inputs must be whole blocks.
     """

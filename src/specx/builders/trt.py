@@ -11,8 +11,8 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from specx.artifact import Manifest
-from specx.build.registry import BuildJob, BuildOptions, check_precision
-from specx.build.staging import load_graph, save_graph
+from specx.builders.registry import BuildJob, BuildOptions, check_precision
+from specx.builders.staging import load_graph, save_graph
 from specx.errors import BuildError
 from specx.graphs.trt_lint import lint_for_tensorrt
 from specx.graphs.trt_lowering import lower_for_tensorrt

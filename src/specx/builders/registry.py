@@ -2,9 +2,9 @@
 
 A backend turns an artifact's exported graphs into the graphs (or engines) one runtime runs.
 It checks its options before any work, writes its files into a staging directory and returns
-the build's manifest entry; `specx.build.build_artifact` does the rest (staging,
+the build's manifest entry; `specx.builders.build_artifact` does the rest (staging,
 publishing, the default build) for every backend alike. Its `runtime` names the opener in
-`specx.runtime.backends.OPENERS` that runs what it built, and the manifest records that name
+`specx.runtime.targets.OPENERS` that runs what it built, and the manifest records that name
 as the build's `backend`, so an artifact opens with numpy and onnxruntime alone whichever
 backend built it.
 
@@ -84,7 +84,7 @@ class Backend(Protocol):
     """One way to build an artifact for a runtime."""
 
     name: str  # `specx build --backend NAME`
-    runtime: str  # the opener that runs its builds (`specx.runtime.backends.OPENERS`)
+    runtime: str  # the opener that runs its builds (`specx.runtime.targets.OPENERS`)
     precisions: tuple[Precision, ...]  # what it builds
     # `specx build` options it takes besides --backend and --precision (parameter names:
     # "block_size", "max_batch"); the CLI refuses the others before any work.
@@ -116,7 +116,7 @@ BACKENDS: dict[str, Backend] = {}
 
 def register(backend_: Backend) -> Backend:
     """Makes `backend_` available to `specx build --backend` under its name."""
-    from specx.runtime.backends import OPENERS
+    from specx.runtime.targets import OPENERS
 
     if backend_.runtime not in OPENERS:
         raise ValueError(f"backend {backend_.name!r}: no runtime opener {backend_.runtime!r}")

@@ -17,7 +17,7 @@ import onnx
 import onnx_ir as ir
 
 from specx.artifact import Manifest, apply_umask, manifest_body, write_manifest
-from specx.build.registry import BuildOutput, Progress
+from specx.builders.registry import BuildOutput, Progress
 from specx.graphs.model_io import save_streamed
 from specx.graphs.signature import graph_signature
 from specx.manifest_types import BuildEntry, GraphEntry

@@ -37,8 +37,8 @@ import numpy as np
 
 from specx.artifact import Manifest
 from specx.errors import ArtifactError, GenerationError
-from specx.runtime.decoder_backend import DecoderBackend, StepOutput
 from specx.runtime.kv_cache import KVCache
+from specx.runtime.targets.base import DecoderBackend, StepOutput
 from specx.sessions import stop_spinning
 
 __all__ = ["MASK_QUANTUM", "OvTarget", "compile_graph"]

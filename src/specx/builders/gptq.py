@@ -112,7 +112,7 @@ def collect_hessians(
     import onnx_ir as ir
     import onnxruntime as ort
 
-    from specx.build.int8_static import prefill_inputs
+    from specx.builders.int8_static import prefill_inputs
     from specx.graphs.ir_values import input_at, name_of
     from specx.sessions import session_options
 

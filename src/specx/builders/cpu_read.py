@@ -4,7 +4,7 @@
 projection), each as `DecoderWeights`: float weights by name and the few constants the
 kernels need (norm epsilon, softmax scale, RoPE frequencies). Anything the kernels do not
 compute is refused (a target, naming what differs) or left to ONNX Runtime (a head, saying
-why). specx.build.cpu rounds and writes what these return.
+why). specx.builders.cpu rounds and writes what these return.
 
 Why the head too: on a cpu build the target step fell to ~18 ms on pyref-1b while the head,
 on ONNX Runtime, kept its 2.5 ms a step, 0.15 of a target step against the 0.062 its bytes
@@ -25,7 +25,7 @@ import numpy as np
 import onnx_ir as ir
 
 from specx.artifact import Manifest
-from specx.build.staging import load_graph
+from specx.builders.staging import load_graph
 from specx.errors import BuildError
 
 __all__ = ["HEAD_GRAPHS", "DecoderWeights", "read_head", "read_target", "refuse"]

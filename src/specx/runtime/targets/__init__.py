@@ -15,7 +15,7 @@ import numpy as np
 
 from specx.artifact import Manifest
 from specx.errors import ArtifactError
-from specx.runtime.decoder_backend import DecoderBackend
+from specx.runtime.targets.base import DecoderBackend
 
 __all__ = [
     "EXPORTED",
@@ -46,37 +46,37 @@ class Opener(Protocol):
 
 class _OnnxRuntime:
     def decoder(self, manifest: Manifest, threads: int | None, graph: str) -> DecoderBackend:
-        from specx.runtime.ort_target import OrtTarget
+        from specx.runtime.targets.ort import OrtTarget
 
         return OrtTarget(manifest, threads, graph)
 
     def stateless(self, manifest: Manifest, graph: str, threads: int | None):
-        from specx.runtime.ort_target import OrtGraph
+        from specx.runtime.targets.ort import OrtGraph
 
         return OrtGraph(manifest, graph, threads)
 
 
 class _TensorRT:
     def decoder(self, manifest: Manifest, threads: int | None, graph: str) -> DecoderBackend:
-        from specx.runtime.trt_target import TrtTarget
+        from specx.runtime.targets.trt import TrtTarget
 
         return TrtTarget(manifest, graph)
 
     def stateless(self, manifest: Manifest, graph: str, threads: int | None):
-        from specx.runtime.trt_target import TrtGraph
+        from specx.runtime.targets.trt import TrtGraph
 
         return TrtGraph(manifest, graph)
 
 
 class _OpenVino:
     def decoder(self, manifest: Manifest, threads: int | None, graph: str) -> DecoderBackend:
-        from specx.runtime.ov_target import OvTarget
+        from specx.runtime.targets.openvino import OvTarget
 
         return OvTarget(manifest, threads, graph)
 
     def stateless(self, manifest: Manifest, graph: str, threads: int | None):
         # An OpenVINO build runs its target there and records its other graphs as ONNX
-        # Runtime's (specx.build.openvino), so no one-input graph is ever OpenVINO's.
+        # Runtime's (specx.builders.openvino), so no one-input graph is ever OpenVINO's.
         raise ArtifactError(
             f"{manifest.root}: graph {graph!r} names OpenVINO, which runs only a build's target"
         )
@@ -84,13 +84,13 @@ class _OpenVino:
 
 class _CpuKernels:
     def decoder(self, manifest: Manifest, threads: int | None, graph: str) -> DecoderBackend:
-        from specx.runtime.cpu_target import CpuTarget
+        from specx.runtime.targets.cpu import CpuTarget
 
         return CpuTarget(manifest, threads, graph)
 
     def stateless(self, manifest: Manifest, graph: str, threads: int | None):
         # The one one-input graph the kernels run: an EAGLE-3 head's projection.
-        from specx.runtime.cpu_target import CpuProjection
+        from specx.runtime.targets.cpu import CpuProjection
 
         return CpuProjection(manifest, graph, threads)
 

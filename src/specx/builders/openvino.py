@@ -34,15 +34,15 @@ import onnx
 import onnx_ir as ir
 
 from specx.artifact import Manifest
-from specx.build.ort import build_drafts, weight_only_config
-from specx.build.registry import (
+from specx.builders.ort import build_drafts, weight_only_config
+from specx.builders.registry import (
     WEIGHT_OPTIONS,
     BuildJob,
     BuildOptions,
     Progress,
     check_precision,
 )
-from specx.build.staging import load_graph
+from specx.builders.staging import load_graph
 from specx.errors import BuildError
 from specx.graphs.ov_lowering import lower_for_openvino
 from specx.graphs.signature import graph_signature

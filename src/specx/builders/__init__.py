@@ -6,17 +6,17 @@ files of every graph and what the backend records besides (for TensorRT the vers
 compute capability, optimization profiles and engine sha256). The newest build becomes
 `default_build`, which the runtime opens.
 
-Backends (`specx.build.registry`), one build module each; what else each one is made of
+Backends (`specx.builders.registry`), one build module each; what else each one is made of
 lives by layer (graphs may not import builds, the runtime may not import either):
 
-    backend      lowering (graphs.)            build (build.)        runtime target
-    ort          ort_lowering, weight_only,    ort, gptq             runtime.ort_target
+    backend      lowering (graphs.)            build (builders.)     runtime.targets.
+    ort          ort_lowering, weight_only,    ort, gptq             ort
                  row_invariance, precision
-    int8-static  row_invariance                int8_static           runtime.ort_target
-    openvino     ov_lowering                   openvino              runtime.ov_target
-    trt          trt_lowering, trt_lint        trt (tensorrt.engine, runtime.trt_target
+    int8-static  row_invariance                int8_static           ort
+    openvino     ov_lowering                   openvino              openvino
+    trt          trt_lowering, trt_lint        trt (tensorrt.engine, trt
                                                tensorrt.profiles)
-    cpu          -                             cpu                   runtime.cpu_target
+    cpu          -                             cpu                   cpu
 
 - `ort`: fp32 with TreeAttention lowered to ONNX Runtime's GroupQueryAttention, fp16, and
   weight-only int4 / int8 (MatMulNBits; round-to-nearest or GPTQ);
@@ -27,10 +27,10 @@ lives by layer (graphs may not import builds, the runtime may not import either)
   (`runtime.kernels`), int4 / int8, for a Llama-form target;
 - `trt`: lowered, linted TensorRT engines; TreeAttention runs as the `specx::TreeAttention`
   plugin (`tensorrt.plugin`, its kernel `tensorrt.triton_tree_attention`); TensorRT is
-  imported only there. `specx.runtime.backends.OPENERS` maps each build's recorded backend
+  imported only there. `specx.runtime.targets.OPENERS` maps each build's recorded backend
   to its runtime target.
 
-Atomic for every backend (`specx.build.staging`). `build_each` (`--backend auto`) builds
+Atomic for every backend (`specx.builders.staging`). `build_each` (`--backend auto`) builds
 every CPU backend installed; `specx.calibration.build_choice` then times each build on this
 machine and makes the fastest the default.
 """
@@ -47,8 +47,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from specx.artifact import Manifest, load_manifest
-from specx.build import cpu, int8_static, openvino, ort, trt
-from specx.build.registry import (
+from specx.builders import cpu, int8_static, openvino, ort, trt
+from specx.builders.registry import (
     BACKENDS,
     Backend,
     BuildJob,
@@ -58,7 +58,7 @@ from specx.build.registry import (
     backend,
     register,
 )
-from specx.build.staging import exported_entries, fresh_output, publish_build
+from specx.builders.staging import exported_entries, fresh_output, publish_build
 from specx.errors import BuildError
 
 __all__ = [

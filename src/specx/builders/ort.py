@@ -6,7 +6,7 @@
   the exported graphs as they are.
 - fp16: converted graphs (KV caches in fp16, logits in fp32).
 - int4 / int8: every MatMul weight of every graph block-quantized (MatMulNBits,
-  `specx.graphs.weight_only`), round-to-nearest or GPTQ (`specx.build.gptq`), one weight
+  `specx.graphs.weight_only`), round-to-nearest or GPTQ (`specx.builders.gptq`), one weight
   at a time, so a model larger than memory builds; `--quantize draft` quantizes the draft
   head alone.
 Each graph is checked to load in ONNX Runtime.
@@ -24,7 +24,7 @@ import onnx
 import onnx_ir as ir
 
 from specx.artifact import Manifest
-from specx.build.registry import (
+from specx.builders.registry import (
     WEIGHT_OPTIONS,
     BuildJob,
     BuildOptions,
@@ -32,7 +32,7 @@ from specx.build.registry import (
     Progress,
     check_precision,
 )
-from specx.build.staging import exported_entries, load_graph, save_graph
+from specx.builders.staging import exported_entries, load_graph, save_graph
 from specx.errors import BuildError
 from specx.graphs.draft_chain import save_draft_chain
 from specx.graphs.ort_lowering import GroupQueryAttentionPass, SkipRmsNormPass, gqa_available
@@ -100,7 +100,7 @@ def build_drafts(job: BuildJob, skip: Collection[str] = ()) -> BuildEntry:
     """The ONNX Runtime build of every graph but the target (and `skip`).
 
     For a backend that builds the target (and maybe some drafts) its own way and runs the
-    other drafts here (`specx.build.openvino`, `specx.build.cpu`).
+    other drafts here (`specx.builders.openvino`, `specx.builders.cpu`).
     """
     return _build_ort(
         job.manifest, job.options, job.output, job.progress, job.prompts, skip={"target", *skip}
@@ -179,7 +179,7 @@ def _quantizer(
     """RTN, or GPTQ on the target with Hessians from the prompts' prefill (heads: RTN)."""
     if options.weight_only is None or options.weight_only.method != "gptq" or name != "target":
         return rtn
-    from specx.build.gptq import collect_hessians, gptq_quantizer
+    from specx.builders.gptq import collect_hessians, gptq_quantizer
 
     progress(f"[ort] collecting GPTQ input statistics on {len(prompts)} prompts")
     entry = manifest.graph(name)

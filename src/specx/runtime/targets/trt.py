@@ -17,8 +17,8 @@ import numpy as np
 
 from specx.artifact import Manifest
 from specx.errors import ArtifactError, GenerationError
-from specx.runtime.decoder_backend import DecoderBackend, StepOutput
 from specx.runtime.kv_cache import KVCache
+from specx.runtime.targets.base import DecoderBackend, StepOutput
 
 if TYPE_CHECKING:
     from torch import Tensor

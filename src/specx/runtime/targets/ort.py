@@ -9,8 +9,8 @@ import onnxruntime as ort
 
 from specx.artifact import Manifest
 from specx.errors import ArtifactError, GenerationError
-from specx.runtime.decoder_backend import DecoderBackend, StepOutput
 from specx.runtime.kv_cache import KVCache
+from specx.runtime.targets.base import DecoderBackend, StepOutput
 from specx.sessions import configure_threads, load_session, session_options
 
 __all__ = [

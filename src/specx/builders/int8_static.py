@@ -8,7 +8,7 @@ target's prefill of each calibration prompt. Only MatMul inputs are quantized; t
 `specx::TreeAttention` nodes (and the model-local function behind them), RMSNormalization,
 RoPE and the MatMul outputs (the logits among them) stay float32, and so does the KV cache.
 
-The result is a build like any backend's (`specx.build.staging`):
+The result is a build like any backend's (`specx.builders.staging`):
 `builds/ort-int8-static.<id>/`, recorded in the manifest under `builds["ort-int8-static"]`
 (named apart from `specx build --precision int8`'s weight-only `ort-int8`, which it once
 shared a name with, each replacing the other; an older manifest's static `ort-int8` still
@@ -40,8 +40,8 @@ import numpy as np
 from onnxruntime.quantization import CalibrationDataReader
 
 from specx.artifact import Manifest, load_manifest
-from specx.build.registry import BuildJob, BuildOptions, BuildOutput, Progress
-from specx.build.staging import exported_entries, graph_entry
+from specx.builders.registry import BuildJob, BuildOptions, BuildOutput, Progress
+from specx.builders.staging import exported_entries, graph_entry
 from specx.errors import BuildError
 from specx.manifest_types import BuildEntry, Quantization, TensorSpec
 from specx.masks import causal_mask
@@ -246,7 +246,7 @@ def quantize_artifact(
             longer than the KV capacity, or a quantized graph ONNX Runtime cannot run.
         ArtifactError: the artifact does not verify.
     """
-    from specx.build import build_artifact
+    from specx.builders import build_artifact
 
     started = time.perf_counter()
     builder = Int8Static(mode, eval_prompts, threads)
