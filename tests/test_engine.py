@@ -31,7 +31,7 @@ def test_the_readme_embedding_example_runs(artifacts, capsys):
     assert block, "README lost its embedding example"
     code = block.group(1)
     assert len(code.strip().splitlines()) <= 10
-    exec(code.replace('"artifacts/llama"', repr(str(artifacts["llama"]))), {})
+    exec(code.replace('"artifacts/pyref"', repr(str(artifacts["llama"]))), {})
     assert capsys.readouterr().out.strip()
 
 
