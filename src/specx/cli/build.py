@@ -280,7 +280,8 @@ def _precision(ctx: click.Context, backend: str, name: str) -> Precision:
     from specx.builders.registry import backend as registered
     from specx.builders.registry import check_precision, taking
 
-    takes = _AUTO_OPTIONS if backend == "auto" else registered(backend).options
+    chosen_backend = None if backend == "auto" else registered(backend)
+    takes = _AUTO_OPTIONS if chosen_backend is None else chosen_backend.options
     for option in _BACKEND_OPTIONS:
         flags = passed(ctx, "prompts_file" if option == "prompts" else option)
         if flags and option not in takes:
@@ -288,11 +289,11 @@ def _precision(ctx: click.Context, backend: str, name: str) -> Precision:
             named = ", ".join(where[:-1]) + " or " + where[-1] if len(where) > 1 else where[0]
             raise BuildError(only_applies(flags, f"--backend {named}"))
     chosen = Precision.named(name)
-    if backend != "auto":
-        built = registered(backend).precisions
+    if chosen_backend is not None:
+        built = chosen_backend.precisions
         if not passed(ctx, "precision") and chosen not in built:
             chosen = built[0]
-        check_precision(registered(backend), chosen)
+        check_precision(chosen_backend, chosen)
     weight_options = passed(ctx, *_WEIGHT_OPTIONS)
     if not chosen.weight_only and weight_options:
         raise BuildError(only_applies(weight_options, "--precision int4 and int8"))

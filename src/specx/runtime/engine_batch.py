@@ -27,7 +27,7 @@ class EngineBatch:
 
     def __init__(self, batch: ContinuousBatch, plans: Plans, lock: threading.Lock) -> None:
         self._batch, self._plans, self._lock = batch, plans, lock
-        self._drafting: dict[BatchSequence, tuple[DraftPlan, Drafter]] = {}  # by identity
+        self._plans_of: dict[BatchSequence, DraftPlan] = {}  # drafting sequences, by identity
 
     @property
     def running(self) -> int:
@@ -82,8 +82,8 @@ class EngineBatch:
             prompt, max_new_tokens, sampling, eos, sink, drafter, controller,
             None if plan is None else plan.max_batch_spec,
         )  # fmt: skip
-        if plan is not None and drafter is not None:
-            self._drafting[sequence] = (plan, drafter)
+        if plan is not None:
+            self._plans_of[sequence] = plan
         try:
             with self._lock:
                 slot = self._batch.admit(sequence, chunked)
@@ -114,9 +114,9 @@ class EngineBatch:
 
     def release(self, sequence: BatchSequence) -> None:
         """Gives `sequence`'s drafter back to its plan's pool (once; later calls do nothing)."""
-        taken = self._drafting.pop(sequence, None)
-        if taken is not None:
-            self._plans.give_back(*taken)
+        plan = self._plans_of.pop(sequence, None)
+        if plan is not None and sequence.drafter is not None:
+            self._plans.give_back(plan, sequence.drafter)
 
     def _release(self, sequences: Iterable[BatchSequence]) -> None:
         for sequence in sequences:
