@@ -29,7 +29,7 @@ from specx.calibration.calibrate import (
     calibrate_artifact,
 )
 from specx.calibration.costs import VerifyCurve, fit_draft_cost
-from specx.calibration.timing import measure_speedup
+from specx.calibration.timing import PairedTiming, measure_speedup
 from specx.calibration.tree_selection import (
     RankedTree,
     best_trees,
@@ -191,8 +191,9 @@ def test_calibrate_a_draft_model_then_generate_uses_the_choice(artifact, draft_a
     assert any(x.startswith("dynamic") for x in labels) == branches
     assert measured.measured_speedup == max(c.measured_speedup for c in measured.candidates)
     first, second = report["batch_curve"]  # the batch curve's JSON, as always written
-    assert first == {"batch": 1, "measured_speedup": measured.measured_speedup}
-    assert second["batch"] == 2 and set(second) == TIMED_POINT
+    assert first["batch"] == 1 and second["batch"] == 2 and set(first) == set(second) == TIMED_POINT
+    if entry.max_batch_spec:  # the fresh batch-1 timing, not the winner's own
+        assert entry.expected_speedup == first["measured_speedup"]
     assert entry.max_batch_spec in (0, 1, 2)
 
     drafter = f"draft-model:{draft_artifacts['llama']}"
@@ -282,7 +283,8 @@ def test_candidates_and_the_batch_curve_are_timed_as_the_engine_serves_them(arti
     options = CalibrationOptions(**{**FAST.__dict__, "drafter": "ngram"})
     entry = calibrate_artifact(artifact, PROMPTS, options)
     candidates = len(entry.choice.measured.candidates)
-    assert len(seen) == candidates * len(PROMPTS) + 2  # batch 2: two groups of the 3 prompts
+    # Each candidate a prompt at a time, then the choice afresh at batch 1 and 2 (two groups).
+    assert len(seen) == (candidates + 1) * len(PROMPTS) + 2
     assert all(isinstance(c, AdaptiveController) for c, _, _ in seen)
     assert len({id(c) for c, _, _ in seen}) == len(seen)  # a fresh one every run
     assert all(timed == {} for _, timed, _ in seen)  # a first request: nothing timed yet
@@ -514,6 +516,31 @@ def test_a_learning_drafter_is_timed_fresh_every_run(artifact, monkeypatch):
 
     measure_speedup(target, None, PROMPTS[:2], 6, repeats=2, new_drafter=new_drafter)
     assert len(made) == 4 and len({id(d) for d in made}) == 4  # 2 prompts x 2 repeats
+
+
+def test_the_choice_is_timed_afresh_before_it_turns_speculation_on(artifact, monkeypatch):
+    """The fastest of several noisy timings reads high (the winner's curse): a candidate that
+    read 1.3x once but 1.01x when timed again leaves speculation off."""
+    spent = []  # the batch of every timing
+
+    def time(self, prompts, batch):
+        spent.append(batch)
+        speedup = 1.2 if batch > 1 else 1.3 if len(spent) == 1 else 1.01
+        return PairedTiming(speedup, 1.0, 10, 2.0, True)
+
+    monkeypatch.setattr(calibrate_module._AsServed, "time", time)
+    options = CalibrationOptions(**{**FAST.__dict__, "drafter": "ngram"})
+    entry = calibrate_artifact(artifact, PROMPTS, options)
+    candidates = entry.choice.measured.candidates
+    assert max(c.measured_speedup for c in candidates) == entry.choice.measured.measured_speedup
+    assert spent == [1] * len(candidates) + [1, 2]
+    assert [p["measured_speedup"] for p in entry.report["batch_curve"]] == [1.01, 1.2]
+    assert entry.max_batch_spec == 0 and entry.expected_speedup == 1.0
+
+
+def test_calibration_batches_rise_from_one():
+    with pytest.raises(CalibrationError, match="rise from 1"):
+        CalibrationOptions(batches=(2, 4))
 
 
 def test_a_batch_size_speculates_only_where_it_measured_a_clear_gain():
