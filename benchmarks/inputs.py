@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,36 +44,62 @@ def prompts_for(tokenizer, count: int) -> list[list[int]]:
     return [tokenizer.encode(t)[-320:] for t in texts]
 
 
-def copy_heavy_prompts(tokenizer, count: int) -> list[list[int]]:
-    """`count` rewrite requests: a held-out stdlib function (600-1,600 characters; one a
-    file, in the split's order), a comment asking for it again, and its first third.
+def copy_heavy_prompts(tokenizer, count: int, shortest: int = 600) -> list[list[int]]:
+    """`count` rewrite requests: a held-out stdlib function (`shortest`-1,600 characters), a
+    comment asking for it again, and its first third (32 such requests, 82 from 300).
 
-    What a code assistant is asked when editing: the answer copies most of the source,
-    which lookup drafting (n-gram, suffix) can take from the prompt. 200-600 tokens each.
+    What a code assistant is asked when editing: the answer could copy most of the source,
+    which lookup drafting (n-gram, suffix) takes from the prompt. 200-600 tokens each. The
+    first function of each held-out file in the split's order, then each file's second, and
+    so on: no prompt repeats (a batch of repeats would draft one row from another's output).
     """
+    by_file = [_rewritable(path, shortest) for path in stdlib_split()[1]]
+    requests = [f for rank in range(max(map(len, by_file))) for fs in by_file
+                for f in fs[rank : rank + 1]]  # fmt: skip
+    if len(requests) < count:
+        raise SystemExit(f"the held-out stdlib files hold {len(requests)} rewrite prompts, "
+                         f"not {count}")  # fmt: skip
+    return [tokenizer.encode(r) for r in requests[:count]]
+
+
+def _rewritable(path: Path, shortest: int) -> list[str]:
+    """A file's rewrite requests, one per function of `shortest`-1,600 characters."""
     import ast
     import textwrap
 
-    _, held = stdlib_split()
-    prompts: list[list[int]] = []
-    for path in held:
-        source = path.read_text(errors="replace")
-        try:
-            functions = [n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.FunctionDef)]
-        except SyntaxError:
-            continue
-        lines = source.splitlines()
-        for node in functions:
-            text = textwrap.dedent("\n".join(lines[node.lineno - 1 : node.end_lineno]))
-            if 600 <= len(text) <= 1600:
-                body = text.splitlines()
-                start = "\n".join(body[: max(2, len(body) // 3)])
-                request = f"{text}\n\n\n# {node.name}, written again:\n{start}\n"
-                prompts.append(tokenizer.encode(request))
+    source = path.read_text(errors="replace")
+    try:
+        functions = [n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.FunctionDef)]
+    except SyntaxError:
+        return []
+    lines = source.splitlines()
+    requests = []
+    for node in functions:
+        text = textwrap.dedent("\n".join(lines[node.lineno - 1 : node.end_lineno]))
+        if shortest <= len(text) <= 1600:
+            body = text.splitlines()
+            start = "\n".join(body[: max(2, len(body) // 3)])
+            requests.append(f"{text}\n\n\n# {node.name}, written again:\n{start}\n")
+    return requests
+
+
+def copy_share(prompt: Sequence[int], output: Sequence[int], n: int = 3) -> tuple[float, float]:
+    """How much of `output` a lookup predicts: (from the prompt, from the output itself).
+
+    Each output token counts where the latest earlier occurrence of the n tokens before it
+    is followed by it; by where that occurrence is. What tells a copy-heavy load from a
+    target that loops: on pyref-1b the rewrite requests' outputs are mostly its own loops.
+    """
+    history, found = list(prompt), [0, 0]
+    for token in output:
+        tail = history[-n:]
+        for start in range(len(history) - n - 1, -1, -1):
+            if history[start : start + n] == tail:
+                if history[start + n] == token:
+                    found[start + n >= len(prompt)] += 1
                 break
-        if len(prompts) == count:
-            break
-    return prompts
+        history.append(token)
+    return found[0] / max(len(output), 1), found[1] / max(len(output), 1)
 
 
 def prompt_sets(count: int) -> list[str]:

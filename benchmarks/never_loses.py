@@ -52,7 +52,7 @@ import statistics
 import subprocess
 from pathlib import Path
 
-from benchmarks.inputs import PYREF_7M, RESULTS, SHARED, load_prompts, log
+from benchmarks.inputs import PYREF_7M, RESULTS, SHARED, copy_heavy_prompts, load_prompts, log
 from benchmarks.models import pyref_heads
 from benchmarks.runners import scratch_dir
 
@@ -105,6 +105,30 @@ def draft_model(work: Path, heads: Path) -> str | None:
     if not (checkpoint / "config.json").is_file():
         return None
     return f"draft-model:{export_target(checkpoint, work / 'draft-model', max_context=1024)}"
+
+
+def free_load(total: int) -> tuple[list[list[int]], list[list[int]]]:
+    """`total` HumanEval and MT-bench prompts, alternating, and as many others to calibrate on.
+
+    Interleaved, so that a cell's first prompts hold both sets whatever its count.
+    """
+    half = total // 2
+    humaneval = load_prompts("humaneval.jsonl", 2 * half)
+    mt_bench = load_prompts("mt_bench.jsonl", 2 * (total - half))
+    pairs = itertools.zip_longest(humaneval[:half], mt_bench[: total - half])
+    prompts = [p for pair in pairs for p in pair if p is not None]
+    return prompts, humaneval[half:] + mt_bench[total - half :]
+
+
+def copy_load(total: int) -> tuple[list[list[int]], list[list[int]]]:
+    """`total` rewrite requests (`copy_heavy_prompts` from 300 characters: 82 in all), the
+    last 8 kept apart to calibrate on; the rest cycled, so each group of up to 74 consecutive
+    prompts (a batch) holds no prompt twice."""
+    from specx.runtime.tokenizer import TextTokenizer
+
+    pool = copy_heavy_prompts(TextTokenizer(PYREF_7M / "tokenizer.json"), 82, shortest=300)
+    timed, held_out = pool[:-8], pool[-8:]
+    return [timed[i % len(timed)] for i in range(total)], held_out
 
 
 def measure_cell(engine, drafter, prompts, batch, temperature, args) -> dict:
@@ -270,6 +294,9 @@ def main() -> None:
     parser.add_argument(
         "--merge", action="store_true", help="update the cells measured in an existing --out"
     )
+    parser.add_argument("--load", choices=("free", "copy"), default="free",
+                        help="free generation (HumanEval, MT-bench) or rewrite requests "
+                        "(copy-heavy)")  # fmt: skip
     parser.add_argument("--out", type=Path, default=RESULTS / "never_loses.json")
     args = parser.parse_args()
     if not (PYREF_7M / "config.json").is_file():
@@ -278,13 +305,7 @@ def main() -> None:
     from specx.runtime.engine import load
 
     total = max(args.prompts, args.min_groups * max(map(int, args.batches.split(","))))
-    half = total // 2
-    humaneval = load_prompts("humaneval.jsonl", 2 * half)
-    mt_bench = load_prompts("mt_bench.jsonl", 2 * (total - half))
-    # Interleaved, so that a cell's first prompts hold both sets whatever its count.
-    pairs = itertools.zip_longest(humaneval[:half], mt_bench[: total - half])
-    prompts = [p for pair in pairs for p in pair if p is not None]
-    held_out = humaneval[half:] + mt_bench[total - half :]  # calibration's own
+    prompts, held_out = (copy_load if args.load == "copy" else free_load)(total)
     work = scratch_dir("specx-never-loses-")
     report: dict = {
         "benchmark": "never_loses",
@@ -307,7 +328,7 @@ def main() -> None:
         for kind, artifact in by_kind.items():
             kinds = [kind]
             if kind == "none":
-                kinds = ["ngram", "suffix", *([draft] if draft else [])]
+                kinds = ["ngram", "suffix", "skip", *([draft] if draft else [])]
             elif kind == "eagle3":  # the head alone, and with the n-gram where text repeats
                 kinds = ["eagle3", "ngram+eagle3"]
             kinds = [d for d in kinds if only is None or _name(d) in only]
@@ -321,7 +342,8 @@ def main() -> None:
             for drafter in kinds:
                 for temperature in temperatures:
                     for batch in map(int, args.batches.split(",")):
-                        key = f"{target_name} {_name(drafter)} T={temperature} batch {batch}"
+                        load = "" if args.load == "free" else f" {args.load}"
+                        key = f"{target_name} {_name(drafter)}{load} T={temperature} batch {batch}"
                         log(key)
                         row = measure_cell(engine, drafter, prompts, batch, temperature, args)
                         report["results"][key] = row
