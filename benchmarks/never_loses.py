@@ -121,12 +121,12 @@ def free_load(total: int) -> tuple[list[list[int]], list[list[int]]]:
 
 
 def copy_load(total: int) -> tuple[list[list[int]], list[list[int]]]:
-    """`total` rewrite requests (`copy_heavy_prompts` from 300 characters: 82 in all), the
-    last 8 kept apart to calibrate on; the rest cycled, so each group of up to 74 consecutive
+    """`total` rewrite requests (`copy_heavy_prompts` from 300 characters: 74 in all), the
+    last 8 kept apart to calibrate on; the rest cycled, so each group of up to 66 consecutive
     prompts (a batch) holds no prompt twice."""
     from specx.runtime.tokenizer import TextTokenizer
 
-    pool = copy_heavy_prompts(TextTokenizer(PYREF_7M / "tokenizer.json"), 82, shortest=300)
+    pool = copy_heavy_prompts(TextTokenizer(PYREF_7M / "tokenizer.json"), None, shortest=300)
     timed, held_out = pool[:-8], pool[-8:]
     return [timed[i % len(timed)] for i in range(total)], held_out
 
