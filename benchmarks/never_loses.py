@@ -1,7 +1,7 @@
 """Speculation that never loses: the per-round controller vs fixed drafts vs plain decoding.
 
 For each target (pyref-7m; pyref-deep when `benchmarks/models/pyref_deep.py` wrote it), drafter
-(ngram, suffix, ngram+eagle3, and every trained drafter under --heads, the committed
+(ngram, suffix, skip, ngram+eagle3, and every trained drafter under --heads, the committed
 benchmarks/heads/pyref-7m: EAGLE-1/3, Medusa, MTP and the draft model, all trained against
 pyref-7m, whose residual stream and tokens pyref-deep shares; what a head's layout names by
 layer is renumbered for pyref-deep, `pyref_heads.for_deep`), temperature (0, 0.7, 1.0;
@@ -10,7 +10,7 @@ default configuration with every draft kept (`--fixed-draft`: chains of 4, suffi
 nodes, Medusa's default tree), and
 the default `specx generate` (what `specx.load(...).generate_batch(..., speculation=DRAFTER)`
 does: the calibration entry nearest the temperature when there is one, and the per-round
-controller), on the ORT-lowered build; each repeat runs every group of prompts in turn (an
+controller), on the ORT-lowered build (skip: cpu-int8); each repeat runs every group of prompts in turn (an
 untimed plain run, then the modes in an order rotated by repeat), fastest of --repeats per
 group; decode time. All three go through one `Engine`. Beside it, `paired`: per group the
 median over repeats of plain's time over the mode's in the same repeat (`_paired`), which a
@@ -34,7 +34,9 @@ request (what `specx generate` always is; a server learns them across requests).
 
 --min-groups N: a cell at batch B times max(--prompts, N x B) prompts, so that every cell has
 at least N groups (24 prompts give a batch-8 cell 3 groups, whose paired speedup spread +-5-7%).
-Prompts alternate HumanEval and mt_bench, so every cell and most groups hold both sets.
+Prompts alternate HumanEval and mt_bench, so every cell and most groups hold both sets;
+--load copy times rewrite requests instead (`copy_load`: a held-out function, a request to write
+it again, its first third), keyed `TARGET DRAFTER copy T=.. batch ..`.
 
 Writes benchmarks/results/never_loses.json and prints a markdown table: each cell with the 95%
 bootstrap interval of its prompt groups' paired speedups (`bootstrap_interval`), then each
@@ -57,6 +59,7 @@ from benchmarks.models import pyref_heads
 from benchmarks.runners import scratch_dir
 
 HEAD_KINDS = ("eagle", "eagle3", "medusa", "mtp")
+MODEL_FREE = ("none", "skip")  # artifacts without a head: ngram, suffix, the draft model; skip
 TEMPERATURES = (0.0, 0.7, 1.0)
 BATCHES = (1, 2, 4, 6, 8)  # 24 prompts make whole groups of each
 
@@ -64,7 +67,8 @@ BATCHES = (1, 2, 4, 6, 8)  # 24 prompts make whole groups of each
 def artifacts(
     work: Path, heads: Path, only: list[str] | None = None, targets: list[str] | None = None
 ) -> dict[str, dict[str, Path]]:
-    """target -> drafter kind ("none" for model-free) -> artifact with an ort-fp32 build.
+    """target -> drafter kind ("none" for model-free) -> artifact with an ort-fp32 build
+    (skip's: a cpu-int8 build, where the kernels skip layers over the target's weights).
 
     Heads: EAGLE-1/3, Medusa and MTP from `heads` (benchmarks/models/pyref_heads.py; renumbered for
     pyref-deep by `pyref_heads.for_deep`), each where it exists (`only`: these kinds alone;
@@ -83,16 +87,19 @@ def artifacts(
         if targets is not None and name not in targets:
             continue
         built[name] = {}
-        for kind in ["none", *kinds]:
+        for kind in ["none", "skip", *kinds]:
             if only is not None and kind != "none" and kind not in only:
                 continue
             log(f"exporting {name} ({kind})")
             source = heads / kind
-            if name == "pyref-deep" and kind != "none":
+            if name == "pyref-deep" and kind not in MODEL_FREE:
                 source = pyref_heads.for_deep(kind, heads, work / name)
-            drafter = None if kind == "none" else f"{kind}:{source}"
+            drafter = None if kind in MODEL_FREE else f"{kind}:{source}"
             out = export_target(checkpoint, work / name / kind, max_context=1024, drafter=drafter)
-            build_artifact(out, BuildOptions("ort", "fp32"))
+            # skip drafts with the cpu kernels over the target's own weights (int8 there).
+            build_artifact(
+                out, BuildOptions("cpu", "int8") if kind == "skip" else BuildOptions("ort", "fp32")
+            )
             built[name][kind] = out
     return built
 
@@ -328,7 +335,7 @@ def main() -> None:
         for kind, artifact in by_kind.items():
             kinds = [kind]
             if kind == "none":
-                kinds = ["ngram", "suffix", "skip", *([draft] if draft else [])]
+                kinds = ["ngram", "suffix", *([draft] if draft else [])]
             elif kind == "eagle3":  # the head alone, and with the n-gram where text repeats
                 kinds = ["eagle3", "ngram+eagle3"]
             kinds = [d for d in kinds if only is None or _name(d) in only]
