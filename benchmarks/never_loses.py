@@ -2,20 +2,19 @@
 
 For each target (pyref-7m; pyref-deep when `benchmarks/models/pyref_deep.py` wrote it), drafter
 (ngram, suffix, skip, ngram+eagle3, and every trained drafter under --heads, the committed
-benchmarks/heads/pyref-7m: EAGLE-1/3, Medusa, MTP and the draft model, all trained against
-pyref-7m, whose residual stream and tokens pyref-deep shares; what a head's layout names by
-layer is renumbered for pyref-deep, `pyref_heads.for_deep`), temperature (0, 0.7, 1.0;
---temperatures) and batch (1, 2, 4, 6, 8; --batches): plain decoding, the drafter at its
-default configuration with every draft kept (`--fixed-draft`: chains of 4, suffix's 16
-nodes, Medusa's default tree), and
-the default `specx generate` (what `specx.load(...).generate_batch(..., speculation=DRAFTER)`
-does: the calibration entry nearest the temperature when there is one, and the per-round
-controller), on the ORT-lowered build (skip: cpu-int8); each repeat runs every group of prompts in turn (an
-untimed plain run, then the modes in an order rotated by repeat), fastest of --repeats per
-group; decode time. All three go through one `Engine`. Beside it, `paired`: per group the
-median over repeats of plain's time over the mode's in the same repeat (`_paired`), which a
-drift in the machine's speed does not move; `paired_total_speedup` the same with the prefill
-(where a drafter's prompt work is: suffix drafting's indexing, a head's catch-up).
+benchmarks/heads/pyref-7m: EAGLE-1/3, Medusa, MTP and the draft model, all trained against pyref-7m,
+whose residual stream and tokens pyref-deep shares; what a head's layout names by layer is
+renumbered for pyref-deep, `pyref_heads.for_deep`), temperature (0, 0.7, 1.0; --temperatures) and
+batch (1, 2, 4, 6, 8; --batches): plain decoding, the drafter at its default configuration with
+every draft kept (`--fixed-draft`: chains of 4, suffix's 16 nodes, Medusa's default tree), and the
+default `specx generate` (what `specx.load(...).generate_batch(..., speculation=DRAFTER)` does: the
+calibration entry nearest the temperature when there is one, and the per-round controller), on the
+ORT-lowered build (skip: cpu-int8); each repeat runs every group of prompts in turn (an untimed
+plain run, then the modes in an order rotated by repeat), fastest of --repeats per group; decode
+time. All three go through one `Engine`. Beside it, `paired`: per group the median over repeats of
+plain's time over the mode's in the same repeat (`_paired`), which a drift in the machine's speed
+does not move; `paired_total_speedup` the same with the prefill (where a drafter's prompt work is:
+suffix drafting's indexing, a head's catch-up).
 
 With --calibrate, every drafter is first calibrated at each temperature (`specx calibrate
 --temperature T`, batches 1, 2, 4, 8, its default; suffix drafting, which sizes its own trees,
