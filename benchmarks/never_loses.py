@@ -348,8 +348,8 @@ def main() -> None:
             for drafter in kinds:
                 for temperature in temperatures:
                     for batch in map(int, args.batches.split(",")):
-                        load = "" if args.load == "free" else f" {args.load}"
-                        key = f"{target_name} {_name(drafter)}{load} T={temperature} batch {batch}"
+                        which = "" if args.load == "free" else f" {args.load}"
+                        key = f"{target_name} {_name(drafter)}{which} T={temperature} batch {batch}"
                         log(key)
                         row = measure_cell(engine, drafter, prompts, batch, temperature, args)
                         report["results"][key] = row
