@@ -17,11 +17,10 @@ Steps, all on this machine and the artifact's default build:
    plainly and speculatively back to back, fastest of `repeats` (`specx.calibration.
    timing`), each speculative run as the engine serves a first request, its controller
    sizing every round's draft under the shape (`_AsServed`): the fastest candidate is the
-   choice, and its measured speedup is the speedup
-   expected on similar prompts; then the choice at batch 1, 2, 4, 8, measured the same
-   way (batch 1 timed afresh: the fastest of several timings reads high), gives the largest
-   batch where speculation still pays 5% (`PAYS`; `max_batch_spec`, 0 when it never does:
-   generation then stays plain).
+   choice; then the choice at batch 1, 2, 4, 8, measured the same way (batch 1 timed afresh:
+   the fastest of several timings reads high; that fresh speedup is the one expected on
+   similar prompts), gives the largest batch where speculation still pays 5% (`PAYS`;
+   `max_batch_spec`, 0 when it never does: generation then stays plain).
 
 The model narrows hundreds of trees to a handful; measuring the handful keeps what the
 model misses (per-round bookkeeping, rank correlations across depths) out of the choice.
